@@ -1,0 +1,319 @@
+"""Typed run configuration, mirrored one-to-one by a TOML or JSON file.
+
+Every field is validated before any work starts (no process group, no model,
+no disk touched), so a typo in a 3-hour run's config costs a second, not the run.
+A file holds sections named like the dataclasses below (``[zero]``, ``[offload]``,
+...); command-line overrides use ``section.key=value`` or just ``key=value`` when
+the key name is unique across sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Tier = Literal["device", "cpu", "nvme"]
+DType = Literal["fp32", "bf16", "fp16"]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot run; the message names the key and the fix."""
+
+
+@dataclass
+class ZeroConfig:
+    """How training state is partitioned across ranks."""
+
+    stage: int = 2
+    """1: shard masters and optimizer state; 2: also gradients; 3: also the compute-dtype parameters."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; ``Engine.step()`` acts only on the last one."""
+    unit_classes: list[str] = field(default_factory=list)
+    """Module class names that form a unit (the grain of sharding and I/O). Empty: every
+    entry of every ``nn.ModuleList`` (transformer blocks), plus a root unit for the rest."""
+
+
+@dataclass
+class OffloadConfig:
+    """Where each kind of state lives, and how bytes move to and from disk."""
+
+    optimizer: Tier = "cpu"
+    """Tier of the fp32 masters and AdamW moments: ``device`` (no offload), ``cpu`` or ``nvme``."""
+    param: Tier = "device"
+    """Tier of the compute-dtype parameter shards (stage 3 only)."""
+    nvme_path: str = "offload_store"
+    """Folder of the zarr store used by the ``nvme`` tier (created if missing)."""
+    buffer_mb: int = 256
+    """Host staging budget for the ``nvme`` tier in MiB: peak host memory for streamed state."""
+    chunk_mb: int = 16
+    """Largest zarr chunk in MiB of fp32; shards are padded to a multiple of it."""
+    io_threads: int = 4
+    """Threads doing positional reads and writes."""
+    checksum: bool = True
+    """Store a CRC-32C with every chunk and verify it on every read."""
+    direct_io: bool = True
+    """Use O_DIRECT where the filesystem allows it (falls back by itself where it does not)."""
+
+
+@dataclass
+class PrecisionConfig:
+    """Compute dtype and loss scaling."""
+
+    compute_dtype: DType = "bf16"
+    """Dtype of the parameters the model computes with; masters are always fp32."""
+    loss_scaling: Literal["dynamic", "static", "none"] = "none"
+    """``dynamic`` (fp16's usual choice), ``static`` (fixed ``initial_scale``) or ``none``."""
+    initial_scale: float = 65536.0
+    growth_interval: int = 1000
+    """Clean steps before the dynamic scale grows by ``growth_factor``."""
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    """Multiplier of the dynamic scale after a step with an inf/nan gradient (the step is skipped)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW on the fp32 master shards, and its learning-rate schedule."""
+
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to every parameter."""
+    kernel: Literal["fused", "foreach"] = "fused"
+    """``fused`` is torch's fastest AdamW (bit-identical to ``AdamW(fused=True)``); ``foreach``
+    is bit-identical to torch's default AdamW."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping across ranks; 0 disables it."""
+    warmup_steps: int = 0
+    schedule: Literal["cosine", "constant"] = "cosine"
+    decay_steps: int = 0
+    """Steps of the cosine decay after warmup; 0 means ``train.steps - warmup_steps``."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine, as a fraction of ``lr``."""
+
+
+@dataclass
+class ModelConfig:
+    """The built-in GPT (used by ``python -m engine train``)."""
+
+    preset: str = "small"
+    """``tiny``, ``small``, ``medium``, ``large``, ``1b``, ``3b``."""
+    params: float = 0.0
+    """If > 0, choose depth and width for about this many parameters instead of ``preset``."""
+    tie_embeddings: bool = False
+
+
+@dataclass
+class DataConfig:
+    """The training text and how batches are drawn."""
+
+    source: str = "shakespeare"
+    """``shakespeare`` (built in), a .txt/.md file or folder, or a uint16 token file ``*.bin``."""
+    tokenizer: Literal["bytes", "bpe"] = "bytes"
+    vocab_size: int = 8192
+    """BPE vocabulary size (``tokenizer = "bpe"`` only)."""
+    seq_len: int = 128
+    micro_batch: int = 8
+    """Sequences per rank per micro-batch."""
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    """The training loop of ``python -m engine train``."""
+
+    steps: int = 200
+    log_every: int = 10
+    seed: int = 0
+    """Seed of the model initialisation."""
+
+
+@dataclass
+class Config:
+    """A whole run; each attribute is one section of the config file."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: list[str] | None = None) -> Config:
+        """Read a ``.toml`` or ``.json`` file, apply ``key=value`` overrides, validate."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        text = path.read_text()
+        try:
+            raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+            raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {err}") from err
+        return cls.from_dict(raw, overrides)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], overrides: list[str] | None = None) -> Config:
+        """Build from nested dicts (as a TOML/JSON file gives them), apply overrides, validate."""
+        raw = {section: dict(values) for section, values in raw.items() if isinstance(values, dict)} | {
+            k: v for k, v in raw.items() if not isinstance(v, dict)
+        }
+        for item in overrides or []:
+            section, key, value = _parse_override(item)
+            raw.setdefault(section, {})[key] = value
+        config = _build(cls, raw, "")
+        config.validate()
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Ranges and combinations; raises ConfigError naming the key and the fix."""
+        z, o, p, opt = self.zero, self.offload, self.precision, self.optim
+        _check(z.stage in (1, 2, 3), "zero.stage", z.stage, "must be 1, 2 or 3")
+        _check(z.grad_accum_steps >= 1, "zero.grad_accum_steps", z.grad_accum_steps, "must be >= 1")
+        _check(
+            z.stage == 3 or o.param == "device",
+            "offload.param",
+            o.param,
+            "offloading parameters needs zero.stage = 3 (set zero.stage = 3, or offload.param = \"device\")",
+        )
+        _check(o.buffer_mb >= 1, "offload.buffer_mb", o.buffer_mb, "must be >= 1")
+        _check(o.chunk_mb >= 1, "offload.chunk_mb", o.chunk_mb, "must be >= 1")
+        _check(
+            o.buffer_mb >= 3 * o.chunk_mb,
+            "offload.buffer_mb",
+            o.buffer_mb,
+            f"must hold at least one unit's master and moments of one chunk each (3 x offload.chunk_mb = {3 * o.chunk_mb})",
+        )
+        _check(1 <= o.io_threads <= 64, "offload.io_threads", o.io_threads, "must be in [1, 64]")
+        _check(
+            p.compute_dtype != "fp16" or p.loss_scaling != "none",
+            "precision.loss_scaling",
+            p.loss_scaling,
+            "fp16 needs loss scaling to keep small gradients from flushing to zero: set "
+            'precision.loss_scaling = "dynamic" (or use compute_dtype = "bf16")',
+        )
+        _check(p.initial_scale > 0, "precision.initial_scale", p.initial_scale, "must be > 0")
+        _check(p.growth_interval >= 1, "precision.growth_interval", p.growth_interval, "must be >= 1")
+        _check(p.growth_factor > 1, "precision.growth_factor", p.growth_factor, "must be > 1")
+        _check(0 < p.backoff_factor < 1, "precision.backoff_factor", p.backoff_factor, "must be in (0, 1)")
+        _check(opt.lr > 0, "optim.lr", opt.lr, "must be > 0")
+        _check(all(0 <= b < 1 for b in opt.betas), "optim.betas", opt.betas, "each must be in [0, 1)")
+        _check(opt.eps > 0, "optim.eps", opt.eps, "must be > 0")
+        _check(opt.weight_decay >= 0, "optim.weight_decay", opt.weight_decay, "must be >= 0")
+        _check(opt.grad_clip >= 0, "optim.grad_clip", opt.grad_clip, "must be >= 0 (0 disables clipping)")
+        _check(opt.warmup_steps >= 0, "optim.warmup_steps", opt.warmup_steps, "must be >= 0")
+        _check(opt.decay_steps >= 0, "optim.decay_steps", opt.decay_steps, "must be >= 0")
+        _check(0 <= opt.min_lr_ratio <= 1, "optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")
+        _check(self.model.params >= 0, "model.params", self.model.params, "must be >= 0")
+        _check(self.data.seq_len >= 1, "data.seq_len", self.data.seq_len, "must be >= 1")
+        _check(self.data.micro_batch >= 1, "data.micro_batch", self.data.micro_batch, "must be >= 1")
+        _check(self.data.vocab_size >= 257, "data.vocab_size", self.data.vocab_size, "must be > 256 for a BPE")
+        _check(self.train.steps >= 1, "train.steps", self.train.steps, "must be >= 1")
+        _check(self.train.log_every >= 1, "train.log_every", self.train.log_every, "must be >= 1")
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {value!r}: {why}")
+
+
+def _sections() -> dict[str, type]:
+    return _hints(Config)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, globalns=globals())
+
+
+def _did_you_mean(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    """``section.key=value`` or ``key=value`` (key unique across sections) -> (section, key, value).
+
+    The value is parsed as TOML when it can be (numbers, booleans, arrays), else kept as a string.
+    """
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. optim.lr=1e-3)")
+    dotted, text = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    sections = _sections()
+    if "." in dotted:
+        section, key = dotted.split(".", 1)
+        if section not in sections:
+            raise ConfigError(f"unknown config section {section!r} in {item!r}" + _did_you_mean(section, list(sections)))
+        return section, key, value
+    owners = [s for s, cls in sections.items() if dotted in _hints(cls)]
+    if len(owners) == 1:
+        return owners[0], dotted, value
+    if owners:
+        raise ConfigError(f"key {dotted!r} is ambiguous: write one of {', '.join(f'{s}.{dotted}' for s in owners)}")
+    every_key = [k for cls in sections.values() for k in _hints(cls)]
+    raise ConfigError(f"unknown config key {dotted!r}" + _did_you_mean(dotted, every_key))
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    hints = _hints(cls)
+    unknown = [k for k in raw if k not in hints]
+    if unknown:
+        where = f"section [{prefix}]" if prefix else "the top level"
+        raise ConfigError(f"unknown key {unknown[0]!r} in {where}" + _did_you_mean(unknown[0], list(hints)))
+    values = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}" if prefix else name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} must be a section (a table of keys), got {value!r}")
+            values[name] = _build(hint, value, key)
+        else:
+            values[name] = _coerce(value, hint, key)
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check ``value`` against a field's type; ints are accepted where floats are expected."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(repr(a) for a in args)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} = {value!r}: expected {hint}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key} = {value!r}: expected a list of {len(args)} values")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} = {value!r}: expected a list")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is type(None) and value is None:
+        return value
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
+    return value

@@ -1,0 +1,176 @@
+"""``Engine``: the user's object. Wraps any ``nn.Module`` for a plain PyTorch loop::
+
+    eng = Engine(model, config)
+    for x, y in batches:
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+
+The model computes with compute-dtype parameters that are views into one flat buffer per
+unit on the device. The fp32 masters and AdamW moments are sharded across ranks on the
+optimizer tier; each step reduces the gradients to shards, updates the shards there and
+all-gathers the new parameters back into the flat buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.comm import Comm
+from engine.config import Config
+from engine.device import Device
+from engine.grads import GradientShards
+from engine.optim import ShardAdamW, clip_grad_norm_, lr_factor
+from engine.partition import ModelLayout, build_layout, find_units, flatten_into, param_views, unit_parameters
+from engine.precision import LossScaler, compute_dtype
+from engine.state import MemoryOptimizerState, OptimizerState
+
+logger = logging.getLogger(__name__)
+
+BYTES_PER_MIB = 1 << 20
+
+
+class Engine:
+    """ZeRO stage 1/2 training of ``model`` with its optimizer state on the configured tier."""
+
+    def __init__(self, model: nn.Module, config: Config, *, total_steps: int | None = None):
+        config.validate()
+        if config.zero.stage == 3:
+            raise NotImplementedError("zero.stage = 3 is not available yet: use zero.stage = 1 or 2")
+        self.config = config
+        self.device = Device.detect()
+        self.comm = Comm.from_env(self.device.backend, self.device.device)
+        self.dtype = compute_dtype(config.precision.compute_dtype)
+        self.total_steps = total_steps or config.train.steps
+        self.module = model
+
+        units = find_units(model, config.zero.unit_classes)
+        owned = unit_parameters(model, units)
+        max_chunk = config.offload.chunk_mb * BYTES_PER_MIB // 4
+        self.layout: ModelLayout = build_layout(owned, self.comm.world_size, max_chunk)
+        owned = {u.name: owned[u.name] for u in self.layout.units}
+
+        opt_device = self.device.device if config.offload.optimizer == "device" else torch.device("cpu")
+        model.to(self.device.device)
+        self._flat_params: dict[str, torch.Tensor] = {}
+        masters: dict[str, torch.Tensor] = {}
+        for unit in self.layout.units:
+            full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device.device)
+            flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
+            masters[unit.name] = self._host_copy(full[unit.shard_slice(self.comm.rank)], opt_device)
+            flat = full.to(self.dtype) if self.dtype != torch.float32 else full
+            views = param_views(flat, unit)
+            for name, param in owned[unit.name]:
+                param.data = views[name]
+            self._flat_params[unit.name] = flat
+
+        self.optimizer_state: OptimizerState = MemoryOptimizerState(masters)
+        self.grads = GradientShards(
+            self.layout,
+            owned,
+            self.comm,
+            self.device.device,
+            opt_device,
+            reduce_per_micro_batch=config.zero.stage >= 2,
+            pin_memory=self.device.pin_memory and opt_device.type == "cpu",
+        )
+        self.adam = ShardAdamW(config.optim)
+        self._step_counters = {u.name: self.adam.new_step_counter(opt_device) for u in self.layout.units}
+        self.scaler = LossScaler(config.precision)
+        self.global_step = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._micro_batches = 0
+        logger.info(
+            "engine: stage %d, %d units, %.1fM params, compute %s, optimizer on %s, rank %d of %d",
+            config.zero.stage,
+            len(self.layout.units),
+            self.layout.numel / 1e6,
+            config.precision.compute_dtype,
+            config.offload.optimizer,
+            self.comm.rank,
+            self.comm.world_size,
+        )
+
+    def _host_copy(self, shard: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A private copy of ``shard`` on ``device`` (pinned when it is host memory beside an accelerator)."""
+        if device.type == "cpu" and self.device.is_accelerator:
+            out = self.device.empty_host(shard.numel(), shard.dtype)
+            return out.copy_(shard)
+        return shard.to(device, copy=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward, with tensor arguments moved to the compute device."""
+        move = lambda v: v.to(self.device.device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return self.module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (scaled for fp16, divided over accumulation)."""
+        accum = self.config.zero.grad_accum_steps
+        scaled = self.scaler.scale_loss(loss)
+        (scaled / accum if accum > 1 else scaled).backward()
+        self.grads.end_backward()
+        self._micro_batches += 1
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        return self._micro_batches >= self.config.zero.grad_accum_steps
+
+    def step(self) -> bool:
+        """Apply the optimizer once every ``grad_accum_steps`` micro-batches; True if it updated.
+
+        A step whose gradients overflowed (fp16) is skipped on every rank and leaves the
+        masters untouched; the learning-rate schedule still advances, as with torch's GradScaler.
+        """
+        if not self.is_accumulation_boundary:
+            return False
+        grads = self.grads.finalize()
+        overflow = self.scaler.unscale_and_check(grads, self.comm)
+        self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            logger.warning("step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale)
+        else:
+            if self.config.optim.grad_clip > 0:
+                self.last_grad_norm = clip_grad_norm_(grads, self.config.optim.grad_clip, self.comm)
+            self._update(self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps))
+        self.global_step += 1
+        self.zero_grad()
+        return not overflow
+
+    def _update(self, lr: float) -> None:
+        """AdamW on every unit's shard, then all-gather the new compute-dtype parameters."""
+        gathers = []
+        for unit, state in self.optimizer_state.stream(self.layout.units):
+            grad = self.grads.shards[unit.name]
+            self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._step_counters[unit.name], lr)
+            flat = self._flat_params[unit.name]
+            own = flat[unit.shard_slice(self.comm.rank)]
+            own.copy_(state.master)
+            self.optimizer_state.done(unit, state)
+            gathers.append(self.comm.all_gather(flat, own))
+        for work in gathers:
+            work.wait()
+        self.optimizer_state.finish()
+
+    def zero_grad(self) -> None:
+        """Discard the gradients accumulated since the last step."""
+        self.grads.zero()
+        self._micro_batches = 0
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes the engine holds on each tier for model and optimizer state."""
+        params = sum(t.nbytes for t in self._flat_params.values())
+        tiers = {"device": params, "cpu": 0, "nvme": 0}
+        tiers[self.config.offload.optimizer] += self.optimizer_state.nbytes()
+        tiers["device" if self.config.offload.optimizer == "device" else "cpu"] += self.grads.nbytes()
+        return tiers
+
+    def close(self) -> None:
+        """Release hooks and the process group this engine created."""
+        self.grads.close()
+        self.comm.close()

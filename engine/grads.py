@@ -1,0 +1,133 @@
+"""Gradients: from each parameter's ``.grad`` to this rank's fp32 shard of its unit.
+
+Autograd leaves a gradient on a parameter; a post-accumulate hook copies it (as fp32)
+into its unit's flat bucket and drops ``.grad``, so no parameter gradient outlives its
+hook. What happens to a full bucket is the stage's difference:
+
+- stage 1 keeps each bucket for the whole accumulation window and reduce-scatters it once,
+  at the optimizer step;
+- stage 2 (and 3) reduce-scatters a bucket as soon as its unit's last gradient arrives,
+  overlapped with the rest of backward, frees it, and accumulates only the shard.
+
+Either way the shard ends on the optimizer's tier, averaged over ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.comm import Comm, Work
+from engine.partition import ModelLayout, ParamSlot, UnitLayout
+
+
+@dataclass
+class _Bucket:
+    unit: UnitLayout
+    expected: int
+    flat: torch.Tensor | None = None
+    arrived: int = 0
+    pending: list[tuple[Work, torch.Tensor]] = field(default_factory=list)
+
+
+class GradientShards:
+    """Per-unit gradient buckets on the device and accumulated fp32 shards on the grad tier."""
+
+    def __init__(
+        self,
+        layout: ModelLayout,
+        params: dict[str, list[tuple[str, nn.Parameter]]],
+        comm: Comm,
+        device: torch.device,
+        shard_device: torch.device,
+        *,
+        reduce_per_micro_batch: bool,
+        pin_memory: bool = False,
+    ):
+        self._comm, self._device = comm, device
+        self._early = reduce_per_micro_batch
+        self._buckets = [_Bucket(u, len(params[u.name])) for u in layout.units]
+        self.shards = {
+            u.name: torch.zeros(u.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin_memory)
+            for u in layout.units
+        }
+        self._first_micro_batch = True
+        self._handles = []
+        for bucket in self._buckets:
+            slots = {s.name: s for s in bucket.unit.params}
+            for name, param in params[bucket.unit.name]:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._hook(bucket, slots[name])))
+
+    def _hook(self, bucket: _Bucket, slot: ParamSlot):
+        def on_grad(param: torch.Tensor) -> None:
+            self._add(bucket, slot, param.grad)
+            param.grad = None
+
+        return on_grad
+
+    def _add(self, bucket: _Bucket, slot: ParamSlot, grad: torch.Tensor) -> None:
+        if bucket.flat is None:
+            bucket.flat = torch.zeros(bucket.unit.padded_numel, dtype=torch.float32, device=self._device)
+        region = bucket.flat[slot.offset : slot.offset + slot.numel]
+        # The first gradient of a window is copied, not added to zero, as torch does (keeps -0.0).
+        if self._first_micro_batch or self._early:
+            region.copy_(grad.reshape(-1))
+        else:
+            region.add_(grad.reshape(-1))
+        bucket.arrived += 1
+        if self._early and bucket.arrived == bucket.expected:
+            self._reduce(bucket)
+
+    def _reduce(self, bucket: _Bucket) -> None:
+        shard = torch.empty(bucket.unit.shard_numel, dtype=torch.float32, device=self._device)
+        bucket.pending.append((self._comm.reduce_scatter(shard, bucket.flat), shard))
+        bucket.flat = None
+
+    def end_backward(self) -> None:
+        """After ``loss.backward()``: reduce what backward left (units with unused parameters)
+        and, at stage 2+, fold the reduced shards into the accumulated ones."""
+        for bucket in self._buckets:
+            if self._early and bucket.arrived < bucket.expected:
+                if bucket.flat is None:
+                    bucket.flat = torch.zeros(bucket.unit.padded_numel, dtype=torch.float32, device=self._device)
+                self._reduce(bucket)
+            bucket.arrived = 0
+        if self._early:
+            self._collect()
+        self._first_micro_batch = False
+
+    def finalize(self) -> list[torch.Tensor]:
+        """At the optimizer step: the averaged, accumulated gradient shards in unit order."""
+        if not self._early:
+            for bucket in self._buckets:
+                if bucket.flat is None:
+                    bucket.flat = torch.zeros(bucket.unit.padded_numel, dtype=torch.float32, device=self._device)
+                self._reduce(bucket)
+            self._collect()
+        return [self.shards[b.unit.name] for b in self._buckets]
+
+    def _collect(self) -> None:
+        for bucket in self._buckets:
+            for work, shard in bucket.pending:
+                work.wait()
+                if self._comm.world_size > 1:
+                    shard.div_(self._comm.world_size)
+                target = self.shards[bucket.unit.name]
+                target.copy_(shard) if self._first_micro_batch or not self._early else target.add_(shard)
+            bucket.pending.clear()
+
+    def zero(self) -> None:
+        """Start a new accumulation window."""
+        self._first_micro_batch = True
+        for bucket in self._buckets:
+            bucket.flat = None
+            bucket.arrived = 0
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards.values())
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()

@@ -1,0 +1,303 @@
+"""The built-in model: a GPT-2-style decoder in one readable file.
+
+The model is written so that the engine can build it on the ``meta`` device and
+materialise it one unit at a time (a unit is a transformer block, or the root's
+own layers). Initialisation is therefore defined per unit, from a generator
+derived from ``(seed, unit index)``: the same seed gives the same weights
+whichever order, process or device initialises the units.
+
+There is no dropout: training must be deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "GPTConfig",
+    "Block",
+    "GPT",
+    "unit_generator",
+    "init_module_",
+]
+
+INIT_STD = 0.02
+HEAD_DIM = 64  # the width per attention head that ``for_params`` keeps
+
+# Nominal sizes are at the byte vocabulary (256), so every preset trains on the
+# built-in data as is; a larger vocab_size override adds 1-2 x vocab x d_model.
+_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=4, n_head=4, d_model=64, seq_len=64),  # ~0.24M
+    "small": dict(n_layer=6, n_head=4, d_model=256, seq_len=256),  # ~4.9M
+    "medium": dict(n_layer=8, n_head=8, d_model=512, seq_len=512),  # ~25M
+    "large": dict(n_layer=18, n_head=12, d_model=768, seq_len=1024),  # ~129M
+    "1b": dict(n_layer=20, n_head=32, d_model=2048, seq_len=1024),  # ~1.0B
+    "3b": dict(n_layer=38, n_head=40, d_model=2560, seq_len=1024),  # ~3.0B
+}
+
+_MAX_LAYERS = 256  # the depths ``for_params`` considers
+_TARGET_ASPECT = 64.0  # d_model / n_layer of GPT-2 small, a well-trodden shape
+_GOOD_FIT = 0.05  # among shapes this close to the target, prefer the best aspect
+_MAX_FIT_ERROR = 0.10
+
+
+def _count_params(vocab_size: int, seq_len: int, n_layer: int, d_model: int, tied: bool) -> int:
+    """Parameters of a GPT of this shape; the one formula behind ``num_params`` and ``for_params``."""
+    d = d_model
+    # ln1, ln2: 2 x 2d; qkv: 3d^2 + 3d; attn proj: d^2 + d; fc: 4d^2 + 4d; mlp proj: 4d^2 + d
+    per_block = 12 * d * d + 13 * d
+    embeddings = vocab_size * d + seq_len * d
+    head = 0 if tied else vocab_size * d
+    return embeddings + n_layer * per_block + 2 * d + head
+
+
+def _nearest_widths(base: GPTConfig, n_layer: int, n_params: float) -> list[int]:
+    """The multiples of 64 on either side of the d_model that gives ``n_params`` at this depth.
+
+    The count is ``a d^2 + b d`` in d_model, so the exact width is a root of a quadratic.
+    """
+    a = 12 * n_layer
+    b = 13 * n_layer + base.vocab_size * (1 if base.tie_embeddings else 2) + base.seq_len + 2
+    exact = (-b + math.sqrt(b * b + 4 * a * n_params)) / (2 * a)
+    below = max(HEAD_DIM, int(exact // HEAD_DIM) * HEAD_DIM)
+    return [below, below + HEAD_DIM]
+
+
+@dataclass
+class GPTConfig:
+    """The shape of a GPT; presets and ``for_params`` build the common ones."""
+
+    vocab_size: int = 256
+    seq_len: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head}): "
+                f"pick n_head among {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}"
+            )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> GPTConfig:
+        """A named size: tiny (~0.24M, tests), small (~4.9M, the default), medium (~25M),
+        large (~129M), 1b, 3b. Overrides replace any field."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}: choose one of {', '.join(_PRESETS)}")
+        return cls(**{**_PRESETS[name], **overrides})
+
+    @classmethod
+    def for_params(cls, n_params: float, **overrides: Any) -> GPTConfig:
+        """A config with about ``n_params`` parameters (within 10%).
+
+        Searches n_layer and d_model (a multiple of 64, n_head = d_model // 64) for
+        the shapes within 5% of the target and keeps the one whose d_model / n_layer
+        is closest to GPT-2's 64, so that sizes scale like known-good models.
+        Fields given in ``overrides`` are held fixed; vocab_size, seq_len and
+        tie_embeddings count towards the total.
+        """
+        if n_params <= 0:
+            raise ValueError(f"GPTConfig.for_params needs a positive parameter count, got {n_params}")
+        base = replace(cls(), **{k: v for k, v in overrides.items() if k not in ("n_layer", "d_model", "n_head")})
+        layers = [overrides["n_layer"]] if "n_layer" in overrides else range(1, _MAX_LAYERS + 1)
+        candidates = []
+        for n_layer in layers:
+            widths = [overrides["d_model"]] if "d_model" in overrides else _nearest_widths(base, n_layer, n_params)
+            for d_model in widths:
+                count = _count_params(base.vocab_size, base.seq_len, n_layer, d_model, base.tie_embeddings)
+                error = abs(count - n_params) / n_params
+                aspect = abs(math.log(d_model / n_layer / _TARGET_ASPECT))
+                candidates.append((error, aspect, n_layer, d_model))
+        good = [c for c in candidates if c[0] <= _GOOD_FIT]
+        error, _, n_layer, d_model = min(good, key=lambda c: c[1]) if good else min(candidates)
+        if error > _MAX_FIT_ERROR:
+            raise ValueError(
+                f"no GPT shape has about {n_params:.3g} parameters with {overrides or 'the defaults'} "
+                f"(closest is {error:.0%} off): ask for a larger size or a smaller vocab_size/seq_len"
+            )
+        n_head = overrides.get("n_head", max(1, d_model // HEAD_DIM))
+        config = replace(base, n_layer=n_layer, d_model=d_model, n_head=n_head)
+        logger.debug("for_params(%.3g) -> %s with %d parameters", n_params, config, config.num_params())
+        return config
+
+    def num_params(self) -> int:
+        """The exact parameter count of ``GPT(self)``, without building it (a tied weight counts once)."""
+        return _count_params(self.vocab_size, self.seq_len, self.n_layer, self.d_model, self.tie_embeddings)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through the fused SDPA kernel."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        # [batch, seq, width] -> [batch, head, seq, head_dim]
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    """The position-wise feed-forward layer, 4x wide."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: the engine's natural unit."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only language model.
+
+    Built normally it is initialised from ``seed``; built under
+    ``torch.device("meta")`` it holds no memory and is left for the caller to
+    materialise and initialise unit by unit with :func:`init_module_` and
+    :func:`unit_generator`, which gives the same weights.
+    """
+
+    def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.tie_weights()
+        if not self.tok_emb.weight.is_meta:  # a meta model is initialised later, unit by unit
+            self.reset_parameters(seed)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when configured; needed again after
+        ``to_empty``, which gives every parameter its own new tensor."""
+        if self.config.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    def units(self) -> list[nn.Module]:
+        """The initialisation units in their fixed order: the root's own layers
+        (index 0), then block ``i`` at index ``i + 1``."""
+        return [self, *self.blocks]
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Initialise every unit from its own generator, so the result does not
+        depend on the order in which units are initialised."""
+        for index, unit in enumerate(self.units()):
+            init_module_(unit, self.config, unit_generator(seed, index))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (fp32) if ``targets`` is given."""
+        seq = idx.shape[1]
+        if seq > self.config.seq_len:
+            raise ValueError(
+                f"input has {seq} positions but GPTConfig.seq_len is {self.config.seq_len}: "
+                f"crop the input or build the model with seq_len >= {seq}"
+            )
+        positions = torch.arange(seq, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        # fp32 logits: a bf16/fp16 softmax over a large vocab loses the loss's precision
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def unit_generator(seed: int, index: int) -> torch.Generator:
+    """The generator that initialises unit ``index`` of a model seeded with ``seed``.
+
+    ``SeedSequence`` mixes the pair so neighbouring units get unrelated streams.
+    """
+    if seed < 0 or index < 0:
+        raise ValueError(f"seed and unit index must be non-negative, got seed={seed}, index={index}")
+    state = np.random.SeedSequence([seed, index]).generate_state(2, np.uint32)
+    return torch.Generator().manual_seed((int(state[0]) << 31) ^ int(state[1]))
+
+
+def init_module_(module: nn.Module, config: GPTConfig, generator: torch.Generator) -> None:
+    """Initialise one unit in place: a :class:`Block`, or a :class:`GPT`'s own layers
+    (embeddings, final LayerNorm, head; its blocks are units of their own).
+
+    Weights are normal(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)
+    as in GPT-2, biases zero, LayerNorms identity. Values are drawn in fp32 on the
+    CPU and copied in, so the weights are the same on any device and in any dtype
+    (rounded to it).
+    """
+    residual_std = INIT_STD / math.sqrt(2 * config.n_layer)
+    with torch.no_grad():
+        if isinstance(module, Block):
+            _init_layer_norm_(module.ln1)
+            _init_linear_(module.attn.qkv, INIT_STD, generator)
+            _init_linear_(module.attn.proj, residual_std, generator)
+            _init_layer_norm_(module.ln2)
+            _init_linear_(module.mlp.fc, INIT_STD, generator)
+            _init_linear_(module.mlp.proj, residual_std, generator)
+        elif isinstance(module, GPT):
+            module.tie_weights()
+            _normal_(module.tok_emb.weight, INIT_STD, generator)
+            _normal_(module.pos_emb.weight, INIT_STD, generator)
+            _init_layer_norm_(module.ln_f)
+            if not config.tie_embeddings:
+                _normal_(module.head.weight, INIT_STD, generator)
+        else:
+            raise TypeError(
+                f"init_module_ initialises a GPT unit (a Block or the GPT root), got {type(module).__name__}"
+            )
+
+
+def _normal_(tensor: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    values = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    tensor.copy_(values)
+
+
+def _init_linear_(linear: nn.Linear, std: float, generator: torch.Generator) -> None:
+    _normal_(linear.weight, std, generator)
+    if linear.bias is not None:
+        linear.bias.zero_()
+
+
+def _init_layer_norm_(norm: nn.LayerNorm) -> None:
+    norm.weight.fill_(1.0)
+    norm.bias.zero_()

@@ -1,0 +1,165 @@
+"""Units -> flat buffers -> per-rank shards, and the layout metadata that describes them.
+
+A unit is the grain of sharding, communication and I/O: by default each entry of each
+``nn.ModuleList`` (a transformer block), plus a root unit holding every parameter no
+other unit owns. Each unit's parameters are laid end to end in one flat buffer, padded
+so that it splits into ``world_size`` equal shards; a shard is a whole number of store
+chunks and of 4 KiB, so no two ranks ever touch one chunk and direct I/O stays aligned.
+
+The layout is plain data (``to_dict``/``from_dict``): it is saved with the store and
+drives resume, resharding and consolidation without the model class.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+ROOT_UNIT = "root"
+ALIGN_BYTES = 4096
+# Shards are aligned for the narrowest dtype a shard is stored in (2-byte bf16/fp16).
+ALIGN_ELEMS = ALIGN_BYTES // 2
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter sits in its unit's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """One unit's flat buffer: its parameters, its padded size, its shard and chunk size."""
+
+    name: str
+    params: tuple[ParamSlot, ...]
+    numel: int
+    shard_numel: int
+    chunk_numel: int
+    padded_numel: int
+
+    def shard_slice(self, rank: int) -> slice:
+        return slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Every unit of a model for one world size."""
+
+    units: tuple[UnitLayout, ...]
+    world_size: int
+
+    def unit(self, name: str) -> UnitLayout:
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise KeyError(f"no unit named {name!r} (units: {', '.join(u.name for u in self.units)})")
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelLayout:
+        units = tuple(
+            UnitLayout(
+                name=u["name"],
+                params=tuple(ParamSlot(p["name"], tuple(p["shape"]), p["offset"], p["numel"]) for p in u["params"]),
+                numel=u["numel"],
+                shard_numel=u["shard_numel"],
+                chunk_numel=u["chunk_numel"],
+                padded_numel=u["padded_numel"],
+            )
+            for u in data["units"]
+        )
+        return cls(units, data["world_size"])
+
+
+def find_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """The unit modules in execution-friendly (definition) order, root last.
+
+    ``unit_classes`` names module classes that form units; without it every entry of
+    every ``nn.ModuleList`` does. Units do not nest: the outermost match wins.
+    """
+    units: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            is_unit = (
+                type(child).__name__ in unit_classes
+                if unit_classes
+                else isinstance(module, nn.ModuleList) and any(True for _ in child.parameters())
+            )
+            if is_unit:
+                units.append((path, child))
+            else:
+                visit(f"{path}.", child)
+
+    visit("", model)
+    units.append((ROOT_UNIT, model))
+    return units
+
+
+def unit_parameters(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Each unit's own parameters by qualified name; a shared (tied) parameter belongs to the
+    first unit that reaches it, the root unit owns what no other unit does."""
+    owner: dict[int, str] = {}
+    owned: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name, _ in units}
+    qualified = {id(p): n for n, p in model.named_parameters()}
+    for unit_name, module in units:
+        for param in module.parameters():
+            if id(param) not in owner and param.requires_grad:
+                owner[id(param)] = unit_name
+                owned[unit_name].append((qualified[id(param)], param))
+    return owned
+
+
+def build_layout(
+    params_by_unit: dict[str, list[tuple[str, nn.Parameter]]], world_size: int, max_chunk_numel: int
+) -> ModelLayout:
+    """Flat-buffer offsets, padded shard sizes and chunk sizes for ``world_size`` ranks.
+
+    A shard is padded to ``ALIGN_ELEMS``; a shard larger than ``max_chunk_numel`` is padded
+    to a multiple of it and stored in chunks of that size, a smaller one is one chunk.
+    """
+    if max_chunk_numel % ALIGN_ELEMS:
+        raise ValueError(f"chunk size {max_chunk_numel} elements must be a multiple of {ALIGN_ELEMS}")
+    units = []
+    for unit_name, params in params_by_unit.items():
+        slots, offset = [], 0
+        for name, param in params:
+            slots.append(ParamSlot(name, tuple(param.shape), offset, param.numel()))
+            offset += param.numel()
+        if offset == 0:
+            continue
+        shard = _round_up(math.ceil(offset / world_size), ALIGN_ELEMS)
+        chunk = min(shard, max_chunk_numel)
+        shard = _round_up(shard, chunk)
+        units.append(UnitLayout(unit_name, tuple(slots), offset, shard, chunk, shard * world_size))
+    return ModelLayout(tuple(units), world_size)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def flatten_into(flat: torch.Tensor, unit: UnitLayout, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy each parameter's values into its slot of ``flat`` (casting to ``flat``'s dtype)."""
+    for slot in unit.params:
+        flat[slot.offset : slot.offset + slot.numel].copy_(tensors[slot.name].reshape(-1))
+
+
+def param_views(flat: torch.Tensor, unit: UnitLayout) -> dict[str, torch.Tensor]:
+    """Views of ``flat`` shaped like each parameter of the unit (no copy)."""
+    return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in unit.params}

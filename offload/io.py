@@ -1,0 +1,181 @@
+"""The asynchronous I/O runner: a few threads, a bounded number of tasks in flight.
+
+Disk I/O in Python releases the GIL inside the system call, so a handful of
+threads doing positional reads and writes keep the disk busy while the
+training loop computes. The runner bounds how many tasks may be pending at
+once, so a producer that outruns the disk is slowed down (backpressure)
+instead of queueing an unbounded amount of work and memory.
+
+Tasks never wait on other tasks: `IORunner.gather` combines futures with
+done-callbacks instead of a waiting thread, and a task that itself submits
+work runs that work inline. With a bounded pool, either kind of waiting could
+otherwise leave every thread blocked on work that no thread is free to run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class OffloadIOError(OSError):
+    """An I/O task failed.
+
+    The message names the task (what was moved, which range, which file), the
+    original error is chained as `__cause__`, and `errno` is kept so that
+    callers can still tell ENOSPC from EIO.
+    """
+
+
+def _wrap_os_error(err: OSError, what: str) -> OffloadIOError:
+    """Name the failed task while keeping errno recognisable, and the file unless `what` names it."""
+    if err.errno is None:
+        return OffloadIOError(f"{what}: {err}")
+    reason = err.strerror or str(err)
+    if err.filename is None or str(err.filename) in what:
+        return OffloadIOError(err.errno, f"{what}: {reason}")
+    return OffloadIOError(err.errno, f"{what}: {reason}", err.filename)
+
+
+def _run_task(fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> Any:
+    """Run one task; OS errors become `OffloadIOError`, other errors get a note naming the task.
+
+    Non-OS errors keep their type (a checksum mismatch must stay a
+    `ValueError` subclass the caller can catch) and only gain a note.
+    """
+    try:
+        return fn(*args)
+    except OffloadIOError:
+        raise
+    except OSError as err:
+        raise _wrap_os_error(err, what) from err
+    except Exception as err:
+        err.add_note(f"in I/O task: {what}")
+        raise
+
+
+class _Gather:
+    """Completion state of one `IORunner.gather` call, driven by done-callbacks."""
+
+    __slots__ = ("_futures", "_combined", "_lock", "_remaining", "_first_error")
+
+    def __init__(self, futures: list[Future], combined: Future) -> None:
+        self._futures = futures
+        self._combined = combined
+        self._lock = threading.Lock()
+        self._remaining = len(futures)
+        self._first_error: BaseException | None = None
+
+    def on_done(self, future: Future) -> None:
+        error = CancelledError("an I/O task was cancelled") if future.cancelled() else future.exception()
+        with self._lock:
+            if error is not None and self._first_error is None:
+                self._first_error = error
+            self._remaining -= 1
+            if self._remaining:
+                return
+        if self._first_error is not None:
+            self._combined.set_exception(self._first_error)
+        else:
+            self._combined.set_result([f.result() for f in self._futures])
+
+
+class IORunner:
+    """A pool of I/O threads with a bounded number of pending tasks.
+
+    `submit` blocks its caller while `queue_depth` tasks are pending (queued or
+    running). Results and errors come back through `concurrent.futures.Future`.
+    """
+
+    def __init__(self, threads: int = 4, queue_depth: int = 32) -> None:
+        if threads < 1:
+            raise ValueError(f"IORunner threads must be >= 1, got {threads}")
+        if queue_depth < 1:
+            raise ValueError(f"IORunner queue_depth must be >= 1, got {queue_depth}")
+        self.threads = threads
+        self.queue_depth = queue_depth
+        self._slots = threading.BoundedSemaphore(queue_depth)
+        self._local = threading.local()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="offload-io", initializer=self._mark_worker
+        )
+
+    def _mark_worker(self) -> None:
+        self._local.is_worker = True
+
+    def in_worker(self) -> bool:
+        """True when called from one of this runner's own threads."""
+        return getattr(self._local, "is_worker", False)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, what: str) -> Future:
+        """Run `fn(*args)` on an I/O thread; `what` names the task in any error.
+
+        Blocks while `queue_depth` tasks are pending. Called from inside a task,
+        runs `fn` inline instead: a worker that waited for a free slot or for a
+        queued task could wait forever once every worker does the same.
+        """
+        if self._closed:
+            raise RuntimeError(f"IORunner is closed; cannot submit: {what}")
+        if self.in_worker():
+            return self._run_inline(fn, args, what)
+        self._slots.acquire()
+        try:
+            future = self._pool.submit(_run_task, fn, args, what)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(self._release_slot)
+        return future
+
+    def _release_slot(self, _future: Future) -> None:
+        self._slots.release()
+
+    @staticmethod
+    def _run_inline(fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> Future:
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(_run_task(fn, args, what))
+        except Exception as err:
+            future.set_exception(err)
+        return future
+
+    @staticmethod
+    def gather(futures: Iterable[Future]) -> Future:
+        """A future that completes when all `futures` have, with their results in order.
+
+        If any failed, it fails with the first error seen, but only after every
+        future is done: until then tasks may still be reading or writing the
+        caller's buffers, which must not be reused before this completes.
+        No thread waits: completion is driven by done-callbacks.
+        """
+        futures = list(futures)
+        combined: Future = Future()
+        combined.set_running_or_notify_cancel()
+        if not futures:
+            combined.set_result([])
+            return combined
+        state = _Gather(futures, combined)
+        for future in futures:
+            future.add_done_callback(state.on_done)
+        return combined
+
+    def close(self) -> None:
+        """Finish the pending tasks and stop the threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        log.debug("IORunner closed (%d threads)", self.threads)
+
+    def __enter__(self) -> IORunner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,109 @@
+"""The same few training steps run by the engine and by plain PyTorch, for comparison."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from engine.config import Config
+from engine.data import TokenBatches
+from engine.engine import Engine
+from engine.models.gpt import GPT, GPTConfig
+from engine.optim import lr_factor
+
+# A random 1000-token phrase repeated: random enough to exercise every embedding row,
+# predictable enough that a few steps visibly lower the loss.
+TOKENS = np.tile(np.random.default_rng(123).integers(0, 256, 1000, dtype=np.uint16), 50)
+SEQ_LEN = 32
+
+
+def config(**sections: dict) -> Config:
+    """A config for tests: fp32, no clipping, unless a section says otherwise."""
+    raw = {"precision": {"compute_dtype": "fp32"}, "optim": {"grad_clip": 0.0, "warmup_steps": 2}, "train": {"steps": 6}}
+    for name, values in sections.items():
+        raw[name] = raw.get(name, {}) | values
+    return Config.from_dict(raw)
+
+
+def tiny_gpt(seed: int = 0, tie: bool = False) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig.preset("tiny", seq_len=SEQ_LEN, tie_embeddings=tie))
+
+
+def batches(micro_batch: int, rank: int = 0, world_size: int = 1) -> TokenBatches:
+    return TokenBatches(TOKENS, seq_len=SEQ_LEN, micro_batch=micro_batch, rank=rank, world_size=world_size, seed=7)
+
+
+def train_engine(cfg: Config, steps: int, micro_batch: int = 4, tie: bool = False) -> dict:
+    """Train with the engine on this process's rank; returns losses and final parameters."""
+    eng = Engine(tiny_gpt(tie=tie), cfg, total_steps=steps)
+    data = batches(micro_batch, eng.comm.rank, eng.comm.world_size)
+    losses, history = [], []
+    for _ in range(steps):
+        step_loss = 0.0
+        for _ in range(cfg.zero.grad_accum_steps):
+            loss = eng(*data.next())
+            eng.backward(loss)
+            eng.step()
+            step_loss += loss.item() / cfg.zero.grad_accum_steps
+        losses.append(step_loss)
+        history.append(_snapshot(eng.module))
+    eng.close()
+    return {"losses": losses, "params": history[-1], "history": history}
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def train_engine_on_ranks(cfg: Config, steps: int, micro_batch: int = 4) -> dict:
+    """Entry point for ``tests.ranks.run_ranks`` (module-level so spawn can pickle it)."""
+    return train_engine(cfg, steps, micro_batch)
+
+
+def train_reference(cfg: Config, steps: int, micro_batch: int, tie: bool = False, concat: int = 1) -> dict:
+    """Plain PyTorch: one process, ``torch.optim.AdamW`` with the engine's hyper-parameters,
+    ``LambdaLR`` with the same schedule, ``clip_grad_norm_``, autocast for bf16/fp16.
+
+    With ``concat`` > 1 each batch is that many consecutive micro-batches in one: the data an
+    engine accumulating ``concat`` micro-batches per step sees."""
+    model = tiny_gpt(tie=tie)
+    o = cfg.optim
+    kernel = {"fused": True} if o.kernel == "fused" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **kernel)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, steps))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.compute_dtype)
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    data = batches(micro_batch)
+    accum = cfg.zero.grad_accum_steps
+    losses, history = [], []
+    for _ in range(steps):
+        step_loss = 0.0
+        for _ in range(accum):
+            x, y = (torch.cat(parts) for parts in zip(*(data.next() for _ in range(concat))))
+            with autocast:
+                loss = model(x, y)
+            (loss / accum if accum > 1 else loss).backward()
+            step_loss += loss.item() / accum
+        if o.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+        history.append(_snapshot(model))
+    return {"losses": losses, "params": history[-1], "history": history}
+
+
+def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """``||a - b|| / ||b||`` over all parameters as one vector.
+
+    Per tensor would be the wrong yardstick: some gradients are analytically zero (the key
+    bias of attention: softmax ignores a constant shift), so they are pure rounding noise,
+    and Adam's ``m / sqrt(v)`` turns any change in summation order into a full-size step.
+    """
+    assert a.keys() == b.keys()
+    diff = sum(((a[k] - b[k]).double() ** 2).sum() for k in b) ** 0.5
+    return (diff / sum((b[k].double() ** 2).sum() for k in b) ** 0.5).item()
