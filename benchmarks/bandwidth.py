@@ -1,0 +1,181 @@
+"""The machine's own limits, measured in the run that compares against them.
+
+Absolute numbers drift by about 30% between runs here, so every benchmark that
+states a bound (memory bandwidth for the optimizer, disk bandwidth for the
+store) measures it itself, in the same process, with these functions.
+
+Units: GB/s is 1e9 bytes per second of payload, i.e. bytes copied for
+`memcpy_gbps` and bytes written or read for `raw_disk_gbps`. A copy moves two
+bytes through memory per byte copied (one read, one write); callers that need
+memory traffic double the copy figure.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_DROP_CACHES = "/proc/sys/vm/drop_caches"
+# Per-call size of the raw route: large enough that syscall overhead vanishes,
+# small enough that several calls per thread keep the device queue full.
+_IO_BLOCK = 8 << 20
+
+
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over fresh anonymous memory: page-aligned, as O_DIRECT needs.
+
+    torch's own allocations are not page-aligned; an anonymous mapping always is.
+    """
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
+def median_seconds(fn: Callable[[], object], reps: int) -> float:
+    """Median wall time of `reps` calls of `fn`, after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
+    """Bytes copied per second (GB/s) between two preallocated buffers of `nbytes`.
+
+    numpy's copyto is a plain memcpy (streaming stores for large copies),
+    about twice as fast here as torch's `copy_`, so it is the honest ceiling.
+    One thread: a second one adds nothing on this memory system.
+    """
+    src = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    dst = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    src.fill(1)  # touch every page before timing: first touch is several times slower
+    dst.fill(0)
+    return nbytes / median_seconds(lambda: np.copyto(dst, src), reps) / 1e9
+
+
+def drop_page_cache() -> bool:
+    """Write back dirty pages and drop the page cache, so the next read comes from disk.
+
+    Needs root; returns False (and the read that follows is warm) otherwise.
+    """
+    os.sync()
+    try:
+        with open(_DROP_CACHES, "w") as f:
+            f.write("3\n")
+    except OSError as err:
+        log.warning("cannot drop the page cache (%s): reads will be warm, not cold", err)
+        return False
+    return True
+
+
+def _open(path: str, flags: int, direct: bool) -> tuple[int, bool]:
+    """Open with O_DIRECT when asked and allowed; returns the descriptor and whether it is direct."""
+    if direct and _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o644), True
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            log.warning("O_DIRECT refused on %s (%s): measuring buffered I/O instead", path, err)
+    return os.open(path, flags, 0o644), False
+
+
+def _parallel_io(fd: int, buf: torch.Tensor, threads: int, write: bool) -> None:
+    """Move all of `buf` to or from offset 0 of `fd`: `threads` contiguous ranges, blocks of `_IO_BLOCK`."""
+    view = memoryview(buf.numpy())
+    nbytes = len(view)
+    # Ranges start on page boundaries, as O_DIRECT needs.
+    per_thread = -(-nbytes // threads // mmap.PAGESIZE) * mmap.PAGESIZE
+
+    def run(lo: int) -> None:
+        for offset in range(lo, min(lo + per_thread, nbytes), _IO_BLOCK):
+            block = view[offset : min(offset + _IO_BLOCK, lo + per_thread, nbytes)]
+            done = 0
+            while done < len(block):
+                rest = block[done:]
+                n = os.pwrite(fd, rest, offset + done) if write else os.preadv(fd, [rest], offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"no progress at byte {offset + done} of the benchmark file")
+                done += n
+
+    with ThreadPoolExecutor(threads) as pool:
+        for future in [pool.submit(run, lo) for lo in range(0, nbytes, per_thread)]:
+            future.result()
+
+
+def raw_disk_gbps(
+    directory: str | os.PathLike[str],
+    nbytes: int,
+    threads: int,
+    direct: bool = True,
+    *,
+    reps: int = 3,
+    buffer: torch.Tensor | None = None,
+) -> dict[str, float | bool]:
+    """Durable write and cold read bandwidth (GB/s) of plain positional I/O on a file in `directory`.
+
+    This is the disk's limit as seen from Python, the yardstick for the store:
+    a preallocated file (no block allocation while timed), page-aligned memory,
+    `threads` threads each moving one contiguous range with `os.pwrite` /
+    `os.preadv`, O_DIRECT where the filesystem allows it. The write time
+    includes the fsync; the page cache is dropped before each read.
+
+    `buffer` (uint8, page-aligned, `nbytes` long) lets a caller reuse memory
+    it has already touched across calls. Returns medians over `reps` of
+    `write` and `read`, plus `direct` (whether O_DIRECT was used) and `cold`
+    (whether the page cache could be dropped).
+    """
+    if buffer is None:
+        buffer = page_aligned(nbytes)
+        buffer.fill_(0x5A)  # first touch outside the timed region
+    elif buffer.numel() != nbytes or buffer.dtype != torch.uint8:
+        raise ValueError(f"buffer must be {nbytes} uint8 elements, got {buffer.numel()} x {buffer.dtype}")
+    writes, reads = [], []
+    used_direct = cold = True
+    fd_dir, path = tempfile.mkstemp(prefix="raw-disk-", suffix=".bin", dir=directory)
+    os.close(fd_dir)
+    try:
+        for _ in range(reps):
+            fd, is_direct = _open(path, os.O_WRONLY, direct)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+                os.fsync(fd)
+                start = time.perf_counter()
+                _parallel_io(fd, buffer, threads, write=True)
+                os.fsync(fd)
+                writes.append(nbytes / (time.perf_counter() - start) / 1e9)
+            finally:
+                os.close(fd)
+            cold &= drop_page_cache()
+            fd, is_direct_read = _open(path, os.O_RDONLY, direct)
+            try:
+                start = time.perf_counter()
+                _parallel_io(fd, buffer, threads, write=False)
+                reads.append(nbytes / (time.perf_counter() - start) / 1e9)
+            finally:
+                os.close(fd)
+            used_direct &= is_direct and is_direct_read
+            os.truncate(path, 0)  # the next write goes to freshly preallocated blocks again
+    finally:
+        Path(path).unlink(missing_ok=True)
+    return {
+        "write": statistics.median(writes),
+        "read": statistics.median(reads),
+        "direct": used_direct,
+        "cold": cold,
+    }

@@ -1,0 +1,7 @@
+"""``python -m engine``: see ``engine.cli``."""
+
+import sys
+
+from engine.cli import main
+
+sys.exit(main())

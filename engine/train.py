@@ -1,0 +1,136 @@
+"""The training loop of ``python -m engine train``: built-in model and data, a plain loop.
+
+The loop is the one a user writes by hand (forward, ``backward``, ``step``); this file
+only adds what a long run wants around it: a progress bar, a log line every few steps
+(loss, tokens/s, peak host RSS, bytes per tier) and a clean stop on SIGINT/SIGTERM
+that finishes the step in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from engine.config import Config
+from engine.data import TokenBatches, load_tokens
+from engine.engine import Engine
+from engine.models.gpt import GPT, GPTConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a run did: per-step losses and how it ended."""
+
+    losses: list[float] = field(default_factory=list)
+    steps_done: int = 0
+    stopped_early: bool = False
+    seconds_per_step: float = 0.0
+
+
+def build_model(config: Config, vocab_size: int) -> GPT:
+    """The built-in GPT sized by ``model.params`` (if set) or ``model.preset``."""
+    shape = dict(vocab_size=vocab_size, seq_len=config.data.seq_len, tie_embeddings=config.model.tie_embeddings)
+    gpt_config = (
+        GPTConfig.for_params(config.model.params, **shape)
+        if config.model.params > 0
+        else GPTConfig.preset(config.model.preset, **shape)
+    )
+    return GPT(gpt_config, seed=config.train.seed)
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of this process's resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM so the loop ends after the step in flight, never inside it."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self) -> StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.requested:  # a second Ctrl-C means now
+            raise KeyboardInterrupt
+        self.requested = True
+        logger.warning("%s received: stopping after the step in flight", signal.Signals(signum).name)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(config: Config) -> TrainResult:
+    """Train the built-in model on the built-in (or configured) data for ``train.steps`` steps."""
+    tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
+    model = build_model(config, vocab_size)
+    engine = Engine(model, config)
+    rank, world = engine.comm.rank, engine.comm.world_size
+    data = TokenBatches(
+        tokens,
+        seq_len=config.data.seq_len,
+        micro_batch=config.data.micro_batch,
+        rank=rank,
+        world_size=world,
+        seed=config.data.seed,
+    )
+    tokens_per_step = data.global_batch * config.data.seq_len * config.zero.grad_accum_steps
+    result = TrainResult()
+    progress = tqdm(total=config.train.steps, desc="train", unit="step", disable=rank != 0)
+    window_start, window_steps = time.perf_counter(), 0
+    run_start = window_start
+    with StopFlag() as stop, logging_redirect_tqdm():
+        for step in range(config.train.steps):
+            loss_sum = 0.0
+            for _ in range(config.zero.grad_accum_steps):
+                loss = engine(*data.next())
+                engine.backward(loss)
+                engine.step()
+                loss_sum += loss.item()
+            loss_value = engine.comm.all_reduce_value(loss_sum / config.zero.grad_accum_steps) / world
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss is {loss_value} at step {step}: lower optim.lr or use loss scaling")
+            result.losses.append(loss_value)
+            result.steps_done = step + 1
+            window_steps += 1
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_value:.3f}")
+            if rank == 0 and (result.steps_done % config.train.log_every == 0 or result.steps_done == config.train.steps):
+                elapsed = time.perf_counter() - window_start
+                tiers = engine.memory_report()
+                logger.info(
+                    "step %d loss %.4f | %.0f tokens/s | peak RSS %.2f GiB | device %.1f MiB, cpu %.1f MiB, nvme %.1f MiB",
+                    result.steps_done,
+                    loss_value,
+                    tokens_per_step * window_steps / elapsed,
+                    peak_rss_bytes() / 2**30,
+                    tiers["device"] / 2**20,
+                    tiers["cpu"] / 2**20,
+                    tiers["nvme"] / 2**20,
+                )
+                window_start, window_steps = time.perf_counter(), 0
+            if stop.requested:
+                result.stopped_early = True
+                break
+    progress.close()
+    result.seconds_per_step = (time.perf_counter() - run_start) / max(1, result.steps_done)
+    if result.stopped_early and rank == 0:
+        logger.warning("stopped after step %d of %d", result.steps_done, config.train.steps)
+    engine.close()
+    return result

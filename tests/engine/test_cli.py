@@ -1,0 +1,53 @@
+"""``python -m engine train`` end to end, as a user runs it (one process and torchrun)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+from tests.ranks import free_port
+
+DONE = re.compile(r"done: (\d+) steps, loss ([-\d.naninf]+) -> ([-\d.naninf]+)")
+
+
+def run(args: list[str], tmp_path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    command = (launcher or [sys.executable, "-m"]) + ["engine", "train", "--preset", "tiny", *args]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def losses(proc: subprocess.CompletedProcess) -> tuple[int, float, float]:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = DONE.search(proc.stderr)
+    assert match, proc.stderr[-3000:]
+    return int(match[1]), float(match[2]), float(match[3])
+
+
+def test_three_steps_exit_cleanly(tmp_path) -> None:
+    steps, first, last = losses(run(["--steps", "3", "--seq_len", "64"], tmp_path))
+    assert steps == 3 and math.isfinite(first) and math.isfinite(last)
+
+
+def test_fifty_steps_lower_the_loss(tmp_path) -> None:
+    steps, first, last = losses(run(["--steps", "50", "--seq_len", "64", "--lr", "3e-3", "--log_every", "25"], tmp_path))
+    assert steps == 50 and last < first - 1.0
+
+
+def test_torchrun_two_ranks(tmp_path) -> None:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}", "-m"]
+    steps, first, last = losses(run(["--steps", "3", "--seq_len", "64", "--stage", "1"], tmp_path, launcher))
+    assert steps == 3 and math.isfinite(last)
+
+
+def test_bad_override_is_a_clear_error(tmp_path) -> None:
+    proc = run(["--stgae", "2"], tmp_path)
+    assert proc.returncode == 2
+    assert "unknown config key 'stgae' (did you mean 'stage'?)" in proc.stderr
+
+
+def test_bad_step_count(tmp_path) -> None:
+    proc = run(["--steps", "0"], tmp_path)
+    assert proc.returncode == 2 and "train.steps" in proc.stderr

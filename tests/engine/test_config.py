@@ -1,0 +1,70 @@
+"""Every class of bad configuration is refused before any work, with a message that names
+the key and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config import Config, ConfigError
+
+
+def test_defaults_are_valid_and_round_trip_through_a_file(tmp_path) -> None:
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(Config().to_dict()))
+    assert Config.load(path) == Config()
+
+
+def test_toml_file_and_overrides(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('[zero]\nstage = 1\n[optim]\nlr = 1e-3\nbetas = [0.8, 0.9]\n')
+    config = Config.load(path, ["optim.lr=2e-3", "steps=7", "offload.optimizer=device"])
+    assert (config.zero.stage, config.optim.lr, config.optim.betas) == (1, 2e-3, (0.8, 0.9))
+    assert config.train.steps == 7 and config.offload.optimizer == "device"
+
+
+@pytest.mark.parametrize(
+    ("raw", "overrides", "message"),
+    [
+        ({"zero": {"stgae": 1}}, [], "unknown key 'stgae' in section [zero] (did you mean 'stage'?)"),
+        ({"optimm": {}}, [], "did you mean 'optim'?"),
+        ({}, ["lrr=1"], "unknown config key 'lrr' (did you mean 'lr'?)"),
+        ({}, ["seed=1"], "key 'seed' is ambiguous: write one of data.seed, train.seed"),
+        ({"zero": {"stage": "two"}}, [], "zero.stage = 'two': expected int, got str"),
+        ({"zero": {"stage": True}}, [], "zero.stage = True: expected int, got bool"),
+        ({"optim": {"betas": [0.9]}}, [], "optim.betas = [0.9]: expected a list of 2 values"),
+        ({"offload": {"optimizer": "disk"}}, [], "offload.optimizer = 'disk': must be one of 'device', 'cpu', 'nvme'"),
+        ({"zero": {"stage": 4}}, [], "zero.stage = 4: must be 1, 2 or 3"),
+        ({"optim": {"lr": -1.0}}, [], "optim.lr = -1.0: must be > 0"),
+        ({"optim": {"betas": [0.9, 1.0]}}, [], "optim.betas = (0.9, 1.0): each must be in [0, 1)"),
+        ({"precision": {"compute_dtype": "fp16"}}, [], "fp16 needs loss scaling"),
+        ({"offload": {"param": "cpu"}}, [], "offloading parameters needs zero.stage = 3"),
+        ({"offload": {"buffer_mb": 8, "chunk_mb": 16}}, [], "offload.buffer_mb = 8: must hold"),
+        ({"zero": 3}, [], "zero must be a section"),
+    ],
+)
+def test_bad_values_are_named_with_the_fix(raw: dict, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict(raw, overrides)
+    assert message in str(err.value)
+
+
+def test_unreadable_files(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        Config.load(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[zero\nstage = 1")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        Config.load(broken)
+
+
+def test_readme_documents_every_config_key() -> None:
+    import dataclasses
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for section in dataclasses.fields(Config):
+        assert f"**`[{section.name}]`**" in readme, section.name
+        for key in dataclasses.fields(section.default_factory()):
+            assert f"| `{key.name}` |" in readme, f"{section.name}.{key.name} is not in README.md's config reference"
