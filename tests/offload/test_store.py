@@ -76,6 +76,11 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, numel * dtype.itemsize), dtype=dtype)
 
 
+def unaligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor that is never page-aligned (a plain torch.empty can be, by chance)."""
+    return aligned_empty(numel + 64 // dtype.itemsize, dtype)[64 // dtype.itemsize :]
+
+
 def random_bits(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """Arbitrary bit patterns (NaN payloads included): only a bit-exact path round-trips them."""
     g = torch.Generator().manual_seed(seed)
@@ -102,7 +107,7 @@ def test_round_trip_bit_exact_parallel(tmp_path, runner, dtype, aligned):
     store = make_store(tmp_path, runner, file_ops=ops)
     name = "gen-0/blocks.0/master"
     store.create_array(name, NUMEL, CHUNK, dtype)
-    alloc = aligned_empty if aligned else (lambda n, d: torch.empty(n, dtype=d))
+    alloc = aligned_empty if aligned else unaligned_empty
     src = alloc(NUMEL, dtype)
     src.copy_(random_bits(NUMEL, dtype))
     half = NUMEL // 2
