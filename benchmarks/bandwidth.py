@@ -61,8 +61,8 @@ def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
     about twice as fast here as torch's `copy_`, so it is the honest ceiling.
     One thread: a second one adds nothing on this memory system.
     """
-    src = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    dst = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    src = page_aligned(nbytes).numpy()
+    dst = page_aligned(nbytes).numpy()
     src.fill(1)  # touch every page before timing: first touch is several times slower
     dst.fill(0)
     return nbytes / median_seconds(lambda: np.copyto(dst, src), reps) / 1e9

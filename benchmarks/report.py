@@ -37,7 +37,10 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run in seconds")
     parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help=f"directory for the JSON and PNG (default {DEFAULT_OUT})"
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"directory for the JSON and PNG (default {DEFAULT_OUT})",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
@@ -67,7 +70,9 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     numeric = [all(isinstance(row.get(col), (int, float)) for row in rows) for col in columns]
 
     def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+        return "  ".join(
+            v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)
+        ).rstrip()
 
     return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(c) for c in cells)])
 
@@ -88,7 +93,7 @@ def machine_info() -> dict[str, Any]:
         "zarr": zarr.__version__,
         "numpy": np.__version__,
         "platform": platform.platform(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(sys.orig_argv),
     }
 
@@ -127,8 +132,13 @@ def bar_chart(
     width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(categories) * len(series)), 4.5))
     for i, (label, values) in enumerate(series.items()):
-        ax.bar([c + (i - (len(series) - 1) / 2) * width for c in range(len(categories))], values, width, label=label)
-    for (label, value), style in zip((references or {}).items(), ("--", ":", "-.", "-")):
+        ax.bar(
+            [c + (i - (len(series) - 1) / 2) * width for c in range(len(categories))],
+            values,
+            width,
+            label=label,
+        )
+    for (label, value), style in zip((references or {}).items(), ("--", ":", "-.", "-"), strict=False):
         ax.axhline(value, color="black", linestyle=style, linewidth=1, label=label)
     ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
     ax.set_ylabel(ylabel)

@@ -15,6 +15,7 @@ all-gathers the new parameters back into the flat buffers.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from engine.optim import ShardAdamW, clip_grad_norm_, lr_factor
 from engine.partition import ModelLayout, build_layout, find_units, flatten_into, param_views, unit_parameters
 from engine.precision import LossScaler, compute_dtype
 from engine.state import MemoryOptimizerState, OptimizerState
+from engine.store_state import StoreOptimizerState
 
 logger = logging.getLogger(__name__)
 
@@ -54,21 +56,22 @@ class Engine:
         self.layout: ModelLayout = build_layout(owned, self.comm.world_size, max_chunk)
         owned = {u.name: owned[u.name] for u in self.layout.units}
 
-        opt_device = self.device.device if config.offload.optimizer == "device" else torch.device("cpu")
+        tier = config.offload.optimizer
+        opt_device = self.device.device if tier == "device" else torch.device("cpu")
         model.to(self.device.device)
+        self.optimizer_state = self._optimizer_state(opt_device)
         self._flat_params: dict[str, torch.Tensor] = {}
-        masters: dict[str, torch.Tensor] = {}
         for unit in self.layout.units:
             full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device.device)
             flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
-            masters[unit.name] = self._host_copy(full[unit.shard_slice(self.comm.rank)], opt_device)
+            self.optimizer_state.add_unit(unit, full[unit.shard_slice(self.comm.rank)])
             flat = full.to(self.dtype) if self.dtype != torch.float32 else full
             views = param_views(flat, unit)
             for name, param in owned[unit.name]:
                 param.data = views[name]
             self._flat_params[unit.name] = flat
+        self.optimizer_state.seal()
 
-        self.optimizer_state: OptimizerState = MemoryOptimizerState(masters)
         self.grads = GradientShards(
             self.layout,
             owned,
@@ -96,12 +99,21 @@ class Engine:
             self.comm.world_size,
         )
 
-    def _host_copy(self, shard: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A private copy of ``shard`` on ``device`` (pinned when it is host memory beside an accelerator)."""
-        if device.type == "cpu" and self.device.is_accelerator:
-            out = self.device.empty_host(shard.numel(), shard.dtype)
-            return out.copy_(shard)
-        return shard.to(device, copy=True)
+    def _optimizer_state(self, device: torch.device) -> OptimizerState:
+        """The (empty) optimizer tier the configuration asks for."""
+        offload = self.config.offload
+        if offload.optimizer != "nvme":
+            return MemoryOptimizerState(device, pin_memory=device.type == "cpu" and self.device.pin_memory)
+        return StoreOptimizerState(
+            Path(offload.nvme_path),
+            self.layout,
+            self.comm.rank,
+            buffer_bytes=offload.buffer_mb * BYTES_PER_MIB,
+            io_threads=offload.io_threads,
+            checksum=offload.checksum,
+            direct_io=offload.direct_io,
+            barrier=self.comm.barrier,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward, with tensor arguments moved to the compute device."""
@@ -155,7 +167,7 @@ class Engine:
             gathers.append(self.comm.all_gather(flat, own))
         for work in gathers:
             work.wait()
-        self.optimizer_state.finish()
+        self.optimizer_state.finish({"step": self.global_step + 1})
 
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last step."""
@@ -173,4 +185,5 @@ class Engine:
     def close(self) -> None:
         """Release hooks and the process group this engine created."""
         self.grads.close()
+        self.optimizer_state.close()
         self.comm.close()

@@ -32,6 +32,14 @@ class ShardState:
 class OptimizerState(Protocol):
     """The storage of every unit's ``ShardState`` on one tier."""
 
+    def add_unit(self, unit: UnitLayout, master: torch.Tensor) -> None:
+        """Take a unit's initial fp32 master shard (copied) with zero moments."""
+        ...
+
+    def seal(self) -> None:
+        """Every unit is added: make the initial state durable where the tier can."""
+        ...
+
     def stream(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
         """Each unit's state, in ``units`` order, ready to update in place."""
         ...
@@ -40,23 +48,35 @@ class OptimizerState(Protocol):
         """The unit's state has been updated: persist it (or not, in memory)."""
         ...
 
-    def finish(self) -> None:
-        """Every unit is done: wait until the whole step's state is stored."""
+    def finish(self, record: dict) -> None:
+        """Every unit is done: wait until the whole step's state is stored, with ``record``
+        (step count and the like) describing it."""
         ...
 
     def nbytes(self) -> int:
         """Bytes this tier holds for the optimizer state."""
         ...
 
+    def close(self) -> None: ...
+
 
 class MemoryOptimizerState:
     """Shards held in device or host memory for the whole run (tiers ``device`` and ``cpu``)."""
 
-    def __init__(self, masters: dict[str, torch.Tensor]):
-        self._states = {
-            name: ShardState(master, torch.zeros_like(master), torch.zeros_like(master))
-            for name, master in masters.items()
-        }
+    def __init__(self, device: torch.device, pin_memory: bool = False):
+        self._device, self._pin = device, pin_memory
+        self._states: dict[str, ShardState] = {}
+
+    def _empty(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.float32, device=self._device, pin_memory=self._pin)
+
+    def add_unit(self, unit: UnitLayout, master: torch.Tensor) -> None:
+        state = ShardState(*(self._empty(unit.shard_numel) for _ in range(3)))
+        state.master.copy_(master)
+        self._states[unit.name] = state
+
+    def seal(self) -> None:
+        return None
 
     def stream(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
         for unit in units:
@@ -65,8 +85,11 @@ class MemoryOptimizerState:
     def done(self, unit: UnitLayout, state: ShardState) -> None:
         return None
 
-    def finish(self) -> None:
+    def finish(self, record: dict) -> None:
         return None
 
     def nbytes(self) -> int:
         return sum(t.nbytes for s in self._states.values() for t in s.tensors())
+
+    def close(self) -> None:
+        return None

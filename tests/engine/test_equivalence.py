@@ -12,10 +12,10 @@ STEPS = 5
 
 
 @pytest.mark.parametrize("kernel", ["fused", "foreach"])
-@pytest.mark.parametrize("tier", ["device", "cpu"])
+@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_fp32_one_rank_is_bit_identical_every_step(stage: int, tier: str, kernel: str) -> None:
-    cfg = config(zero={"stage": stage}, offload={"optimizer": tier}, optim={"kernel": kernel})
+def test_fp32_one_rank_is_bit_identical_every_step(stage: int, tier: str, kernel: str, tmp_path) -> None:
+    cfg = config(zero={"stage": stage}, offload={"optimizer": tier, "nvme_path": str(tmp_path / "store")}, optim={"kernel": kernel})
     ours = train_engine(cfg, STEPS)
     ref = train_reference(cfg, STEPS, micro_batch=4)
     assert ours["losses"] == ref["losses"]
@@ -32,9 +32,9 @@ def test_tied_embeddings_bit_identical() -> None:
     assert all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"])
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_two_gloo_ranks_match_one_process(stage: int) -> None:
-    cfg = config(zero={"stage": stage}, offload={"optimizer": "cpu"})
+@pytest.mark.parametrize(("stage", "tier"), [(1, "cpu"), (2, "cpu"), (1, "nvme"), (2, "nvme")])
+def test_two_gloo_ranks_match_one_process(stage: int, tier: str, tmp_path) -> None:
+    cfg = config(zero={"stage": stage}, offload={"optimizer": tier, "nvme_path": str(tmp_path / "store")})
     ranks = run_ranks(2, train_engine_on_ranks, cfg, STEPS, 2)
     ref = train_reference(cfg, STEPS, micro_batch=4)
     for result in ranks:

@@ -1,0 +1,253 @@
+"""Bandwidth of each tier, and how close the shard store comes to the raw disk.
+
+    python -m benchmarks.tiers [--quick] [--dir PATH] [--out PATH]
+
+Measures, on the same page-aligned memory: host memcpy; raw positional file
+I/O (the disk's limit as seen from Python, see `benchmarks.bandwidth`); and
+`ShardStore` at several chunk sizes and I/O thread counts. Writes are durable
+(the store's `sync()` fsyncs every chunk file and directory), reads are cold
+(page cache dropped first, which needs root). The goal is store >= 0.85 x raw
+for both; the best store configuration is printed as an `[offload]` snippet.
+
+The machine is noisy, so the measurements run in rounds, each visiting every
+configuration once, and each configuration reports its median: a slow minute
+then hurts all configurations alike instead of one, and the ratios hold.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.bandwidth import drop_page_cache, memcpy_gbps, raw_disk_gbps
+from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
+from engine.config import OffloadConfig
+from offload.buffers import BufferPool
+from offload.io import IORunner
+from offload.store import ShardStore
+
+GOAL = 0.85
+MIB = 1 << 20
+KINDS = ("write", "read")
+
+Bandwidth = dict[str, float]
+"""GB/s by kind: {"write": ..., "read": ...}."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """One way of running the store; the first three fields are the `[offload]` settings."""
+
+    chunk_mb: int
+    io_threads: int
+    direct_io: bool = True
+    checksum: bool = True
+
+    @property
+    def label(self) -> str:
+        extra = ("" if self.direct_io else ", buffered") + ("" if self.checksum else ", no crc")
+        return f"{self.chunk_mb} MiB x {self.io_threads}{extra}"
+
+
+def store_gbps(directory: Path, src: torch.Tensor, dst: torch.Tensor, config: StoreConfig) -> Bandwidth:
+    """One durable write of `src` into a fresh store and one cold read back into `dst`, in GB/s.
+
+    A fresh store each time: a step writes a whole new generation, so chunk
+    files are created, not overwritten in place.
+    """
+    nbytes = src.numel() * src.element_size()
+    root = directory / "store"
+    with IORunner(threads=config.io_threads) as runner:
+        store = ShardStore.create(
+            root, {}, runner=runner, checksum=config.checksum, direct_io=config.direct_io
+        )
+        try:
+            store.create_array("bench", src.numel(), config.chunk_mb * MIB // src.element_size(), src.dtype)
+            store.sync()  # metadata out of the way: time only the data
+            start = time.perf_counter()
+            store.write_async("bench", 0, src)
+            store.sync()
+            write = nbytes / (time.perf_counter() - start) / 1e9
+            drop_page_cache()
+            start = time.perf_counter()
+            store.read_async("bench", 0, dst).result()
+            read = nbytes / (time.perf_counter() - start) / 1e9
+        finally:
+            shutil.rmtree(root)
+    return {"write": write, "read": read}
+
+
+def store_configs(chunk_mbs: list[int], threads: list[int]) -> list[StoreConfig]:
+    """The grid, then the engine's default configuration without O_DIRECT and without checksums.
+
+    The two extra rows show what each of those costs; they are not candidates
+    for the recommendation (checksums are a safety choice, not a speed one).
+    """
+    grid = [StoreConfig(c, t) for c in chunk_mbs for t in threads]
+    default = StoreConfig(OffloadConfig.chunk_mb, OffloadConfig.io_threads)
+    return [*grid, replace(default, direct_io=False), replace(default, checksum=False)]
+
+
+def _medians(results: list[Mapping[str, Any]]) -> Bandwidth:
+    return {kind: statistics.median(r[kind] for r in results) for kind in KINDS}
+
+
+@dataclass
+class Measurements:
+    """Median bandwidths of one run, and whether the disk allowed O_DIRECT and cold reads."""
+
+    memcpy: float
+    raw: dict[int, Bandwidth]
+    store: dict[StoreConfig, Bandwidth]
+    direct: bool
+    cold: bool
+
+    @property
+    def best_raw(self) -> Bandwidth:
+        """The yardstick: the best raw write and the best raw read, at whatever thread count."""
+        return {kind: max(r[kind] for r in self.raw.values()) for kind in KINDS}
+
+    def ratios(self, config: StoreConfig) -> Bandwidth:
+        return {kind: self.store[config][kind] / self.best_raw[kind] for kind in KINDS}
+
+
+def measure(
+    work: Path, nbytes: int, configs: list[StoreConfig], threads: list[int], reps: int
+) -> Measurements:
+    """Raw I/O at each thread count and the store in each configuration, in `reps` interleaved rounds."""
+    pool = BufferPool(2 * nbytes)
+    src = pool.acquire(nbytes).view(torch.float32, nbytes // 4)
+    dst = pool.acquire(nbytes).view(torch.float32, nbytes // 4)
+    src.uniform_()  # also the first touch of both buffers, outside any timing
+    dst.zero_()
+    raw: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
+    store: dict[StoreConfig, list[Bandwidth]] = {c: [] for c in configs}
+    with tqdm(total=reps * (len(raw) + len(store)), desc="tiers", unit="run") as bar:
+        for _ in range(reps):
+            for t, results in raw.items():
+                results.append(raw_disk_gbps(work, nbytes, t, reps=1, buffer=src.view(torch.uint8)))
+                bar.update()
+            for config, results in store.items():
+                results.append(store_gbps(work, src, dst, config))
+                bar.update()
+    runs = [r for results in raw.values() for r in results]
+    return Measurements(
+        memcpy=memcpy_gbps(nbytes),
+        raw={t: _medians(results) for t, results in raw.items()},
+        store={c: _medians(results) for c, results in store.items()},
+        direct=all(r["direct"] for r in runs),
+        cold=all(r["cold"] for r in runs),
+    )
+
+
+def best_config(m: Measurements) -> StoreConfig:
+    """The checksummed configuration that writes and then reads a byte fastest.
+
+    A step reads and writes its optimizer state in equal amounts, so the time
+    to move one byte each way, 1/write + 1/read, is what a step pays.
+    """
+    candidates = [c for c in m.store if c.checksum]
+    return min(candidates, key=lambda c: sum(1 / m.store[c][kind] for kind in KINDS))
+
+
+def build_rows(m: Measurements) -> list[Row]:
+    """One row per tier and configuration; store rows carry their ratios to the best raw."""
+
+    def row(tier: str, config: str, bw: Bandwidth) -> Row:
+        return {"tier": tier, "config": config, **{f"{kind} GB/s": bw[kind] for kind in KINDS}}
+
+    raw_name = "raw O_DIRECT" if m.direct else "raw buffered"
+    return [
+        row("host memcpy", "1 thread", {kind: m.memcpy for kind in KINDS}),
+        *(row(raw_name, f"{t} threads", bw) for t, bw in m.raw.items()),
+        *(
+            row("store", c.label, bw) | {f"{kind}/raw": r for kind, r in m.ratios(c).items()}
+            for c, bw in m.store.items()
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dir", type=Path, default=Path("."), help="directory on the disk to measure (default .)"
+    )
+    parser.add_argument("--mb", type=int, help="MiB moved per measurement (default 1024, --quick 64)")
+    parser.add_argument("--chunk-mb", type=int, nargs="+", default=[4, 16, 64], help="store chunk sizes, MiB")
+    parser.add_argument("--threads", type=int, nargs="+", default=[2, 4, 8], help="I/O thread counts")
+    parser.add_argument("--reps", type=int, default=3, help="rounds; each configuration reports its median")
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    mb = args.mb or (64 if args.quick else 1024)
+    configs = store_configs(args.chunk_mb, args.threads)
+    if any(mb % c.chunk_mb for c in configs):
+        parser.error(
+            f"--mb {mb} must be a multiple of every chunk size: {sorted({c.chunk_mb for c in configs})}"
+        )
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-tiers-", dir=args.dir) as work:
+        m = measure(Path(work), mb * MIB, configs, args.threads, args.reps)
+    rows = build_rows(m)
+    best = best_config(m)
+    ratios = m.ratios(best)
+    met = all(r >= GOAL for r in ratios.values())
+    recommended = {
+        "chunk_mb": best.chunk_mb,
+        "io_threads": best.io_threads,
+        "direct_io": best.direct_io and m.direct,
+    }
+
+    reads = "cold" if m.cold else "WARM (not root)"
+    print_table(
+        f"Tier bandwidth, {mb} MiB each, median of {args.reps} rounds; writes durable, reads {reads}", rows
+    )
+    print(
+        f"\nGoal: store >= {GOAL} x raw for write and read (best raw: write {m.best_raw['write']:.2f} GB/s, "
+        f"read {m.best_raw['read']:.2f} GB/s; the store checksums unless noted)."
+    )
+    print(
+        f"Best store config {best.label}: write {ratios['write']:.2f} x raw, "
+        f"read {ratios['read']:.2f} x raw: goal {'met' if met else 'NOT met'}."
+    )
+    print("\nRecommended for this machine:\n[offload]")
+    print("\n".join(f"{key} = {str(value).lower()}" for key, value in recommended.items()))
+
+    disk_rows = rows[1:]  # memcpy would flatten every disk bar: it goes in the title
+    bar_chart(
+        args.out / "tiers.png",
+        [f"{r['tier']}\n{r['config']}" for r in disk_rows],
+        {kind: [r[f"{kind} GB/s"] for r in disk_rows] for kind in KINDS},
+        ylabel="GB/s",
+        title=f"Disk tiers, {mb} MiB (host memcpy: {m.memcpy:.1f} GB/s)",
+        references={f"{GOAL} x raw {kind}": GOAL * m.best_raw[kind] for kind in KINDS},
+    )
+    result = {
+        "bytes": mb * MIB,
+        "reps": args.reps,
+        "directory": str(args.dir.resolve()),
+        "direct": m.direct,
+        "cold": m.cold,
+        "memcpy_gbps": m.memcpy,
+        "best_raw_gbps": m.best_raw,
+        "goal": GOAL,
+        "best": {"config": best.label, **m.store[best], **{f"{k}_ratio": v for k, v in ratios.items()}},
+        "goal_met": met,
+        "recommended": recommended,
+        "rows": rows,
+    }
+    save_json(args.out, "tiers", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The ``nvme`` optimizer tier: masters and AdamW moments live in the store between steps.
+
+Each step streams every unit's three shards (master, exp_avg, exp_avg_sq, fp32) from the
+committed generation into pooled host buffers ahead of the update, and writes them to the
+next generation behind it; host memory for the state is bounded by the pool's budget,
+whatever the model's size. When every rank's writes are durable the leader commits the
+new generation, so the store is always a valid checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from engine.partition import ModelLayout, UnitLayout
+from engine.state import ShardState
+from offload.buffers import BufferPool, HostBuffer
+from offload.generations import Generations, generation_prefix
+from offload.io import IORunner
+from offload.pipeline import Pipeline, PipelineStats
+from offload.store import ShardStore
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+FP32 = 4
+GENERATIONS_ON_DISK = 2  # the committed one and the one being written
+
+
+def unit_state_bytes(unit: UnitLayout) -> int:
+    """Host bytes to stage one unit's optimizer state on one rank."""
+    return len(KINDS) * unit.shard_numel * FP32
+
+
+def store_bytes(layout: ModelLayout) -> int:
+    """Disk the optimizer state takes for all ranks, both generations."""
+    return GENERATIONS_ON_DISK * len(KINDS) * FP32 * sum(u.padded_numel for u in layout.units)
+
+
+def check_nvme_path(path: Path, layout: ModelLayout) -> None:
+    """Refuse, before any work, a path that cannot hold the store (missing rights or space)."""
+    parent = path if path.exists() else path.parent
+    if not parent.exists():
+        raise FileNotFoundError(f"offload.nvme_path = {str(path)!r}: its parent folder {parent} does not exist; create it")
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"offload.nvme_path = {str(path)!r}: {parent} is not writable; choose a writable folder")
+    need, free = store_bytes(layout), shutil.disk_usage(parent).free
+    if need > free:
+        raise OSError(
+            f"offload.nvme_path = {str(path)!r}: the store needs {need / 2**30:.2f} GiB "
+            f"(two generations of fp32 master, exp_avg and exp_avg_sq) but only {free / 2**30:.2f} GiB are free there"
+        )
+
+
+class StoreOptimizerState:
+    """Optimizer shards in a zarr store, streamed through a byte-bounded pipeline."""
+
+    def __init__(
+        self,
+        path: Path,
+        layout: ModelLayout,
+        rank: int,
+        *,
+        buffer_bytes: int,
+        io_threads: int,
+        checksum: bool,
+        direct_io: bool,
+        barrier: Callable[[], None],
+    ):
+        largest = max(layout.units, key=unit_state_bytes)
+        if buffer_bytes < 2 * unit_state_bytes(largest):
+            need_mb = -(-2 * unit_state_bytes(largest) // 2**20)
+            raise ValueError(
+                f"offload.buffer_mb = {buffer_bytes // 2**20}: unit {largest.name!r} needs "
+                f"{unit_state_bytes(largest) / 2**20:.1f} MiB of host buffer to stage its optimizer state, "
+                f"twice that to read one unit while writing another; set offload.buffer_mb >= {need_mb}"
+            )
+        self.layout, self.rank = layout, rank
+        self._barrier = barrier
+        self._leader = rank == 0
+        self.runner = IORunner(threads=io_threads)
+        self.pool = BufferPool(buffer_bytes)
+        self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, window_bytes=buffer_bytes // 2)
+        self.last_stats = PipelineStats()
+        self._held: dict[str, HostBuffer] = {}
+        if self._leader:
+            check_nvme_path(path, layout)
+            if (path / "zarr.json").exists():
+                raise FileExistsError(
+                    f"offload.nvme_path = {str(path)!r} already holds a store: remove it or choose another nvme_path"
+                )
+            ShardStore.create(path, {"layout": layout.to_dict()}, runner=self.runner, checksum=checksum, direct_io=direct_io)
+        barrier()
+        self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
+        self.generations = Generations(self.store)
+        self._read_generation = 0
+        self._generation_zero_ready = False
+
+    def _create_arrays(self, prefix: str) -> None:
+        for unit in self.layout.units:
+            for kind in KINDS:
+                self.store.create_array(f"{prefix}/{unit.name}/{kind}", unit.padded_numel, unit.chunk_numel, torch.float32)
+
+    def _name(self, generation: int, unit: UnitLayout, kind: str) -> str:
+        return f"{generation_prefix(generation)}/{unit.name}/{kind}"
+
+    def add_unit(self, unit: UnitLayout, master: torch.Tensor) -> None:
+        """Write the unit's initial master and zero moments to generation 0."""
+        if not self._generation_zero_ready:
+            if self._leader:
+                self.generations.prepare(0, self._create_arrays)
+            self._barrier()
+            self._generation_zero_ready = True
+        with self.pool.acquire(unit_state_bytes(unit)) as buf:
+            state = self._views(unit, buf)
+            state.master.copy_(master)
+            state.exp_avg.zero_()
+            state.exp_avg_sq.zero_()
+            self._save(unit, buf, generation=0)
+
+    def seal(self) -> None:
+        """Commit generation 0: from here on the store is a valid checkpoint."""
+        self._commit(0, {"step": 0})
+
+    def _views(self, unit: UnitLayout, buf: HostBuffer) -> ShardState:
+        n = unit.shard_numel
+        return ShardState(*(buf.view(torch.float32, n, i * n * FP32) for i in range(len(KINDS))))
+
+    def _load(self, unit: UnitLayout, buf: HostBuffer) -> None:
+        start = unit.shard_slice(self.rank).start
+        for kind, view in zip(KINDS, self._views(unit, buf).tensors()):
+            self.store.read_into(self._name(self._read_generation, unit, kind), start, view)
+
+    def _save(self, unit: UnitLayout, buf: HostBuffer, generation: int | None = None) -> None:
+        generation = self._read_generation + 1 if generation is None else generation
+        start = unit.shard_slice(self.rank).start
+        for kind, view in zip(KINDS, self._views(unit, buf).tensors()):
+            self.store.write_from(self._name(generation, unit, kind), start, view)
+
+    def stream(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
+        for unit, buf in self.pipeline.stream(
+            units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"optimizer state of unit {u.name}"
+        ):
+            self._held[unit.name] = buf
+            yield unit, self._views(unit, buf)
+
+    def done(self, unit: UnitLayout, state: ShardState) -> None:
+        self.pipeline.write_back(
+            unit, self._held.pop(unit.name), self._save, describe=lambda u: f"optimizer state of unit {u.name}"
+        )
+
+    def finish(self, record: dict) -> None:
+        """Wait for the step's writes, make them durable on every rank, then commit."""
+        self.last_stats = self.pipeline.drain()
+        self._commit(self._read_generation + 1, record)
+
+    def _commit(self, generation: int, record: dict) -> None:
+        self.store.sync()
+        self._barrier()
+        if self._leader:
+            self.generations.commit(generation, record)
+            self.generations.prepare(generation + 1, self._create_arrays)
+        self._barrier()
+        self._read_generation = generation
+
+    def nbytes(self) -> int:
+        """This rank's share of the store on disk (both generations)."""
+        return GENERATIONS_ON_DISK * sum(unit_state_bytes(u) for u in self.layout.units)
+
+    def close(self) -> None:
+        self.runner.close()

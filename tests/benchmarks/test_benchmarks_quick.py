@@ -1,0 +1,76 @@
+"""Smoke tests: each benchmark runs end to end on tiny sizes and saves a complete JSON record.
+
+Not performance checks: the numbers only have to exist and be positive.
+"""
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import optimizer, report, tiers
+
+MACHINE_KEYS = {"cpu_count", "ram_bytes", "torch", "zarr", "date", "command"}
+
+
+def load_record(path: Path, name: str) -> dict[str, Any]:
+    record = json.loads((path / f"{name}.json").read_text())
+    assert record["benchmark"] == name
+    assert MACHINE_KEYS <= record["machine"].keys()
+    return record
+
+
+def test_tiers_quick(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    tiers.main(
+        [
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--dir",
+            str(disk),
+            "--mb",
+            "16",
+            "--chunk-mb",
+            "4",
+            "16",
+            "--threads",
+            "2",
+            "--reps",
+            "1",
+        ]
+    )
+    record = load_record(tmp_path, "tiers")
+    assert {"memcpy_gbps", "best_raw_gbps", "goal", "goal_met", "recommended", "rows"} <= record.keys()
+    assert record["recommended"]["chunk_mb"] in (4, 16)
+    assert record["recommended"]["io_threads"] == 2
+    # memcpy, raw at 2 threads, the 2 x 1 grid, then the buffered and unchecksummed variants
+    assert [row["tier"] for row in record["rows"]][:2] == ["host memcpy", "raw O_DIRECT"]
+    assert len(record["rows"]) == 6
+    for row in record["rows"]:
+        assert row["write GB/s"] > 0 and row["read GB/s"] > 0
+    assert list(disk.iterdir()) == []  # every benchmark file was removed
+
+
+def test_optimizer_quick(tmp_path: Path) -> None:
+    optimizer.main(
+        ["--quick", "--out", str(tmp_path), "--params", "200000", "--shard-params", "64000", "--reps", "1"]
+    )
+    record = load_record(tmp_path, "optimizer")
+    assert record["params"] == 200_000
+    assert record["memcpy_gbps"] > 0 and record["bound_mparam_per_s"] > 0
+    rows = record["sections"]["host memory"]
+    assert {(row["optimizer"], row["threads"]) for row in rows} == {
+        (name, threads) for name in optimizer.OPTIMIZERS for threads in (1, 2)
+    }
+    for row in rows:
+        assert row["Mparam/s"] > 0 and row["of bound"] > 0
+
+
+def test_plot_is_skipped_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    path = tmp_path / "plot.png"
+    assert report.bar_chart(path, ["a"], {"s": [1.0]}, ylabel="y", title="t") is None
+    assert not path.exists()
