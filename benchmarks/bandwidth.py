@@ -19,12 +19,14 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ _DROP_CACHES = "/proc/sys/vm/drop_caches"
 # Per-call size of the raw route: large enough that syscall overhead vanishes,
 # small enough that several calls per thread keep the device queue full.
 _IO_BLOCK = 8 << 20
+
+K = TypeVar("K")
 
 
 def page_aligned(nbytes: int) -> torch.Tensor:
@@ -43,29 +47,39 @@ def page_aligned(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
-def median_seconds(fn: Callable[[], object], reps: int) -> float:
-    """Median wall time of `reps` calls of `fn`, after one untimed warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def interleaved_medians(
+    fns: Mapping[K, Callable[[], object]], reps: int, *, desc: str | None = None
+) -> dict[K, float]:
+    """Median wall time of each callable over `reps` rounds, every round calling each one once.
+
+    Interleaving spreads the machine's slow spells over all callables alike,
+    so the ratios between them hold even when the absolute times drift. An
+    untimed round comes first (warm-up: state allocation, first touch).
+    `desc` shows a progress bar over the rounds.
+    """
+    times: dict[K, list[float]] = {key: [] for key in fns}
+    for round_ in tqdm(range(reps + 1), desc=desc, unit="round", disable=desc is None):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if round_:
+                times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
     """Bytes copied per second (GB/s) between two preallocated buffers of `nbytes`.
 
     numpy's copyto is a plain memcpy (streaming stores for large copies),
-    about twice as fast here as torch's `copy_`, so it is the honest ceiling.
+    about twice as fast here as torch's `copy_`: the fastest plain copy.
     One thread: a second one adds nothing on this memory system.
     """
     src = page_aligned(nbytes).numpy()
     dst = page_aligned(nbytes).numpy()
     src.fill(1)  # touch every page before timing: first touch is several times slower
     dst.fill(0)
-    return nbytes / median_seconds(lambda: np.copyto(dst, src), reps) / 1e9
+    seconds = interleaved_medians({"copy": lambda: np.copyto(dst, src)}, reps)["copy"]
+    return nbytes / seconds / 1e9
 
 
 def drop_page_cache() -> bool:
@@ -140,6 +154,8 @@ def raw_disk_gbps(
     `write` and `read`, plus `direct` (whether O_DIRECT was used) and `cold`
     (whether the page cache could be dropped).
     """
+    if nbytes % mmap.PAGESIZE:
+        raise ValueError(f"nbytes must be a multiple of {mmap.PAGESIZE} for O_DIRECT, got {nbytes}")
     if buffer is None:
         buffer = page_aligned(nbytes)
         buffer.fill_(0x5A)  # first touch outside the timed region
@@ -147,8 +163,8 @@ def raw_disk_gbps(
         raise ValueError(f"buffer must be {nbytes} uint8 elements, got {buffer.numel()} x {buffer.dtype}")
     writes, reads = [], []
     used_direct = cold = True
-    fd_dir, path = tempfile.mkstemp(prefix="raw-disk-", suffix=".bin", dir=directory)
-    os.close(fd_dir)
+    fd, path = tempfile.mkstemp(prefix="raw-disk-", suffix=".bin", dir=directory)
+    os.close(fd)
     try:
         for _ in range(reps):
             fd, is_direct = _open(path, os.O_WRONLY, direct)

@@ -7,7 +7,7 @@ I/O (the disk's limit as seen from Python, see `benchmarks.bandwidth`); and
 `ShardStore` at several chunk sizes and I/O thread counts. Writes are durable
 (the store's `sync()` fsyncs every chunk file and directory), reads are cold
 (page cache dropped first, which needs root). The goal is store >= 0.85 x raw
-for both; the best store configuration is printed as an `[offload]` snippet.
+for both; the store configuration to use is printed as an `[offload]` snippet.
 
 The machine is noisy, so the measurements run in rounds, each visiting every
 configuration once, and each configuration reports its median: a slow minute
@@ -36,6 +36,7 @@ from offload.io import IORunner
 from offload.store import ShardStore
 
 GOAL = 0.85
+TIE = 0.05  # relative step cost below which two configurations count as equally fast
 MIB = 1 << 20
 KINDS = ("write", "read")
 
@@ -149,14 +150,19 @@ def measure(
     )
 
 
-def best_config(m: Measurements) -> StoreConfig:
-    """The checksummed configuration that writes and then reads a byte fastest.
+def recommend(m: Measurements) -> StoreConfig:
+    """The checksummed configuration to run: the fastest, or a cheaper one as fast within the noise.
 
     A step reads and writes its optimizer state in equal amounts, so the time
-    to move one byte each way, 1/write + 1/read, is what a step pays.
+    to move one byte each way, 1/write + 1/read, is what a step pays. Among
+    the configurations within `TIE` of the fastest (closer than the noise can
+    tell apart), the smallest chunk wins, then the fewest threads: smaller
+    chunks pad shards less and need a smaller buffer budget. This also keeps
+    the advice from flipping between runs.
     """
-    candidates = [c for c in m.store if c.checksum]
-    return min(candidates, key=lambda c: sum(1 / m.store[c][kind] for kind in KINDS))
+    cost = {c: sum(1 / m.store[c][kind] for kind in KINDS) for c in m.store if c.checksum}
+    fastest = min(cost.values())
+    return min((c for c in cost if cost[c] <= fastest * (1 + TIE)), key=lambda c: (c.chunk_mb, c.io_threads))
 
 
 def build_rows(m: Measurements) -> list[Row]:
@@ -198,13 +204,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-tiers-", dir=args.dir) as work:
         m = measure(Path(work), mb * MIB, configs, args.threads, args.reps)
     rows = build_rows(m)
-    best = best_config(m)
-    ratios = m.ratios(best)
+    chosen = recommend(m)
+    ratios = m.ratios(chosen)
     met = all(r >= GOAL for r in ratios.values())
     recommended = {
-        "chunk_mb": best.chunk_mb,
-        "io_threads": best.io_threads,
-        "direct_io": best.direct_io and m.direct,
+        "chunk_mb": chosen.chunk_mb,
+        "io_threads": chosen.io_threads,
+        "direct_io": chosen.direct_io and m.direct,
     }
 
     reads = "cold" if m.cold else "WARM (not root)"
@@ -216,10 +222,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"read {m.best_raw['read']:.2f} GB/s; the store checksums unless noted)."
     )
     print(
-        f"Best store config {best.label}: write {ratios['write']:.2f} x raw, "
+        f"Recommended store config {chosen.label}: write {ratios['write']:.2f} x raw, "
         f"read {ratios['read']:.2f} x raw: goal {'met' if met else 'NOT met'}."
     )
-    print("\nRecommended for this machine:\n[offload]")
+    print("\nIn this machine's config file:\n[offload]")
     print("\n".join(f"{key} = {str(value).lower()}" for key, value in recommended.items()))
 
     disk_rows = rows[1:]  # memcpy would flatten every disk bar: it goes in the title
@@ -240,7 +246,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "memcpy_gbps": m.memcpy,
         "best_raw_gbps": m.best_raw,
         "goal": GOAL,
-        "best": {"config": best.label, **m.store[best], **{f"{k}_ratio": v for k, v in ratios.items()}},
+        "recommended_measured": {
+            "config": chosen.label,
+            **m.store[chosen],
+            **{f"{k}_ratio": v for k, v in ratios.items()},
+        },
         "goal_met": met,
         "recommended": recommended,
         "rows": rows,

@@ -14,7 +14,8 @@ Either way the shard ends on the optimizer's tier, averaged over ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import collections
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,13 +24,17 @@ from engine.comm import Comm, Work
 from engine.partition import ModelLayout, ParamSlot, UnitLayout
 
 
+# Reductions in flight at once during backward: enough to overlap one with the next
+# unit's backward, few enough that reduced shards never pile up for the whole model.
+MAX_IN_FLIGHT = 2
+
+
 @dataclass
 class _Bucket:
     unit: UnitLayout
     expected: int
     flat: torch.Tensor | None = None
     arrived: int = 0
-    pending: list[tuple[Work, torch.Tensor]] = field(default_factory=list)
 
 
 class GradientShards:
@@ -54,6 +59,7 @@ class GradientShards:
             for u in layout.units
         }
         self._first_micro_batch = True
+        self._in_flight: collections.deque[tuple[UnitLayout, Work, torch.Tensor]] = collections.deque()
         self._handles = []
         for bucket in self._buckets:
             slots = {s.name: s for s in bucket.unit.params}
@@ -81,9 +87,10 @@ class GradientShards:
             self._reduce(bucket)
 
     def _reduce(self, bucket: _Bucket) -> None:
-        shard = torch.empty(bucket.unit.shard_numel, dtype=torch.float32, device=self._device)
-        bucket.pending.append((self._comm.reduce_scatter(shard, bucket.flat), shard))
+        work, shard = self._comm.reduce_scatter(bucket.flat, bucket.unit.shard_numel)
+        self._in_flight.append((bucket.unit, work, shard))
         bucket.flat = None
+        self._collect(keep=MAX_IN_FLIGHT - 1)
 
     def end_backward(self) -> None:
         """After ``loss.backward()``: reduce what backward left (units with unused parameters)
@@ -108,15 +115,15 @@ class GradientShards:
             self._collect()
         return [self.shards[b.unit.name] for b in self._buckets]
 
-    def _collect(self) -> None:
-        for bucket in self._buckets:
-            for work, shard in bucket.pending:
-                work.wait()
-                if self._comm.world_size > 1:
-                    shard.div_(self._comm.world_size)
-                target = self.shards[bucket.unit.name]
-                target.copy_(shard) if self._first_micro_batch or not self._early else target.add_(shard)
-            bucket.pending.clear()
+    def _collect(self, keep: int = 0) -> None:
+        """Fold finished reductions into the accumulated shards, oldest first, leaving ``keep`` in flight."""
+        while len(self._in_flight) > keep:
+            unit, work, shard = self._in_flight.popleft()
+            work.wait()
+            if self._comm.world_size > 1:
+                shard.div_(self._comm.world_size)
+            target = self.shards[unit.name]
+            target.copy_(shard) if self._first_micro_batch or not self._early else target.add_(shard)
 
     def zero(self) -> None:
         """Start a new accumulation window."""

@@ -1,0 +1,54 @@
+"""Measure, in a fresh process, how much host memory the engine adds while it trains.
+
+``python -m tests.engine.rss_probe N_LAYER TIER BUDGET_MB STORE`` prints one JSON line.
+The peak is the kernel's high-water mark (VmHWM), reset just before the engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import psutil
+import torch
+
+from engine.config import Config
+from engine.engine import Engine
+from engine.models.gpt import GPT, GPTConfig
+
+
+def high_water_bytes() -> int:
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+
+
+def main(n_layer: int, tier: str, budget_mb: int, store: str) -> dict:
+    torch.set_num_threads(1)
+    model = GPT(GPTConfig(n_layer=n_layer, d_model=384, n_head=6, seq_len=32))
+    config = Config.from_dict(
+        {
+            "zero": {"stage": 2},
+            "offload": {"optimizer": tier, "nvme_path": store, "buffer_mb": budget_mb, "chunk_mb": 4},
+            "precision": {"compute_dtype": "bf16"},
+        }
+    )
+    x = torch.randint(0, 256, (1, 32))
+    before = psutil.Process().memory_info().rss
+    Path("/proc/self/clear_refs").write_text("5")
+    eng = Engine(model, config, total_steps=2)
+    for _ in range(2):
+        eng.backward(eng(x, x))
+        eng.step()
+    held = eng.memory_report()
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "added_peak": high_water_bytes() - before,
+        "held_device": held["device"],
+        "held_cpu": held["cpu"],
+        "pool_peak": getattr(eng.optimizer_state, "pool", None) and eng.optimizer_state.pool.peak_bytes,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4])))
