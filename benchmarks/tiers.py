@@ -90,8 +90,9 @@ def store_gbps(directory: Path, src: torch.Tensor, dst: torch.Tensor, config: St
 def store_configs(chunk_mbs: list[int], threads: list[int]) -> list[StoreConfig]:
     """The grid, then the engine's default configuration without O_DIRECT and without checksums.
 
-    The two extra rows show what each of those costs; they are not candidates
-    for the recommendation (checksums are a safety choice, not a speed one).
+    The two extra rows show what each of those costs. The buffered one is a
+    candidate for the recommendation, so the advice on `direct_io` is measured;
+    the unchecksummed one is not (checksums are a safety choice, not a speed one).
     """
     grid = [StoreConfig(c, t) for c in chunk_mbs for t in threads]
     default = StoreConfig(OffloadConfig.chunk_mb, OffloadConfig.io_threads)

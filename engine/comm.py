@@ -98,6 +98,14 @@ class Comm:
         dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
         return tensor.item()
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's ``obj`` (small, picklable), by rank."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

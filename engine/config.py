@@ -44,7 +44,7 @@ class ZeroConfig:
 class OffloadConfig:
     """Where each kind of state lives, and how bytes move to and from disk."""
 
-    optimizer: Tier = "cpu"
+    optimizer: Tier = "nvme"
     """Tier of the fp32 masters and AdamW moments: ``device`` (no offload), ``cpu`` or ``nvme``."""
     param: Tier = "device"
     """Tier of the compute-dtype parameter shards (stage 3 only)."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import rng
 from engine.comm import Comm
 from engine.config import Config
 from engine.device import Device
@@ -39,7 +40,7 @@ BYTES_PER_MIB = 1 << 20
 class Engine:
     """ZeRO stage 1/2 training of ``model`` with its optimizer state on the configured tier."""
 
-    def __init__(self, model: nn.Module, config: Config, *, total_steps: int | None = None):
+    def __init__(self, model: nn.Module, config: Config, *, total_steps: int | None = None, resume: bool = False):
         config.validate()
         if config.zero.stage == 3:
             raise NotImplementedError("zero.stage = 3 is not available yet: use zero.stage = 1 or 2")
@@ -58,19 +59,24 @@ class Engine:
 
         tier = config.offload.optimizer
         opt_device = self.device.device if tier == "device" else torch.device("cpu")
+        if resume and tier != "nvme":
+            raise ValueError(
+                f"resuming needs the state on disk: offload.optimizer = {tier!r} keeps it in memory; "
+                f"train with offload.optimizer = \"nvme\" to resume from its store"
+            )
         model.to(self.device.device)
-        self.optimizer_state = self._optimizer_state(opt_device)
+        self.optimizer_state = self._optimizer_state(opt_device, resume)
         self._flat_params: dict[str, torch.Tensor] = {}
         for unit in self.layout.units:
             full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device.device)
             flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
-            self.optimizer_state.add_unit(unit, full[unit.shard_slice(self.comm.rank)])
+            if not resume:
+                self.optimizer_state.add_unit(unit, full[unit.shard_slice(self.comm.rank)])
             flat = full.to(self.dtype) if self.dtype != torch.float32 else full
             views = param_views(flat, unit)
             for name, param in owned[unit.name]:
                 param.data = views[name]
             self._flat_params[unit.name] = flat
-        self.optimizer_state.seal()
 
         self.grads = GradientShards(
             self.layout,
@@ -87,7 +93,13 @@ class Engine:
         self.global_step = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.client_state: dict[str, Any] = {}
+        """Saved with every committed step and restored on resume (e.g. the data position)."""
         self._micro_batches = 0
+        if resume:
+            self._restore(self.optimizer_state.resumed_from)
+        else:
+            self.optimizer_state.seal()
         logger.info(
             "engine: stage %d, %d units, %.1fM params, compute %s, optimizer on %s, rank %d of %d",
             config.zero.stage,
@@ -99,7 +111,46 @@ class Engine:
             self.comm.world_size,
         )
 
-    def _optimizer_state(self, device: torch.device) -> OptimizerState:
+    @classmethod
+    def resume(cls, model: nn.Module, config: Config, *, total_steps: int | None = None) -> Engine:
+        """Continue from the last step committed in ``config.offload.nvme_path``: parameters,
+        optimizer state, step count, loss scale, random states and ``client_state``."""
+        return cls(model, config, total_steps=total_steps, resume=True)
+
+    def _restore(self, record: dict[str, Any]) -> None:
+        """Parameters from the committed masters, and the counters the record holds."""
+        gathers = []
+        for unit, master in self.optimizer_state.read_masters():
+            flat = self._flat_params[unit.name]
+            own = flat[unit.shard_slice(self.comm.rank)]
+            own.copy_(master)
+            gathers.append(self.comm.all_gather(flat, own))
+        for work in gathers:
+            work.wait()
+        self.global_step = record["step"]
+        self.skipped_steps = record.get("skipped_steps", 0)
+        for counter in self._step_counters.values():
+            counter.fill_(record.get("optimizer_steps", 0))
+        if "loss_scale" in record:
+            self.scaler.load_state_dict(record["loss_scale"])
+        self.client_state = record.get("client_state", {})
+        if "rng" in record:
+            rng.restore(record["rng"][self.comm.rank])
+        logger.info("resumed at step %d from %s", self.global_step, self.config.offload.nvme_path)
+
+    def _commit_record(self) -> dict[str, Any]:
+        """What a committed step must remember besides the tensors in the store."""
+        return {
+            "step": self.global_step + 1,
+            "skipped_steps": self.skipped_steps,
+            "optimizer_steps": int(next(iter(self._step_counters.values())).item()),
+            "loss_scale": self.scaler.state_dict(),
+            "client_state": self.client_state,
+            "rng": self.comm.all_gather_object(rng.capture()),
+            "world_size": self.comm.world_size,
+        }
+
+    def _optimizer_state(self, device: torch.device, resume: bool) -> OptimizerState:
         """The (empty) optimizer tier the configuration asks for."""
         offload = self.config.offload
         if offload.optimizer != "nvme":
@@ -113,6 +164,7 @@ class Engine:
             checksum=offload.checksum,
             direct_io=offload.direct_io,
             barrier=self.comm.barrier,
+            resume=resume,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -167,7 +219,7 @@ class Engine:
             gathers.append(self.comm.all_gather(flat, own))
         for work in gathers:
             work.wait()
-        self.optimizer_state.finish({"step": self.global_step + 1})
+        self.optimizer_state.finish(self._commit_record())
 
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last step."""

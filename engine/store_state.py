@@ -57,6 +57,30 @@ def check_nvme_path(path: Path, layout: ModelLayout) -> None:
         )
 
 
+def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> None:
+    """Refuse a store laid out for another model or world size, naming the first difference."""
+    if stored.world_size != current.world_size:
+        raise ValueError(
+            f"store {path} was written by {stored.world_size} rank(s) and this run has {current.world_size}: "
+            f"resume with {stored.world_size} rank(s)"
+        )
+    stored_params = [(u.name, p.name, p.shape) for u in stored.units for p in u.params]
+    current_params = [(u.name, p.name, p.shape) for u in current.units for p in u.params]
+    for old, new in zip(stored_params, current_params):
+        if old != new:
+            raise ValueError(
+                f"store {path} does not match this model: the store has parameter {old[1]!r} with shape "
+                f"{list(old[2])} in unit {old[0]!r} where the model has {new[1]!r} with shape {list(new[2])} "
+                f"in unit {new[0]!r}; resume with the model the store was trained with"
+            )
+    if len(stored_params) != len(current_params):
+        longer, which = (stored_params, "store") if len(stored_params) > len(current_params) else (current_params, "model")
+        raise ValueError(
+            f"store {path} does not match this model: the {which} has {len(longer) - min(len(stored_params), len(current_params))} "
+            f"more parameter(s), first {longer[min(len(stored_params), len(current_params))][1]!r}"
+        )
+
+
 class StoreOptimizerState:
     """Optimizer shards in a zarr store, streamed through a byte-bounded pipeline."""
 
@@ -71,6 +95,7 @@ class StoreOptimizerState:
         checksum: bool,
         direct_io: bool,
         barrier: Callable[[], None],
+        resume: bool = False,
     ):
         largest = max(layout.units, key=unit_state_bytes)
         if buffer_bytes < 2 * unit_state_bytes(largest):
@@ -88,11 +113,13 @@ class StoreOptimizerState:
         self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, window_bytes=buffer_bytes // 2)
         self.last_stats = PipelineStats()
         self._held: dict[str, HostBuffer] = {}
-        if self._leader:
+        if self._leader and not resume:
             check_nvme_path(path, layout)
             if (path / "zarr.json").exists():
                 raise FileExistsError(
-                    f"offload.nvme_path = {str(path)!r} already holds a store: remove it or choose another nvme_path"
+                    f"offload.nvme_path = {str(path)!r} already holds a store: resume from it "
+                    f"(Engine.resume, or `python -m engine train` with the same nvme_path), "
+                    f"or remove it, or choose another nvme_path"
                 )
             ShardStore.create(path, {"layout": layout.to_dict()}, runner=self.runner, checksum=checksum, direct_io=direct_io)
         barrier()
@@ -100,6 +127,23 @@ class StoreOptimizerState:
         self.generations = Generations(self.store)
         self._read_generation = 0
         self._generation_zero_ready = False
+        self.resumed_from: dict | None = self._check_resumable(path, layout) if resume else None
+
+    def _check_resumable(self, path: Path, layout: ModelLayout) -> dict:
+        """The committed record of an existing store whose layout is this model's."""
+        record = self.generations.committed()
+        if record is None:
+            raise FileNotFoundError(
+                f"store {path} has no COMMITTED record: its first step never finished, so there is nothing "
+                f"to resume; remove it and start afresh"
+            )
+        stored = ModelLayout.from_dict(self.store.attrs["layout"])
+        first_difference(stored, layout, path)
+        self._read_generation = record["generation"]
+        if self._leader:
+            self.generations.prepare(self._read_generation + 1, self._create_arrays)
+        self._barrier()
+        return record
 
     def _create_arrays(self, prefix: str) -> None:
         for unit in self.layout.units:
@@ -141,6 +185,16 @@ class StoreOptimizerState:
         start = unit.shard_slice(self.rank).start
         for kind, view in zip(KINDS, self._views(unit, buf).tensors()):
             self.store.write_from(self._name(generation, unit, kind), start, view)
+
+    def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
+        """Each unit's committed master shard, streamed (to rebuild parameters on resume)."""
+        for unit, buf in self.pipeline.stream(
+            self.layout.units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"master of unit {u.name}"
+        ):
+            try:
+                yield unit, self._views(unit, buf).master
+            finally:
+                self.pipeline.release(buf)
 
     def stream(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
         for unit, buf in self.pipeline.stream(

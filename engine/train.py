@@ -14,6 +14,7 @@ import resource
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -48,6 +49,11 @@ def build_model(config: Config, vocab_size: int) -> GPT:
     return GPT(gpt_config, seed=config.train.seed)
 
 
+def resumable(config: Config) -> bool:
+    """A run continues where the store at ``offload.nvme_path`` last committed, if there is one."""
+    return config.offload.optimizer == "nvme" and (Path(config.offload.nvme_path) / "COMMITTED").exists()
+
+
 def peak_rss_bytes() -> int:
     """High-water mark of this process's resident memory (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -80,7 +86,7 @@ def train(config: Config) -> TrainResult:
     """Train the built-in model on the built-in (or configured) data for ``train.steps`` steps."""
     tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
     model = build_model(config, vocab_size)
-    engine = Engine(model, config)
+    engine = Engine.resume(model, config) if resumable(config) else Engine(model, config)
     rank, world = engine.comm.rank, engine.comm.world_size
     data = TokenBatches(
         tokens,
@@ -90,17 +96,20 @@ def train(config: Config) -> TrainResult:
         world_size=world,
         seed=config.data.seed,
     )
+    if "data" in engine.client_state:
+        data.load_state_dict(engine.client_state["data"])
     tokens_per_step = data.global_batch * config.data.seq_len * config.zero.grad_accum_steps
     result = TrainResult()
-    progress = tqdm(total=config.train.steps, desc="train", unit="step", disable=rank != 0)
+    progress = tqdm(total=config.train.steps, initial=engine.global_step, desc="train", unit="step", disable=rank != 0)
     window_start, window_steps = time.perf_counter(), 0
     run_start = window_start
     with StopFlag() as stop, logging_redirect_tqdm():
-        for step in range(config.train.steps):
+        for step in range(engine.global_step, config.train.steps):
             loss_sum = 0.0
             for _ in range(config.zero.grad_accum_steps):
                 loss = engine(*data.next())
                 engine.backward(loss)
+                engine.client_state = {"data": data.state_dict()}
                 engine.step()
                 loss_sum += loss.item()
             loss_value = engine.comm.all_reduce_value(loss_sum / config.zero.grad_accum_steps) / world
@@ -129,8 +138,13 @@ def train(config: Config) -> TrainResult:
                 result.stopped_early = True
                 break
     progress.close()
-    result.seconds_per_step = (time.perf_counter() - run_start) / max(1, result.steps_done)
+    result.seconds_per_step = (time.perf_counter() - run_start) / max(1, len(result.losses))
     if result.stopped_early and rank == 0:
-        logger.warning("stopped after step %d of %d", result.steps_done, config.train.steps)
+        how = (
+            f"run the same command again to resume from {config.offload.nvme_path}"
+            if config.offload.optimizer == "nvme"
+            else 'the state was in memory (offload.optimizer = "nvme" makes runs resumable)'
+        )
+        logger.warning("stopped after step %d of %d: %s", result.steps_done, config.train.steps, how)
     engine.close()
     return result

@@ -20,8 +20,8 @@ SEQ_LEN = 32
 
 
 def config(**sections: dict) -> Config:
-    """A config for tests: fp32, no clipping, unless a section says otherwise."""
-    raw = {"precision": {"compute_dtype": "fp32"}, "optim": {"grad_clip": 0.0, "warmup_steps": 2}, "train": {"steps": 6}}
+    """A config for tests: fp32, no clipping, optimizer state in memory, unless a section says otherwise."""
+    raw = {"offload": {"optimizer": "cpu"}, "precision": {"compute_dtype": "fp32"}, "optim": {"grad_clip": 0.0, "warmup_steps": 2}, "train": {"steps": 6}}
     for name, values in sections.items():
         raw[name] = raw.get(name, {}) | values
     return Config.from_dict(raw)

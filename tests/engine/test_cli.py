@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -51,3 +53,30 @@ def test_bad_override_is_a_clear_error(tmp_path) -> None:
 def test_bad_step_count(tmp_path) -> None:
     proc = run(["--steps", "0"], tmp_path)
     assert proc.returncode == 2 and "train.steps" in proc.stderr
+
+
+def test_second_run_resumes_from_the_store(tmp_path) -> None:
+    losses(run(["--steps", "3", "--seq_len", "64"], tmp_path))
+    proc = run(["--steps", "5", "--seq_len", "64"], tmp_path)
+    assert "resumed at step 3" in proc.stderr
+    steps, _, _ = losses(proc)
+    assert steps == 5
+
+
+def test_sigterm_finishes_the_step_commits_and_exits_cleanly(tmp_path) -> None:
+    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "engine", "train", "--preset", "tiny", "--seq_len", "64", "--steps", "100000", "--log_every", "1"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "step 2 loss" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.communicate(timeout=120)[1]
+    output = "".join(seen) + rest
+    assert proc.returncode == 0, output[-3000:]
+    stopped = re.search(r"stopped after step (\d+) of 100000: run the same command again to resume", output)
+    assert stopped, output[-3000:]
+    committed = json.loads((tmp_path / "offload_store" / "COMMITTED").read_text())
+    assert committed["step"] == int(stopped[1])

@@ -1,0 +1,146 @@
+"""Full fp32 weights out of a store, as one ``.safetensors`` file under the model's own names.
+
+The masters in the store are the weights (sharded and padded per unit), and the layout saved
+with the store names every parameter and its place, so no model class is needed. The model
+may be larger than memory, so the file is written by streaming: the safetensors header is
+known from the layout alone and goes first, then each unit's master is read one chunk at a
+time and its bytes appended, padding dropped. Units are written in layout order and each
+unit's parameters lie end to end from offset 0, so the file's data section is exactly the
+units' masters cut to their real length, one after another.
+
+Tied weights: a parameter shared by several modules is stored once, under the name the
+layout records (the first name ``named_parameters`` gives, e.g. ``tok_emb.weight`` for a
+GPT whose head shares the embedding). Load such a file with
+``model.load_state_dict(weights, strict=False)``: the only missing keys are the aliases of
+the tied weight, which already share the loaded tensor.
+
+The file is written to a temporary name beside ``out_path`` and renamed when complete, so
+a crash never leaves a truncated file under the real name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from tqdm import tqdm
+
+from engine.inspect import IO_THREADS, ChunkReader, array_name, committed_record, open_store, store_layout
+from engine.partition import ModelLayout
+from offload.generations import Generations
+from offload.io import IORunner
+from offload.store import ShardStore
+
+logger = logging.getLogger(__name__)
+
+FP32 = 4
+HEADER_ALIGN = 8  # safetensors pads its header with spaces so the data starts 8-byte aligned
+
+
+def consolidate(store_path: str | os.PathLike[str], out_path: str | os.PathLike[str], generation: int | None = None) -> int:
+    """Write the fp32 weights of ``generation`` (default: the committed one) of the store at
+    ``store_path`` to the safetensors file ``out_path``; return the number of tensors."""
+    store_path, out_path = Path(store_path), Path(out_path)
+    if not out_path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {out_path}: its folder {out_path.parent} does not exist; create it first")
+    with IORunner(threads=IO_THREADS) as runner:
+        store = open_store(store_path, runner)
+        layout = store_layout(store)
+        generation, metadata = _choose_generation(store, generation)
+        header = safetensors_header(layout, metadata)
+        reader = ChunkReader(store, (array_name(generation, u.name, "master") for u in layout.units))
+        fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the weights from other users
+            with os.fdopen(fd, "wb") as out:
+                out.write(header)
+                _write_masters(reader, layout, generation, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp_name, out_path)
+        except BaseException:
+            os.unlink(tmp_name)
+            raise
+    count = sum(len(u.params) for u in layout.units)
+    logger.info(
+        "wrote %d tensors (%.1fM fp32 weights) of %s generation %d to %s",
+        count, layout.numel / 1e6, store_path, generation, out_path,
+    )
+    return count
+
+
+def _choose_generation(store: ShardStore, generation: int | None) -> tuple[int, dict[str, str]]:
+    """The generation to read, and what the file's metadata says about it."""
+    record = committed_record(store)
+    on_disk = Generations(store).on_disk()
+    if generation is None:
+        if record is None:
+            raise ValueError(
+                f"offload store {store.path} has no committed generation (no COMMITTED file); pass "
+                f"generation=<n> to consolidate one of the generations on disk, {on_disk}, at your own risk"
+            )
+        generation = record["generation"]
+    if generation not in on_disk:
+        raise FileNotFoundError(
+            f"generation {generation} is not on disk in offload store {store.path} (generations present: "
+            f"{on_disk}); choose one of those"
+        )
+    metadata = {"format": "pt", "source": str(store.path), "generation": str(generation)}
+    if record is not None and record["generation"] == generation and "step" in record:
+        metadata["step"] = str(record["step"])
+    return generation, metadata
+
+
+def safetensors_header(layout: ModelLayout, metadata: dict[str, str]) -> bytes:
+    """The length prefix and JSON header of a safetensors file holding every parameter of
+    ``layout`` in fp32, its data laid out unit by unit in layout order."""
+    entries: dict[str, object] = {"__metadata__": metadata}
+    base = 0
+    for unit in layout.units:
+        end = 0
+        for slot in unit.params:
+            if slot.offset != end or slot.numel != math.prod(slot.shape):
+                raise ValueError(
+                    f"layout of unit {unit.name!r}: parameter {slot.name!r} (offset {slot.offset}, numel "
+                    f"{slot.numel}, shape {list(slot.shape)}) does not follow the previous parameter end to end "
+                    f"(expected offset {end}) or its numel is not its shape's; the store's layout is corrupt"
+                )
+            entries[slot.name] = {
+                "dtype": "F32",
+                "shape": list(slot.shape),
+                "data_offsets": [base + slot.offset * FP32, base + (slot.offset + slot.numel) * FP32],
+            }
+            end += slot.numel
+        if end != unit.numel:
+            raise ValueError(
+                f"layout of unit {unit.name!r}: its parameters cover {end} elements but the unit has {unit.numel}; "
+                f"the store's layout is corrupt"
+            )
+        base += unit.numel * FP32
+    text = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % HEADER_ALIGN)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_masters(reader: ChunkReader, layout: ModelLayout, generation: int, out: BinaryIO) -> None:
+    """Append each unit's master, cut to its real length, one chunk at a time."""
+    with tqdm(total=layout.numel * FP32, desc="consolidate", unit="B", unit_scale=True, disable=None) as bar:
+        for unit in layout.units:
+            name = array_name(generation, unit.name, "master")
+            info = reader.infos[name]
+            if info.dtype != torch.float32 or info.numel < unit.numel:
+                raise ValueError(
+                    f"array {name!r} in {reader.store.path} holds {info.numel} {info.dtype} elements, but unit "
+                    f"{unit.name!r} needs {unit.numel} float32 masters; the store does not match its layout"
+                )
+            for index in range(math.ceil(unit.numel / info.chunk_elems)):
+                chunk = reader.read(name, index)
+                real = min(info.chunk_elems, unit.numel - index * info.chunk_elems)
+                out.write(chunk[:real].numpy().data)
+                bar.update(real * FP32)

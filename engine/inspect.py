@@ -1,0 +1,267 @@
+"""What a store holds: its layout, committed step, generations, sizes, and whether its bytes are intact.
+
+The store is the checkpoint, so before resuming from it, consolidating it or copying it
+away one wants to know what it is without loading a model: ``inspect_store`` reads only
+metadata unless asked to ``verify``, which then reads every chunk of the committed
+generation through the store's own CRC-32C check, one chunk at a time, and lists every
+bad chunk rather than stopping at the first (a damaged disk rarely damages only one).
+
+The read-side helpers here (opening a store, its layout, its committed record, a
+chunk-at-a-time reader) are shared with ``engine.consolidate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from engine.partition import ModelLayout
+from engine.store_state import KINDS
+from offload.generations import Generations, generation_prefix
+from offload.io import IORunner
+from offload.manifest import ManifestError, read_committed
+from offload.store import FORMAT_VERSION, ChecksumError, ShardStore
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+IO_THREADS = 2  # reads go one chunk at a time: more threads would only wait
+
+
+def open_store(path: Path, runner: IORunner) -> ShardStore:
+    """Open the store at ``path`` for reading; a missing path names itself and the likely fix."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no store at {path}: the path does not exist; pass the folder the engine trained into "
+            f"(its offload.nvme_path)"
+        )
+    return ShardStore.open(path, runner=runner)
+
+
+def store_layout(store: ShardStore) -> ModelLayout:
+    """The model layout the engine saved with the store: it names every unit and parameter."""
+    layout = store.attrs.get("layout")
+    if not isinstance(layout, dict):
+        raise ValueError(
+            f"offload store {store.path} has no 'layout' group attribute, so it was not written by the "
+            f"engine and its arrays cannot be mapped to parameters; inspect it with zarr instead"
+        )
+    return ModelLayout.from_dict(layout)
+
+
+def committed_record(store: ShardStore) -> dict[str, Any] | None:
+    """The committed record, or None if nothing was committed; a record that names no
+    generation is as untrustworthy as a garbled one."""
+    record = read_committed(store.path)
+    if record is not None and not isinstance(record.get("generation"), int):
+        raise ManifestError(
+            f"{store.path / 'COMMITTED'} names no integer 'generation' (it holds {sorted(record)}); "
+            f"restore it from a backup or resume from a retained checkpoint"
+        )
+    return record
+
+
+def array_name(generation: int, unit: str, kind: str) -> str:
+    """The store array holding one kind of state of one unit in one generation."""
+    return f"{generation_prefix(generation)}/{unit}/{kind}"
+
+
+class ChunkReader:
+    """Reads single chunks into one reused buffer sized for the largest chunk of the arrays
+    it serves, so memory stays one chunk whatever the size of the arrays or the model."""
+
+    def __init__(self, store: ShardStore, names: Iterable[str]):
+        self.store = store
+        self.infos = {name: store.array_info(name) for name in names}
+        largest = max((info.chunk_bytes for info in self.infos.values()), default=0)
+        self._buffer = torch.empty(largest, dtype=torch.uint8)
+
+    def read(self, name: str, index: int) -> torch.Tensor:
+        """Chunk ``index`` of array ``name``, checksum verified; valid until the next read."""
+        info = self.infos[name]
+        out = self._buffer[: info.chunk_bytes].view(info.dtype)
+        self.store.read_into(name, index * info.chunk_elems, out)
+        return out
+
+    def chunk_path(self, name: str, index: int) -> Path:
+        return self.store.path / name / "c" / str(index)
+
+
+def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[str, Any]:
+    """Describe the store at ``path`` as plain data (see ``format_report`` for the text form).
+
+    With ``verify``, every chunk of every array of the committed generation is read and its
+    CRC-32C checked; failures are listed under ``verify.failures``, none stops the scan.
+    """
+    path = Path(path)
+    with IORunner(threads=IO_THREADS) as runner:
+        store = open_store(path, runner)
+        layout = store_layout(store)
+        record = committed_record(store)
+        generation = None if record is None else record["generation"]
+        arrays = _generation_arrays(store, generation)
+        report: dict[str, Any] = {
+            "path": str(path),
+            "format": {"zarr": 3, "offload_store": FORMAT_VERSION, "checksum": store.checksum},
+            "committed": None if record is None else _scalars(record),
+            "world_size": layout.world_size,
+            "attributes": {k: v for k, v in store.attrs.items() if k != "layout"},
+            "num_units": len(layout.units),
+            "num_params": sum(len(u.params) for u in layout.units),
+            "numel": layout.numel,
+            "units": [
+                {
+                    "name": u.name,
+                    "params": len(u.params),
+                    "numel": u.numel,
+                    "shard_numel": u.shard_numel,
+                    "chunk_numel": u.chunk_numel,
+                    "padded_numel": u.padded_numel,
+                }
+                for u in layout.units
+            ],
+            "bytes_per_kind": _bytes_per_kind(store, arrays),
+            "generations": Generations(store).on_disk(),
+            "checkpoints": _checkpoints(path),
+            "disk_bytes": _disk_bytes(path),
+            "verify": None,
+        }
+        if verify:
+            report["verify"] = _verify(store, layout, generation, arrays)
+    return report
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, Any]:
+    """The committed record's plain values (generation, step, loss scale...), without bulky
+    nested state such as RNG states."""
+    return {k: v for k, v in record.items() if isinstance(v, (int, float, str, bool))}
+
+
+def _generation_arrays(store: ShardStore, generation: int | None) -> dict[str, tuple[str, str]]:
+    """The arrays of one generation, each with its (unit, kind)."""
+    if generation is None:
+        return {}
+    prefix = generation_prefix(generation) + "/"
+    arrays = {}
+    for name in store.array_names():
+        if name.startswith(prefix):
+            unit, _, kind = name[len(prefix) :].rpartition("/")
+            arrays[name] = (unit, kind)
+    return arrays
+
+
+def _bytes_per_kind(store: ShardStore, arrays: dict[str, tuple[str, str]]) -> dict[str, int]:
+    """Logical bytes (padding included, checksums not) of each kind of state, parameters first."""
+    sizes: dict[str, int] = {}
+    for name, (_, kind) in arrays.items():
+        info = store.array_info(name)
+        sizes[kind] = sizes.get(kind, 0) + info.numel * info.dtype.itemsize
+    order = {kind: i for i, kind in enumerate(("param", *KINDS))}
+    return dict(sorted(sizes.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
+
+
+def _checkpoints(path: Path) -> list[str]:
+    root = path / CHECKPOINTS_DIR
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def _disk_bytes(path: Path) -> int:
+    """Bytes of every file under ``path``, as ``du --apparent-size`` counts them."""
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        total += sum(os.lstat(os.path.join(dirpath, f)).st_size for f in filenames)
+    return total
+
+
+def _verify(
+    store: ShardStore, layout: ModelLayout, generation: int | None, arrays: dict[str, tuple[str, str]]
+) -> dict[str, Any]:
+    """Read every chunk of the committed generation, collecting every failure."""
+    failures: list[dict[str, Any]] = []
+    if generation is not None:
+        for unit in layout.units:
+            for kind in KINDS:
+                name = array_name(generation, unit.name, kind)
+                if name not in arrays:
+                    missing = "the array is missing from the committed generation"
+                    failures.append(
+                        {"unit": unit.name, "kind": kind, "chunk": None, "file": str(store.path / name), "error": missing}
+                    )
+    reader = ChunkReader(store, arrays)
+    total = sum(info.nchunks for info in reader.infos.values())
+    with tqdm(total=total, desc="verify", unit="chunk", disable=None) as bar:
+        for name, (unit, kind) in arrays.items():
+            for index in range(reader.infos[name].nchunks):
+                try:
+                    reader.read(name, index)
+                except (ChecksumError, OSError) as error:
+                    file = str(reader.chunk_path(name, index))
+                    failures.append({"unit": unit, "kind": kind, "chunk": index, "file": file, "error": str(error)})
+                    logger.warning("unit %s %s chunk %d (%s): %s", unit, kind, index, file, error)
+                bar.update()
+    return {"chunks": total, "failures": failures}
+
+
+def _size(n: int) -> str:
+    value, unit = float(n), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as text for a terminal: one fact a line, units as a table."""
+    fmt, committed = report["format"], report["committed"]
+    lines = [
+        f"store:       {report['path']}",
+        f"format:      zarr v{fmt['zarr']}, offload store v{fmt['offload_store']}, "
+        f"CRC-32C {'on' if fmt['checksum'] else 'off'}",
+    ]
+    if committed is None:
+        lines.append("committed:   no committed generation (nothing was trained into this store yet)")
+    else:
+        others = ", ".join(f"{k} {v}" for k, v in committed.items() if k not in ("step", "generation"))
+        lines.append(
+            f"committed:   step {committed.get('step', '?')}, generation {committed['generation']}"
+            + (f" ({others})" if others else "")
+        )
+        if committed["generation"] not in report["generations"]:
+            lines.append(f"             generation {committed['generation']} is MISSING on disk")
+    lines.append(f"world size:  {report['world_size']}")
+    lines += [f"{key + ':':<12} {value}" for key, value in report["attributes"].items()]
+    lines.append(
+        f"model:       {report['num_units']} units, {report['num_params']} parameters, "
+        f"{report['numel']:,} elements"
+    )
+    width = max((len(u["name"]) for u in report["units"]), default=4)
+    lines.append(f"  {'unit':<{width}} {'params':>6} {'numel':>12} {'shard':>12} {'chunk':>12}")
+    lines += [
+        f"  {u['name']:<{width}} {u['params']:>6} {u['numel']:>12,} {u['shard_numel']:>12,} {u['chunk_numel']:>12,}"
+        for u in report["units"]
+    ]
+    kinds = ", ".join(f"{kind} {_size(n)}" for kind, n in report["bytes_per_kind"].items()) or "none"
+    lines.append(f"state:       {kinds} (committed generation)")
+    lines.append(f"generations: {', '.join(map(str, report['generations'])) or 'none'}")
+    lines.append(f"checkpoints: {', '.join(report['checkpoints']) or 'none'}")
+    lines.append(f"on disk:     {_size(report['disk_bytes'])}")
+    verify = report["verify"]
+    if verify is not None:
+        failures = verify["failures"]
+        if committed is None:
+            lines.append("checksum:    nothing to verify (no committed generation)")
+        elif not failures:
+            lines.append(f"checksum:    ok ({verify['chunks']} chunks read)")
+        else:
+            lines.append(f"checksum:    FAILED: {len(failures)} problem(s) in {verify['chunks']} chunks")
+            for f in failures:
+                where = "whole array" if f["chunk"] is None else f"chunk {f['chunk']}"
+                lines.append(f"  unit {f['unit']} {f['kind']} {where}: {f['file']}: {f['error']}")
+    return "\n".join(lines)

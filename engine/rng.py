@@ -1,0 +1,46 @@
+"""Every random-number generator a training step may draw from, as JSON-able state.
+
+A resumed run must continue the random streams where the stopped one left them (dropout,
+sampling, user code), on every rank: the committed record holds one of these per rank.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _encode(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def capture() -> dict[str, Any]:
+    """The current state of torch's CPU (and accelerator) generators, numpy's and Python's."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": _encode(torch.get_rng_state()),
+        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+    if torch.accelerator.is_available():
+        state["accelerator"] = _encode(torch.get_device_module().get_rng_state())
+    return state
+
+
+def restore(state: dict[str, Any]) -> None:
+    """Put every generator back to ``state`` (as ``capture`` returned it)."""
+    torch.set_rng_state(_decode(state["torch"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "accelerator" in state and torch.accelerator.is_available():
+        torch.get_device_module().set_rng_state(_decode(state["accelerator"]))

@@ -1,0 +1,154 @@
+"""``inspect_store`` on a store the engine trained: what it reports, what ``verify`` catches,
+and how it fails on paths that are not healthy stores."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.inspect import inspect_store, format_report
+from engine.models.gpt import GPT, GPTConfig
+from engine.partition import ModelLayout
+from engine.store_state import KINDS
+from offload.manifest import ManifestError
+from offload.store import ShardStore
+from tests.training import SEQ_LEN, batches, config
+
+STEPS = 3
+CHUNK_ELEMS = 2**20 // 4  # offload.chunk_mb = 1
+
+
+def wide_gpt() -> GPT:
+    """One block wide enough to span several 1 MiB chunks, its last chunk partly padding."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=1, d_model=256, n_head=4, seq_len=SEQ_LEN))
+
+
+def train_store(path: Path, model: torch.nn.Module, steps: int = STEPS) -> tuple[ModelLayout, dict[str, torch.Tensor]]:
+    """Train ``model`` into an nvme store at ``path``; return its layout and final parameters."""
+    eng = Engine(model, config(offload={"optimizer": "nvme", "nvme_path": str(path), "chunk_mb": 1}), total_steps=steps)
+    data = batches(4)
+    for _ in range(steps):
+        eng.backward(eng(*data.next()))
+        eng.step()
+    params = {name: p.detach().clone() for name, p in eng.module.named_parameters()}
+    eng.close()
+    return eng.layout, params
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, ModelLayout]:
+    path = tmp_path_factory.mktemp("inspect") / "store"
+    layout, _ = train_store(path, wide_gpt())
+    return path, layout
+
+
+@pytest.fixture
+def store_copy(trained, tmp_path) -> Path:
+    """A private copy of the trained store, for tests that damage it."""
+    return Path(shutil.copytree(trained[0], tmp_path / "store"))
+
+
+def test_report_describes_the_trained_store(trained) -> None:
+    path, layout = trained
+    report = inspect_store(path)
+    assert report["committed"]["generation"] == STEPS and report["committed"]["step"] == STEPS
+    assert report["world_size"] == 1
+    assert report["num_units"] == 2 and report["num_params"] == len(list(wide_gpt().parameters()))
+    assert [(u["name"], u["numel"], u["shard_numel"], u["chunk_numel"]) for u in report["units"]] == [
+        (u.name, u.numel, u.shard_numel, u.chunk_numel) for u in layout.units
+    ]
+    assert report["units"][0]["chunk_numel"] == CHUNK_ELEMS  # the block spans several chunks
+    one_kind = 4 * sum(u.padded_numel for u in layout.units)
+    assert report["bytes_per_kind"] == {kind: one_kind for kind in KINDS}
+    assert report["generations"] == [STEPS, STEPS + 1]  # the committed one and the next write target
+    assert report["checkpoints"] == []
+    # Two generations of three kinds, plus a 4-byte CRC per chunk and small metadata files.
+    assert 2 * len(KINDS) * one_kind < report["disk_bytes"] < 2 * len(KINDS) * one_kind + 2**16
+    assert report["verify"] is None
+    text = format_report(report)
+    assert f"step {STEPS}, generation {STEPS}" in text
+    assert all(u.name in text for u in layout.units)
+    assert "checksum" not in text
+
+
+def test_checkpoints_are_listed(store_copy) -> None:
+    shutil.copytree(store_copy / f"gen-{STEPS}", store_copy / "checkpoints" / "step-3")
+    report = inspect_store(store_copy)
+    assert report["checkpoints"] == ["step-3"]
+    assert "checkpoints: step-3" in format_report(report)
+
+
+def test_verify_reads_every_chunk_one_at_a_time(trained, monkeypatch) -> None:
+    read_sizes = []
+    read_into = ShardStore.read_into
+
+    def recording(self, name, start, out):
+        read_sizes.append(out.numel())
+        return read_into(self, name, start, out)
+
+    monkeypatch.setattr(ShardStore, "read_into", recording)
+    report = inspect_store(trained[0], verify=True)
+    chunks = len(KINDS) * sum(u.padded_numel // u.chunk_numel for u in trained[1].units)
+    assert report["verify"] == {"chunks": chunks, "failures": []}
+    assert len(read_sizes) == chunks and max(read_sizes) == CHUNK_ELEMS
+    assert f"checksum:    ok ({chunks} chunks read)" in format_report(report)
+
+
+def flip_byte(path: Path, offset: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_verify_reports_every_damaged_chunk(store_copy) -> None:
+    generation = store_copy / f"gen-{STEPS}"
+    flip_byte(generation / "blocks.0" / "master" / "c" / "1")
+    flip_byte(generation / "root" / "exp_avg" / "c" / "0")
+    (generation / "root" / "exp_avg_sq" / "c" / "0").unlink()
+    failures = inspect_store(store_copy, verify=True)["verify"]["failures"]
+    found = {(f["unit"], f["kind"], f["chunk"]): f for f in failures}
+    assert set(found) == {("blocks.0", "master", 1), ("root", "exp_avg", 0), ("root", "exp_avg_sq", 0)}
+    assert found[("blocks.0", "master", 1)]["file"] == str(generation / "blocks.0" / "master" / "c" / "1")
+    assert "CRC-32C" in found[("root", "exp_avg", 0)]["error"]
+    text = format_report(inspect_store(store_copy, verify=True))
+    assert "FAILED: 3 problem(s)" in text
+    assert f"unit blocks.0 master chunk 1: {generation / 'blocks.0' / 'master' / 'c' / '1'}" in text
+
+
+def test_verify_reports_a_missing_array(store_copy) -> None:
+    shutil.rmtree(store_copy / f"gen-{STEPS}" / "root" / "master")
+    failures = inspect_store(store_copy, verify=True)["verify"]["failures"]
+    assert [(f["unit"], f["kind"], f["chunk"]) for f in failures] == [("root", "master", None)]
+    assert "missing" in failures[0]["error"]
+
+
+def test_missing_store_names_the_path(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=f"no store at {tmp_path / 'nowhere'}: the path does not exist"):
+        inspect_store(tmp_path / "nowhere")
+
+
+def test_a_folder_that_is_not_a_store_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="is not an offload store"):
+        inspect_store(tmp_path)
+
+
+def test_store_without_commit_is_reported_not_refused(store_copy) -> None:
+    (store_copy / "COMMITTED").unlink()
+    report = inspect_store(store_copy, verify=True)
+    assert report["committed"] is None and report["bytes_per_kind"] == {}
+    assert report["verify"] == {"chunks": 0, "failures": []}
+    text = format_report(report)
+    assert "no committed generation" in text
+    assert "nothing to verify" in text
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": 1, "step": 3}'])
+def test_garbled_commit_is_an_error(store_copy, content: str) -> None:
+    (store_copy / "COMMITTED").write_text(content)
+    with pytest.raises(ManifestError, match=str(store_copy / "COMMITTED")):
+        inspect_store(store_copy)
