@@ -1,7 +1,10 @@
 """``python -m engine <command>`` (also installed as ``offload-engine``).
 
-``train [--config run.toml] [--key value ...]``: any config key can be overridden as
-``--section.key value`` or, when the name is unique, ``--key value`` (``--steps 3``).
+- ``train [--config run.toml] [--key value ...]``: any config key can be overridden as
+  ``--section.key value`` or, when the name is unique, ``--key value`` (``--steps 3``);
+  continues from the store at ``offload.nvme_path`` when it holds a committed step.
+- ``inspect STORE [--verify]``: what a store holds; ``--verify`` checks every chunk's CRC-32C.
+- ``consolidate STORE OUT.safetensors``: full fp32 weights under the model's parameter names.
 """
 
 from __future__ import annotations
@@ -64,13 +67,38 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace, extra: list[str]) -> int:
+    from engine.inspect import format_report, inspect_store
+
+    report = inspect_store(args.store, verify=args.verify)
+    print(format_report(report))
+    return 1 if report["verify"] and report["verify"]["failures"] else 0
+
+
+def _consolidate(args: argparse.Namespace, extra: list[str]) -> int:
+    from engine.consolidate import consolidate
+
+    count = consolidate(args.store, args.out, generation=args.generation)
+    logger.info("wrote %d tensors to %s", count, args.out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train the built-in model (any config key: --section.key value)")
     train.add_argument("--config", help="a .toml or .json config file")
+    inspect = commands.add_parser("inspect", help="what a store holds")
+    inspect.add_argument("store")
+    inspect.add_argument("--verify", action="store_true", help="read every chunk and check its CRC-32C")
+    consolidate = commands.add_parser("consolidate", help="full fp32 weights to a .safetensors file")
+    consolidate.add_argument("store")
+    consolidate.add_argument("out")
+    consolidate.add_argument("--generation", type=int, help="default: the committed one")
     args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=args.log_level.upper() if rank == 0 else logging.WARNING,
@@ -78,10 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     try:
-        return {"train": _train}[args.command](args, extra)
+        return {"train": _train, "inspect": _inspect, "consolidate": _consolidate}[args.command](args, extra)
     except ConfigError as err:
         logger.error("config error: %s", err)
         return 2
+    except (OSError, ValueError) as err:  # missing or damaged stores: the message names the fix
+        logger.error("%s", err)
+        return 1
 
 
 if __name__ == "__main__":

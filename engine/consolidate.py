@@ -43,12 +43,16 @@ FP32 = 4
 HEADER_ALIGN = 8  # safetensors pads its header with spaces so the data starts 8-byte aligned
 
 
-def consolidate(store_path: str | os.PathLike[str], out_path: str | os.PathLike[str], generation: int | None = None) -> int:
+def consolidate(
+    store_path: str | os.PathLike[str], out_path: str | os.PathLike[str], generation: int | None = None
+) -> int:
     """Write the fp32 weights of ``generation`` (default: the committed one) of the store at
     ``store_path`` to the safetensors file ``out_path``; return the number of tensors."""
     store_path, out_path = Path(store_path), Path(out_path)
     if not out_path.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {out_path}: its folder {out_path.parent} does not exist; create it first")
+        raise FileNotFoundError(
+            f"cannot write {out_path}: its folder {out_path.parent} does not exist; create it first"
+        )
     with IORunner(threads=IO_THREADS) as runner:
         store = open_store(store_path, runner)
         layout = store_layout(store)
@@ -57,8 +61,8 @@ def consolidate(store_path: str | os.PathLike[str], out_path: str | os.PathLike[
         reader = ChunkReader(store, (array_name(generation, u.name, "master") for u in layout.units))
         fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
         try:
-            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the weights from other users
             with os.fdopen(fd, "wb") as out:
+                os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the weights from other users
                 out.write(header)
                 _write_masters(reader, layout, generation, out)
                 out.flush()

@@ -184,26 +184,26 @@ def _verify(
 ) -> dict[str, Any]:
     """Read every chunk of the committed generation, collecting every failure."""
     failures: list[dict[str, Any]] = []
+
+    def fail(unit: str, kind: str, chunk: int | None, file: Path, error: str) -> None:
+        failures.append({"unit": unit, "kind": kind, "chunk": chunk, "file": str(file), "error": error})
+        logger.warning("unit %s %s chunk %s (%s): %s", unit, kind, chunk, file, error)
+
     if generation is not None:
         for unit in layout.units:
             for kind in KINDS:
                 name = array_name(generation, unit.name, kind)
                 if name not in arrays:
-                    missing = "the array is missing from the committed generation"
-                    failures.append(
-                        {"unit": unit.name, "kind": kind, "chunk": None, "file": str(store.path / name), "error": missing}
-                    )
+                    fail(unit.name, kind, None, store.path / name, "the array is missing from the committed generation")
     reader = ChunkReader(store, arrays)
     total = sum(info.nchunks for info in reader.infos.values())
     with tqdm(total=total, desc="verify", unit="chunk", disable=None) as bar:
-        for name, (unit, kind) in arrays.items():
+        for name, (unit_name, kind) in arrays.items():
             for index in range(reader.infos[name].nchunks):
                 try:
                     reader.read(name, index)
                 except (ChecksumError, OSError) as error:
-                    file = str(reader.chunk_path(name, index))
-                    failures.append({"unit": unit, "kind": kind, "chunk": index, "file": file, "error": str(error)})
-                    logger.warning("unit %s %s chunk %d (%s): %s", unit, kind, index, file, error)
+                    fail(unit_name, kind, index, reader.chunk_path(name, index), str(error))
                 bar.update()
     return {"chunks": total, "failures": failures}
 
@@ -220,10 +220,10 @@ def _size(n: int) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """The report as text for a terminal: one fact a line, units as a table."""
     fmt, committed = report["format"], report["committed"]
+    checksum = "on" if fmt["checksum"] else "off"
     lines = [
         f"store:       {report['path']}",
-        f"format:      zarr v{fmt['zarr']}, offload store v{fmt['offload_store']}, "
-        f"CRC-32C {'on' if fmt['checksum'] else 'off'}",
+        f"format:      zarr v{fmt['zarr']}, offload store v{fmt['offload_store']}, CRC-32C {checksum}",
     ]
     if committed is None:
         lines.append("committed:   no committed generation (nothing was trained into this store yet)")

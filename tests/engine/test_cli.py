@@ -80,3 +80,26 @@ def test_sigterm_finishes_the_step_commits_and_exits_cleanly(tmp_path) -> None:
     assert stopped, output[-3000:]
     committed = json.loads((tmp_path / "offload_store" / "COMMITTED").read_text())
     assert committed["step"] == int(stopped[1])
+
+
+def test_inspect_and_consolidate_commands(tmp_path) -> None:
+    losses(run(["--steps", "2", "--seq_len", "64", "--compute_dtype", "fp32"], tmp_path))
+    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    inspect = subprocess.run(
+        [sys.executable, "-m", "engine", "inspect", "offload_store", "--verify"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert inspect.returncode == 0, inspect.stderr
+    assert re.search(r"checksum:\s+ok", inspect.stdout), inspect.stdout
+    chunk = next((tmp_path / "offload_store").glob("gen-2/blocks.0/master/c/0"))
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    damaged = subprocess.run(
+        [sys.executable, "-m", "engine", "inspect", "offload_store", "--verify"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert damaged.returncode == 1 and "blocks.0 master chunk 0" in damaged.stdout
+    consolidate = subprocess.run(
+        [sys.executable, "-m", "engine", "consolidate", "offload_store", "w.safetensors"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert consolidate.returncode == 1 and "fails its CRC-32C check" in consolidate.stderr, consolidate.stderr
+    assert not (tmp_path / "w.safetensors").exists()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.inspect import inspect_store, format_report
+from engine.inspect import format_report, inspect_store
 from engine.models.gpt import GPT, GPTConfig
 from engine.partition import ModelLayout
 from engine.store_state import KINDS

@@ -75,6 +75,7 @@ class FailingOps(FileOps):
 def test_io_error_names_unit_kind_range_and_keeps_last_commit(tmp_path, fail: str, err: int) -> None:
     eng = Engine(tiny_gpt(), nvme_config(tmp_path), total_steps=3)
     train_steps(eng, 1)
+    committed_params = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
     ops = FailingOps(fail, err)
     eng.optimizer_state.store._ops = ops
     ops.armed = True
@@ -87,6 +88,11 @@ def test_io_error_names_unit_kind_range_and_keeps_last_commit(tmp_path, fail: st
     assert any(f"/{kind}" in message for kind in ("master", "exp_avg", "exp_avg_sq")), message
     assert (tmp_path / "store" / "COMMITTED").read_text() == before, "a failed step must not commit"
     eng.close()
+    resumed = Engine.resume(tiny_gpt(), nvme_config(tmp_path), total_steps=3)
+    assert resumed.global_step == 1
+    assert all(torch.equal(p, committed_params[n]) for n, p in resumed.module.named_parameters())
+    train_steps(resumed, 1)  # and training goes on from there
+    resumed.close()
 
 
 def test_existing_store_is_not_overwritten(tmp_path) -> None:

@@ -82,3 +82,20 @@ def test_resume_without_a_store_or_commit(tmp_path) -> None:
 def test_resume_needs_the_nvme_tier(tmp_path) -> None:
     with pytest.raises(ValueError, match="resuming needs the state on disk"):
         Engine.resume(tiny_gpt(), config(offload={"optimizer": "cpu"}), total_steps=1)
+
+
+def test_resume_catches_a_flipped_byte(tmp_path) -> None:
+    import json
+
+    from offload.store import ChecksumError
+
+    eng = Engine(tiny_gpt(), nvme(tmp_path), total_steps=2)
+    run(eng, 2)
+    eng.close()
+    generation = json.loads((tmp_path / "store" / "COMMITTED").read_text())["generation"]
+    chunk = tmp_path / "store" / f"gen-{generation}" / "blocks.1" / "exp_avg" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=rf"gen-{generation}/blocks.1/exp_avg. chunk 0: .* fails its CRC-32C check"):
+        Engine.resume(tiny_gpt(), nvme(tmp_path), total_steps=2)
