@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.consolidate import consolidate
-from offload.store import ChecksumError, ShardStore
-from tests.engine.test_inspect import CHUNK_ELEMS, STEPS, flip_byte, train_store, wide_gpt
+from offload.store import ChecksumError
+from tests.engine.test_inspect import CHUNK_ELEMS, STEPS, flip_byte, record_read_sizes, train_store, wide_gpt
 from tests.training import tiny_gpt
 
 
@@ -45,14 +45,7 @@ def test_weights_are_the_trained_parameters_and_load_strictly(untied, tmp_path) 
 
 def test_units_spanning_several_chunks_stream_one_chunk_at_a_time(tmp_path, monkeypatch) -> None:
     _, params = train_store(tmp_path / "store", wide_gpt())
-    read_sizes = []
-    read_into = ShardStore.read_into
-
-    def recording(self, name, start, out):
-        read_sizes.append(out.numel())
-        return read_into(self, name, start, out)
-
-    monkeypatch.setattr(ShardStore, "read_into", recording)
+    read_sizes = record_read_sizes(monkeypatch)
     consolidate(tmp_path / "store", tmp_path / "wide.safetensors")
     assert_equal_weights(load_file(tmp_path / "wide.safetensors"), params)
     # blocks.0 has 789,760 elements: four 1 MiB chunks, the last mostly padding; root is one chunk.

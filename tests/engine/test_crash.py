@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 
-import torch
 
 from engine.config import Config
 from engine.data import TokenBatches, load_tokens

@@ -83,8 +83,9 @@ def test_checkpoints_are_listed(store_copy) -> None:
     assert "checkpoints: step-3" in format_report(report)
 
 
-def test_verify_reads_every_chunk_one_at_a_time(trained, monkeypatch) -> None:
-    read_sizes = []
+def record_read_sizes(monkeypatch) -> list[int]:
+    """Make every ``ShardStore.read_into`` note how many elements it read."""
+    read_sizes: list[int] = []
     read_into = ShardStore.read_into
 
     def recording(self, name, start, out):
@@ -92,6 +93,11 @@ def test_verify_reads_every_chunk_one_at_a_time(trained, monkeypatch) -> None:
         return read_into(self, name, start, out)
 
     monkeypatch.setattr(ShardStore, "read_into", recording)
+    return read_sizes
+
+
+def test_verify_reads_every_chunk_one_at_a_time(trained, monkeypatch) -> None:
+    read_sizes = record_read_sizes(monkeypatch)
     report = inspect_store(trained[0], verify=True)
     chunks = len(KINDS) * sum(u.padded_numel // u.chunk_numel for u in trained[1].units)
     assert report["verify"] == {"chunks": chunks, "failures": []}
