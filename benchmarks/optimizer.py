@@ -1,10 +1,11 @@
-"""AdamW step throughput: our shard optimizer against torch's AdamW and against memory bandwidth.
+"""AdamW step throughput: in memory against torch's AdamW and memory bandwidth, on NVMe against the disk.
 
-    python -m benchmarks.optimizer [--quick] [--params N]
+    python -m benchmarks.optimizer [--quick] [--params N] [--nvme-params N] [--dir PATH]
 
-The engine updates flat fp32 shards one unit at a time with `ShardAdamW`; this
-measures that (both kernels) against `torch.optim.AdamW` (fused, foreach and
-for-loop) stepping separate tensors of the same sizes, on one and two threads.
+The engine updates flat fp32 shards one unit at a time with `ShardAdamW`; the
+"host memory" section measures that (both kernels) against `torch.optim.AdamW`
+(fused, foreach and for-loop) stepping separate tensors of the same sizes, on
+one and two threads.
 
 The bound: an AdamW step reads p, g, m, v and writes p, m, v, 28 bytes of
 memory traffic per fp32 parameter. A memcpy moves 2 bytes per byte copied
@@ -19,29 +20,63 @@ the same caches; with a small `--params` both fit in the last-level cache and
 the figure means little. One copying thread: a second adds nothing to memcpy
 on this machine.
 
-Each section returns its own rows, so more can follow (e.g. the same step with
-its state streamed from disk).
+The "nvme tier" section runs the engine's whole optimizer step with its state
+on disk (`StoreOptimizerState`: stream each unit's master and moments in,
+update, write back, then fsync and commit the new generation), with the page
+cache dropped before every timed step so that reads come from the disk. Its
+bound is the disk: the bytes read at the raw read rate plus the bytes written
+at the raw write rate (reads and writes share one disk, so their times add),
+the raw rates measured by `benchmarks.bandwidth.raw_disk_gbps` on the same
+directory in the same rounds. A step that hides its compute behind its I/O
+takes max(compute, I/O bound); "of bound" (I/O bound / step) says how close
+the store comes, with the goal `NVME_GOAL`. Compute is timed on the same
+shards held in memory, so that the two can be compared.
+
+Each section returns its own table, so more can follow.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import mmap
+import statistics
+import tempfile
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from benchmarks.bandwidth import interleaved_medians, memcpy_gbps
+from benchmarks.bandwidth import drop_page_cache, interleaved_medians, memcpy_gbps, page_aligned, raw_disk_gbps
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
-from engine.config import OptimConfig
+from engine.config import OffloadConfig, OptimConfig
 from engine.optim import ShardAdamW
+from engine.partition import ModelLayout, build_layout
+from engine.store_state import StoreOptimizerState, unit_state_bytes
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v
 STATE_BYTES_PER_PARAM = 16  # fp32 p, g, m, v
+MIB = 1 << 20
+NVME_GOAL = 0.8
+RAW_MAX_BYTES = 1 << 30  # enough to reach the disk's steady rate; more only adds minutes
 
 Step = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class NvmeSetup:
+    """Where and how big the nvme tier's run is, and the `[offload]` settings it streams with."""
+
+    directory: Path
+    params: int
+    buffer_mb: int
+    chunk_mb: int
+    io_threads: int
 
 
 @dataclass(frozen=True)
@@ -52,12 +87,32 @@ class Setup:
     shard_params: int
     threads: tuple[int, ...]
     reps: int
-    bound_mparams: float
-    """Parameters per second (millions) at the memory-bandwidth bound."""
+    memcpy_gbps: float
+    nvme: NvmeSetup
 
-    def shard_sizes(self) -> list[int]:
-        full, rest = divmod(self.params, self.shard_params)
+    @property
+    def bound_mparams(self) -> float:
+        """Parameters per second (millions) at the memory-bandwidth bound."""
+        return 2 * self.memcpy_gbps * 1e9 / BYTES_PER_PARAM / 1e6
+
+    def shard_sizes(self, params: int | None = None) -> list[int]:
+        """`params` (default `self.params`) cut into shards of `shard_params`, the last one shorter."""
+        full, rest = divmod(self.params if params is None else params, self.shard_params)
         return [self.shard_params] * full + ([rest] if rest else [])
+
+
+@dataclass
+class Section:
+    """One section's output: its table, with a title and the lines that explain it.
+
+    `details` go to the JSON record only: figures the notes quote, kept
+    out of the table so that it stays readable.
+    """
+
+    title: str
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -122,7 +177,7 @@ def _on_threads(step: Step, threads: int) -> Step:
     return run
 
 
-def host_memory_section(setup: Setup) -> list[Row]:
+def host_memory_section(setup: Setup) -> Section:
     """Every optimizer with its state in host memory: the compute side of a step.
 
     All optimizers are built at once (16 bytes of state per parameter each) so
@@ -148,42 +203,234 @@ def host_memory_section(setup: Setup) -> list[Row]:
                 "of bound": mparams / setup.bound_mparams,
             }
         )
-    return rows
+    title = (
+        f"{setup.params / 1e6:g}M fp32 params in {len(sizes)} shards, median of {setup.reps} steps; "
+        f"of bound: Mparam/s / memory-bandwidth bound"
+    )
+    bound = (
+        f"Memory-bandwidth bound: memcpy {setup.memcpy_gbps:.2f} GB/s copied = {2 * setup.memcpy_gbps:.2f} GB/s "
+        f"moved; / {BYTES_PER_PARAM} B per param = {setup.bound_mparams:.0f} Mparam/s"
+    )
+    return Section(title, rows, [bound])
 
 
-SECTIONS: dict[str, Callable[[Setup], list[Row]]] = {"host memory": host_memory_section}
+def synthetic_layout(sizes: list[int], chunk_mb: int) -> ModelLayout:
+    """One rank's layout of units of `sizes` parameters, like a stack of transformer blocks.
+
+    The parameters live on the meta device: the layout needs only their shapes.
+    """
+    units = {f"block{i}": [("weight", nn.Parameter(torch.empty(n, device="meta")))] for i, n in enumerate(sizes)}
+    return build_layout(units, world_size=1, max_chunk_numel=chunk_mb * MIB // 4)
+
+
+@dataclass
+class NvmeStep:
+    """One timed step of the nvme tier: its wall time, the part spent in `finish`, the pipeline's stats."""
+
+    seconds: float
+    finish_s: float
+    bytes_read: int
+    bytes_written: int
+    read_wait_s: float
+    write_wait_s: float
+    hidden_s: float
+
+
+class NvmeOptimizer:
+    """The engine's optimizer step on the nvme tier, over a store of synthetic units.
+
+    Builds the store as the engine does (every unit's initial master, zero
+    moments, generation 0 committed), and keeps one gradient per unit in
+    memory, where the engine keeps its gradient shards too.
+    """
+
+    def __init__(self, path: Path, layout: ModelLayout, nvme: NvmeSetup):
+        offload = OffloadConfig()
+        self.layout = layout
+        self.config = OptimConfig()
+        self.opt = ShardAdamW(self.config)
+        self.state = StoreOptimizerState(
+            path,
+            layout,
+            rank=0,
+            buffer_bytes=nvme.buffer_mb * MIB,
+            io_threads=nvme.io_threads,
+            checksum=offload.checksum,
+            direct_io=offload.direct_io,
+            barrier=lambda: None,
+        )
+        sizes = [unit.shard_numel for unit in layout.units]
+        self.grads: dict[str, torch.Tensor] = {}
+        for unit, (master, grad) in zip(layout.units, _params_and_grads(sizes), strict=True):
+            self.state.add_unit(unit, master)
+            self.grads[unit.name] = grad
+        self.state.seal()
+        self.counters = {unit.name: self.opt.new_step_counter(torch.device("cpu")) for unit in layout.units}
+        self.steps = 0
+
+    def step(self) -> NvmeStep:
+        """Stream, update and write back every unit, then commit the new generation."""
+        start = time.perf_counter()
+        for unit, shard in self.state.stream(self.layout.units):
+            self.opt.update(
+                shard.master, self.grads[unit.name], shard.exp_avg, shard.exp_avg_sq, self.counters[unit.name],
+                self.config.lr,
+            )
+            self.state.done(unit, shard)
+        finish_start = time.perf_counter()
+        self.steps += 1
+        self.state.finish({"step": self.steps})
+        end = time.perf_counter()
+        stats = self.state.last_stats
+        return NvmeStep(
+            seconds=end - start,
+            finish_s=end - finish_start,
+            bytes_read=stats.bytes_read,
+            bytes_written=stats.bytes_written,
+            read_wait_s=stats.read_wait_s,
+            write_wait_s=stats.write_wait_s,
+            hidden_s=stats.hidden_s,
+        )
+
+    def close(self) -> None:
+        self.state.close()
+
+
+def _timed(step: Step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def nvme_tier_section(setup: Setup) -> Section:
+    """The optimizer step with its state on disk, against the disk's raw rates and the compute alone.
+
+    Each round measures the raw disk, the compute-only step and, after
+    dropping the page cache, one nvme step, so a slow spell of the shared
+    machine hits all three alike; an untimed round comes first (warm-up).
+    """
+    nvme = setup.nvme
+    layout = synthetic_layout(setup.shard_sizes(nvme.params), nvme.chunk_mb)
+    state_bytes = sum(unit_state_bytes(unit) for unit in layout.units)
+    raw_bytes = max(mmap.PAGESIZE, min(RAW_MAX_BYTES, state_bytes) // mmap.PAGESIZE * mmap.PAGESIZE)
+    raw_buffer = page_aligned(raw_bytes)
+    raw_buffer.fill_(0x5A)  # first touch outside the timed region
+    compute = shard_adamw_step([unit.shard_numel for unit in layout.units], OptimConfig().kernel)
+    raw: list[dict[str, float | bool]] = []
+    compute_s: list[float] = []
+    steps: list[NvmeStep] = []
+    cold = True
+    nvme.directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-optimizer-", dir=nvme.directory) as work:
+        optimizer = NvmeOptimizer(Path(work) / "store", layout, nvme)
+        try:
+            for round_ in tqdm(range(setup.reps + 1), desc="nvme tier", unit="round"):
+                raw_run = raw_disk_gbps(work, raw_bytes, nvme.io_threads, reps=1, buffer=raw_buffer)
+                seconds = _timed(compute)
+                cold &= drop_page_cache()
+                step = optimizer.step()
+                if round_:
+                    raw.append(raw_run)
+                    compute_s.append(seconds)
+                    steps.append(step)
+        finally:
+            optimizer.close()
+    cold &= all(r["cold"] for r in raw)
+
+    raw_read = statistics.median([float(r["read"]) for r in raw])
+    raw_write = statistics.median([float(r["write"]) for r in raw])
+    step_s = statistics.median([s.seconds for s in steps])
+    bytes_read, bytes_written = steps[-1].bytes_read, steps[-1].bytes_written
+    io_bound = bytes_read / raw_read / 1e9 + bytes_written / raw_write / 1e9
+    compute_median = statistics.median(compute_s)
+    of_bound = io_bound / step_s
+    row: Row = {
+        "step s": step_s,
+        "compute s": compute_median,
+        "I/O bound s": io_bound,
+        "step/max": step_s / max(compute_median, io_bound),
+        "of bound": of_bound,
+        "read wait s": statistics.median([s.read_wait_s for s in steps]),
+        "write wait s": statistics.median([s.write_wait_s for s in steps]),
+        "hidden I/O s": statistics.median([s.hidden_s for s in steps]),
+        "finish s": statistics.median([s.finish_s for s in steps]),
+        "GB/s": (bytes_read + bytes_written) / step_s / 1e9,
+    }
+    direct = all(bool(r["direct"]) for r in raw)
+    details = {
+        "bytes_read": bytes_read,
+        "bytes_written": bytes_written,
+        "raw_read_gbps": raw_read,
+        "raw_write_gbps": raw_write,
+        "raw_bytes": raw_bytes,
+        "direct": direct,
+        "cold": cold,
+        "goal": NVME_GOAL,
+        "goal_met": of_bound >= NVME_GOAL,
+    }
+    reads = "cold (page cache dropped before each step)" if cold else "WARM (the page cache could not be dropped)"
+    title = (
+        f"{nvme.params / 1e6:g}M fp32 params in {len(layout.units)} units, buffer {nvme.buffer_mb} MiB, "
+        f"{nvme.chunk_mb} MiB chunks, {nvme.io_threads} I/O threads, {torch.get_num_threads()} torch threads; "
+        f"median of {setup.reps} steps, reads {reads}"
+    )
+    notes = [
+        f"I/O bound: {bytes_read / 1e9:.2f} GB / raw read {raw_read:.2f} GB/s + {bytes_written / 1e9:.2f} GB / "
+        f"raw write {raw_write:.2f} GB/s ({'O_DIRECT' if direct else 'buffered'}, {nvme.io_threads} threads, "
+        f"{raw_bytes / MIB:g} MiB, same directory, same rounds).",
+        "step/max: step / max(compute, I/O bound), 1 when one hides the other entirely. "
+        "finish s: draining the last writes, fsync and commit.",
+        f"Goal: of bound (I/O bound / step) >= {NVME_GOAL}: {of_bound:.2f}, "
+        f"{'met' if details['goal_met'] else 'NOT met'}.",
+    ]
+    return Section(title, [row], notes, details)
+
+
+SECTIONS: dict[str, Callable[[Setup], Section]] = {
+    "host memory": host_memory_section,
+    "nvme tier": nvme_tier_section,
+}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--params", type=int, help="parameters (default 50M, --quick 5M)")
+    parser.add_argument("--params", type=int, help="parameters in host memory (default 50M, --quick 5M)")
     parser.add_argument(
         "--shard-params", type=int, default=4_000_000, help="parameters per shard, like one unit (default 4M)"
     )
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts")
     parser.add_argument("--reps", type=int, help="timed rounds of steps, median (default 7, --quick 3)")
+    offload = OffloadConfig()
+    nvme_group = parser.add_argument_group("nvme tier")
+    nvme_group.add_argument("--nvme-params", type=int, help="parameters on disk (default 200M, --quick 4M)")
+    nvme_group.add_argument(
+        "--dir", type=Path, default=Path("."), help="directory on the disk to measure (default .)"
+    )
+    nvme_group.add_argument(
+        "--buffer-mb", type=int, default=offload.buffer_mb, help=f"offload.buffer_mb (default {offload.buffer_mb})"
+    )
+    nvme_group.add_argument(
+        "--chunk-mb", type=int, default=offload.chunk_mb, help=f"offload.chunk_mb (default {offload.chunk_mb})"
+    )
+    nvme_group.add_argument(
+        "--io-threads", type=int, default=offload.io_threads, help=f"offload.io_threads (default {offload.io_threads})"
+    )
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     params = args.params or (5_000_000 if args.quick else 50_000_000)
+    nvme_params = args.nvme_params or (4_000_000 if args.quick else 200_000_000)
     reps = args.reps or (3 if args.quick else 7)
 
     memcpy = memcpy_gbps(STATE_BYTES_PER_PARAM // 2 * params)  # source and destination
-    bound = 2 * memcpy * 1e9 / BYTES_PER_PARAM / 1e6
-    setup = Setup(params, min(args.shard_params, params), tuple(args.threads), reps, bound)
+    nvme = NvmeSetup(args.dir, nvme_params, args.buffer_mb, args.chunk_mb, args.io_threads)
+    setup = Setup(params, min(args.shard_params, params), tuple(args.threads), reps, memcpy, nvme)
     sections = {name: run(setup) for name, run in SECTIONS.items()}
 
-    for name, rows in sections.items():
-        print_table(
-            f"AdamW step, {name}: {params / 1e6:g}M fp32 params in {len(setup.shard_sizes())} shards, "
-            f"median of {reps} steps",
-            rows,
-        )
-    print(
-        f"\nMemory-bandwidth bound: memcpy {memcpy:.2f} GB/s copied = {2 * memcpy:.2f} GB/s moved; "
-        f"/ {BYTES_PER_PARAM} B per param = {bound:.0f} Mparam/s"
-    )
+    for name, section in sections.items():
+        print_table(f"AdamW step, {name}: {section.title}", section.rows)
+        print("\n".join(section.notes))
 
-    memory_rows = sections["host memory"]
+    memory_rows = sections["host memory"].rows
     bar_chart(
         args.out / "optimizer.png",
         list(OPTIMIZERS),
@@ -193,16 +440,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         ylabel="Mparam/s",
         title=f"AdamW step, {params / 1e6:g}M fp32 params",
-        references={"memory-bandwidth bound": bound},
+        references={"memory-bandwidth bound": setup.bound_mparams},
     )
     result = {
         "params": params,
+        "nvme_params": nvme_params,
         "shard_params": setup.shard_params,
         "reps": reps,
         "bytes_per_param": BYTES_PER_PARAM,
         "memcpy_gbps": memcpy,
-        "bound_mparam_per_s": bound,
-        "sections": sections,
+        "bound_mparam_per_s": setup.bound_mparams,
+        "nvme": {**dataclasses.asdict(nvme), "directory": str(nvme.directory.resolve())},
+        "sections": {name: dataclasses.asdict(section) for name, section in sections.items()},
     }
     save_json(args.out, "optimizer", result)
     return result

@@ -41,11 +41,11 @@ class Comm:
         rank: int = 0,
         world_size: int = 1,
         backend: str = "gloo",
-        device: torch.device = torch.device("cpu"),
+        device: torch.device | None = None,
         owns_group: bool = False,
     ):
         self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.device = device  # where the backend wants tensors: CUDA for NCCL, CPU for gloo
+        self.device = device or torch.device("cpu")  # where the backend wants tensors: CUDA for NCCL, CPU for gloo
         self._owns_group = owns_group
 
     @classmethod

@@ -5,6 +5,12 @@ committed generation into pooled host buffers ahead of the update, and writes th
 next generation behind it; host memory for the state is bounded by the pool's budget,
 whatever the model's size. When every rank's writes are durable the leader commits the
 new generation, so the store is always a valid checkpoint.
+
+A store resumes on any world size. A unit's content is the first ``numel`` elements of its
+arrays whatever their padding, so a generation cut for other shards is read range by range
+(each rank's new shard from the chunks that cover it, padding zeroed), and the first step
+writes a generation cut for this run's shards; once it is committed the store records this
+layout and is an ordinary store of the new world size.
 """
 
 from __future__ import annotations
@@ -58,12 +64,8 @@ def check_nvme_path(path: Path, layout: ModelLayout) -> None:
 
 
 def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> None:
-    """Refuse a store laid out for another model or world size, naming the first difference."""
-    if stored.world_size != current.world_size:
-        raise ValueError(
-            f"store {path} was written by {stored.world_size} rank(s) and this run has {current.world_size}: "
-            f"resume with {stored.world_size} rank(s)"
-        )
+    """Refuse a store written for another model, naming the first difference. Another world
+    size (or chunk size) is no difference: only the shards are cut differently."""
     stored_params = [(u.name, p.name, p.shape) for u in stored.units for p in u.params]
     current_params = [(u.name, p.name, p.shape) for u in current.units for p in u.params]
     for old, new in zip(stored_params, current_params):
@@ -79,6 +81,25 @@ def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> N
             f"store {path} does not match this model: the {which} has {len(longer) - min(len(stored_params), len(current_params))} "
             f"more parameter(s), first {longer[min(len(stored_params), len(current_params))][1]!r}"
         )
+
+
+def for_world_size(record: dict, world_size: int) -> dict:
+    """The committed record as ``world_size`` ranks resume it.
+
+    Random states are saved one per rank; on another number of ranks no rank has a stream
+    of its own to continue, so they are left out and every rank keeps the state its process
+    was seeded with (the batches do not depend on them, see ``TokenBatches``).
+    """
+    states = record.get("rng")
+    if states is None or len(states) == world_size:
+        return record
+    logger.warning(
+        "resuming on %d rank(s) a step committed by %d: the saved random states are per rank and "
+        "are not restored",
+        world_size,
+        len(states),
+    )
+    return {key: value for key, value in record.items() if key != "rng"}
 
 
 class StoreOptimizerState:
@@ -127,6 +148,7 @@ class StoreOptimizerState:
         self.generations = Generations(self.store)
         self._read_generation = 0
         self._generation_zero_ready = False
+        self._layout_adopted = True  # the store's attributes and committed arrays are this layout
         self.resumed_from: dict | None = self._check_resumable(path, layout) if resume else None
 
     def _check_resumable(self, path: Path, layout: ModelLayout) -> dict:
@@ -140,10 +162,40 @@ class StoreOptimizerState:
         stored = ModelLayout.from_dict(self.store.attrs["layout"])
         first_difference(stored, layout, path)
         self._read_generation = record["generation"]
+        self._layout_adopted = stored == layout and self._in_layout(self._read_generation)
+        if not self._layout_adopted:
+            logger.info(
+                "store %s holds shards cut for %d rank(s): read as shards of %d until the first step commits its own",
+                path,
+                stored.world_size,
+                layout.world_size,
+            )
         if self._leader:
+            self._drop_other_layouts(committed=self._read_generation)
             self.generations.prepare(self._read_generation + 1, self._create_arrays)
         self._barrier()
-        return record
+        return for_world_size(record, layout.world_size)
+
+    def _array_in_layout(self, name: str, unit: UnitLayout) -> bool:
+        """Whether array ``name`` exists cut as ``unit`` is in this layout: then this rank's
+        shard is whole chunks of it, read and written in place."""
+        if not self.store.has_array(name):
+            return False
+        info = self.store.array_info(name)
+        return info.numel == unit.padded_numel and info.chunk_elems == unit.chunk_numel
+
+    def _in_layout(self, generation: int) -> bool:
+        return all(
+            self._array_in_layout(self._name(generation, unit, kind), unit) for unit in self.layout.units for kind in KINDS
+        )
+
+    def _drop_other_layouts(self, committed: int) -> None:
+        """Delete the uncommitted generations not cut for this layout (another world size's):
+        recycling one as the next write target would hand the step arrays of the wrong shape,
+        so ``Generations.prepare`` creates that generation afresh instead."""
+        for generation in self.generations.on_disk():
+            if generation != committed and not self._in_layout(generation):
+                self.store.delete(generation_prefix(generation))
 
     def _create_arrays(self, prefix: str) -> None:
         for unit in self.layout.units:
@@ -178,7 +230,21 @@ class StoreOptimizerState:
     def _load(self, unit: UnitLayout, buf: HostBuffer) -> None:
         start = unit.shard_slice(self.rank).start
         for kind, view in zip(KINDS, self._views(unit, buf).tensors()):
-            self.store.read_into(self._name(self._read_generation, unit, kind), start, view)
+            name = self._name(self._read_generation, unit, kind)
+            if self._array_in_layout(name, unit):
+                self.store.read_into(name, start, view)
+            else:
+                self._read_resharded(name, unit, view)
+
+    def _read_resharded(self, name: str, unit: UnitLayout, view: torch.Tensor) -> None:
+        """This rank's shard of ``unit`` from an array cut for other shards: the unit is the
+        array's first ``numel`` elements whatever its padding, so the part of them this shard
+        covers is read and the rest of the shard, padding, zeroed."""
+        start = unit.shard_slice(self.rank).start
+        count = min(max(unit.numel - start, 0), unit.shard_numel)
+        if count:
+            self.store.read_range(name, start, view[:count])
+        view[count:].zero_()
 
     def _save(self, unit: UnitLayout, buf: HostBuffer, generation: int | None = None) -> None:
         generation = self._read_generation + 1 if generation is None else generation
@@ -218,9 +284,19 @@ class StoreOptimizerState:
         self._barrier()
         if self._leader:
             self.generations.commit(generation, record)
+            if not self._layout_adopted:
+                self._adopt_layout(generation)
             self.generations.prepare(generation + 1, self._create_arrays)
         self._barrier()
         self._read_generation = generation
+        self._layout_adopted = True
+
+    def _adopt_layout(self, committed: int) -> None:
+        """Once generation ``committed``, of this layout, is committed: record the layout, so the
+        store describes what it holds, and drop the superseded generation cut for the old one."""
+        self.store.update_attrs({"layout": self.layout.to_dict()})
+        self._drop_other_layouts(committed)
+        self.store.sync()
 
     def nbytes(self) -> int:
         """This rank's share of the store on disk (both generations)."""

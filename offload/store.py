@@ -159,6 +159,11 @@ def _store_marker(root: Path) -> dict[str, Any] | None:
     return marker if isinstance(marker, dict) else None
 
 
+def _describe_request(kind: str, name: str, start: int, n: int, info: ArrayInfo) -> str:
+    """A read or write request as its errors name it."""
+    return f"{kind} {name!r} elements [{start}, {start + n}) (array numel {info.numel}, chunk size {info.chunk_elems})"
+
+
 def _parse_array_meta(name: str, meta_path: Path, meta: dict[str, Any]) -> ArrayInfo:
     """Validate that an array's metadata is something the fast route reads exactly; describe it."""
 
@@ -452,24 +457,50 @@ class ShardStore:
             self._pending_dirs.add(str(self.path / name / "c"))
         return future
 
-    def _plan(
-        self, kind: str, name: str, start: int, t: torch.Tensor
-    ) -> tuple[ArrayInfo, int, np.ndarray, bool]:
-        """Validate a request; return (info, first chunk, byte view, whether it is aligned for O_DIRECT)."""
+    def read_range(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Read elements `[start, start + out.numel())` of `name` into `out`, wherever chunks fall; blocks.
+
+        For ranges cut by another partitioning than the array's (a shard of another world
+        size). The whole chunks inside the range go straight into `out` as with `read_into`;
+        each of the (at most two) chunks the range only partly covers is read whole into a
+        one-chunk scratch tensor, and its covered part copied.
+        """
+        info = self._check_request("read", name, start, out)
+        size, end = info.chunk_elems, start + out.numel()
+        inner_start, inner_end = -(-start // size) * size, end // size * size
+        futures = []
+        if inner_start < inner_end:
+            futures.append(self.read_async(name, inner_start, out[inner_start - start : inner_end - start]))
+        partial = {index for index, cut in ((start // size, start % size), (end // size, end % size)) if cut}
+        scratch = {index: torch.empty(size, dtype=info.dtype) for index in partial}
+        futures += [self.read_async(name, index * size, chunk) for index, chunk in scratch.items()]
+        IORunner.gather(futures).result()
+        for index, chunk in scratch.items():
+            lo, hi = max(start, index * size), min(end, (index + 1) * size)
+            out[lo - start : hi - start].copy_(chunk[lo - index * size : hi - index * size])
+
+    def _check_request(self, kind: str, name: str, start: int, t: torch.Tensor) -> ArrayInfo:
+        """Validate the buffer and that the range is non-empty and inside the array; return the array's info."""
         info = self.array_info(name)
         n = t.numel() if isinstance(t, torch.Tensor) else 0
-        where = (
-            f"{kind} {name!r} elements [{start}, {start + n}) "
-            f"(array numel {info.numel}, chunk size {info.chunk_elems})"
-        )
+        where = _describe_request(kind, name, start, n, info)
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"{where}: the buffer must be a contiguous 1-D CPU tensor")
         if t.dtype != info.dtype:
             raise ValueError(f"{where}: buffer dtype {t.dtype} differs from the array's {info.dtype}")
-        if n == 0 or start < 0 or start % info.chunk_elems or n % info.chunk_elems or start + n > info.numel:
+        if n == 0 or start < 0 or start + n > info.numel:
+            raise ValueError(f"{where}: the range must be non-empty and inside the array")
+        return info
+
+    def _plan(
+        self, kind: str, name: str, start: int, t: torch.Tensor
+    ) -> tuple[ArrayInfo, int, np.ndarray, bool]:
+        """Validate a whole-chunk request; return (info, first chunk, byte view, whether it is aligned for O_DIRECT)."""
+        info = self._check_request(kind, name, start, t)
+        if start % info.chunk_elems or t.numel() % info.chunk_elems:
             raise ValueError(
-                f"{where}: the range must be non-empty, inside the array, start on a chunk boundary "
-                f"and cover whole chunks"
+                f"{_describe_request(kind, name, start, t.numel(), info)}: the range must start on a chunk "
+                f"boundary and cover whole chunks (read_range reads any range)"
             )
         buf = _byte_view(t)
         aligned = buf.ctypes.data % _DIRECT_ALIGN == 0 and info.chunk_bytes % _DIRECT_ALIGN == 0
