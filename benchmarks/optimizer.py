@@ -30,7 +30,9 @@ the raw rates measured by `benchmarks.bandwidth.raw_disk_gbps` on the same
 directory in the same rounds. A step that hides its compute behind its I/O
 takes max(compute, I/O bound); "of bound" (I/O bound / step) says how close
 the store comes, with the goal `NVME_GOAL`. Compute is timed on the same
-shards held in memory, so that the two can be compared.
+shards held in memory, so that the two can be compared. The default 200M
+parameters move 4.8 GB through the disk per step (about 4-5 s here), enough
+to reach the disk's steady rates while the section stays near a minute and a half.
 
 Each section returns its own table, so more can follow.
 """
@@ -52,12 +54,19 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from benchmarks.bandwidth import drop_page_cache, interleaved_medians, memcpy_gbps, page_aligned, raw_disk_gbps
+from benchmarks.bandwidth import (
+    drop_page_cache,
+    interleaved_medians,
+    memcpy_gbps,
+    page_aligned,
+    raw_disk_gbps,
+)
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from engine.config import OffloadConfig, OptimConfig
 from engine.optim import ShardAdamW
 from engine.partition import ModelLayout, build_layout
 from engine.store_state import StoreOptimizerState, unit_state_bytes
+from offload.pipeline import PipelineStats
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v
 STATE_BYTES_PER_PARAM = 16  # fp32 p, g, m, v
@@ -219,21 +228,10 @@ def synthetic_layout(sizes: list[int], chunk_mb: int) -> ModelLayout:
 
     The parameters live on the meta device: the layout needs only their shapes.
     """
-    units = {f"block{i}": [("weight", nn.Parameter(torch.empty(n, device="meta")))] for i, n in enumerate(sizes)}
+    units = {
+        f"block{i}": [("weight", nn.Parameter(torch.empty(n, device="meta")))] for i, n in enumerate(sizes)
+    }
     return build_layout(units, world_size=1, max_chunk_numel=chunk_mb * MIB // 4)
-
-
-@dataclass
-class NvmeStep:
-    """One timed step of the nvme tier: its wall time, the part spent in `finish`, the pipeline's stats."""
-
-    seconds: float
-    finish_s: float
-    bytes_read: int
-    bytes_written: int
-    read_wait_s: float
-    write_wait_s: float
-    hidden_s: float
 
 
 class NvmeOptimizer:
@@ -268,95 +266,103 @@ class NvmeOptimizer:
         self.counters = {unit.name: self.opt.new_step_counter(torch.device("cpu")) for unit in layout.units}
         self.steps = 0
 
-    def step(self) -> NvmeStep:
-        """Stream, update and write back every unit, then commit the new generation."""
+    def step(self) -> tuple[float, float]:
+        """Stream, update and write back every unit, then commit: the step's seconds, and those in `finish`.
+
+        `state.last_stats` then holds the step's pipeline stats.
+        """
         start = time.perf_counter()
         for unit, shard in self.state.stream(self.layout.units):
-            self.opt.update(
-                shard.master, self.grads[unit.name], shard.exp_avg, shard.exp_avg_sq, self.counters[unit.name],
-                self.config.lr,
-            )
+            grad, counter = self.grads[unit.name], self.counters[unit.name]
+            self.opt.update(shard.master, grad, shard.exp_avg, shard.exp_avg_sq, counter, self.config.lr)
             self.state.done(unit, shard)
         finish_start = time.perf_counter()
         self.steps += 1
         self.state.finish({"step": self.steps})
         end = time.perf_counter()
-        stats = self.state.last_stats
-        return NvmeStep(
-            seconds=end - start,
-            finish_s=end - finish_start,
-            bytes_read=stats.bytes_read,
-            bytes_written=stats.bytes_written,
-            read_wait_s=stats.read_wait_s,
-            write_wait_s=stats.write_wait_s,
-            hidden_s=stats.hidden_s,
-        )
+        return end - start, end - finish_start
 
     def close(self) -> None:
         self.state.close()
 
 
-def _timed(step: Step) -> float:
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
+@dataclass(frozen=True)
+class NvmeRound:
+    """One round of the nvme tier section: the raw disk, the compute alone and the step, back to back."""
+
+    raw: dict[str, float | bool]
+    compute_s: float
+    step_s: float
+    finish_s: float
+    stats: PipelineStats
+    cold: bool
+
+
+def measure_nvme(nvme: NvmeSetup, layout: ModelLayout, raw_bytes: int, reps: int) -> list[NvmeRound]:
+    """`reps` timed rounds after an untimed one (warm-up), in a temporary directory under `nvme.directory`.
+
+    Each round measures the raw disk, the compute-only step and, after
+    dropping the page cache, one nvme step, so a slow spell of the shared
+    machine hits all three alike.
+    """
+    raw_buffer = page_aligned(raw_bytes)
+    raw_buffer.fill_(0x5A)  # first touch outside the timed region
+    compute = shard_adamw_step([unit.shard_numel for unit in layout.units], OptimConfig().kernel)
+    rounds: list[NvmeRound] = []
+    nvme.directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-optimizer-", dir=nvme.directory) as work:
+        optimizer = NvmeOptimizer(Path(work) / "store", layout, nvme)
+        try:
+            for round_ in tqdm(range(reps + 1), desc="nvme tier", unit="round"):
+                raw = raw_disk_gbps(work, raw_bytes, nvme.io_threads, reps=1, buffer=raw_buffer)
+                start = time.perf_counter()
+                compute()
+                compute_s = time.perf_counter() - start
+                cold = drop_page_cache()
+                step_s, finish_s = optimizer.step()
+                if round_:
+                    cold = cold and bool(raw["cold"])
+                    rounds.append(
+                        NvmeRound(raw, compute_s, step_s, finish_s, optimizer.state.last_stats, cold)
+                    )
+        finally:
+            optimizer.close()
+    return rounds
 
 
 def nvme_tier_section(setup: Setup) -> Section:
     """The optimizer step with its state on disk, against the disk's raw rates and the compute alone.
 
-    Each round measures the raw disk, the compute-only step and, after
-    dropping the page cache, one nvme step, so a slow spell of the shared
-    machine hits all three alike; an untimed round comes first (warm-up).
+    Ratios are taken between medians: the rounds interleave, so the medians
+    come from the same stretch of time.
     """
     nvme = setup.nvme
     layout = synthetic_layout(setup.shard_sizes(nvme.params), nvme.chunk_mb)
     state_bytes = sum(unit_state_bytes(unit) for unit in layout.units)
     raw_bytes = max(mmap.PAGESIZE, min(RAW_MAX_BYTES, state_bytes) // mmap.PAGESIZE * mmap.PAGESIZE)
-    raw_buffer = page_aligned(raw_bytes)
-    raw_buffer.fill_(0x5A)  # first touch outside the timed region
-    compute = shard_adamw_step([unit.shard_numel for unit in layout.units], OptimConfig().kernel)
-    raw: list[dict[str, float | bool]] = []
-    compute_s: list[float] = []
-    steps: list[NvmeStep] = []
-    cold = True
-    nvme.directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bench-optimizer-", dir=nvme.directory) as work:
-        optimizer = NvmeOptimizer(Path(work) / "store", layout, nvme)
-        try:
-            for round_ in tqdm(range(setup.reps + 1), desc="nvme tier", unit="round"):
-                raw_run = raw_disk_gbps(work, raw_bytes, nvme.io_threads, reps=1, buffer=raw_buffer)
-                seconds = _timed(compute)
-                cold &= drop_page_cache()
-                step = optimizer.step()
-                if round_:
-                    raw.append(raw_run)
-                    compute_s.append(seconds)
-                    steps.append(step)
-        finally:
-            optimizer.close()
-    cold &= all(r["cold"] for r in raw)
+    rounds = measure_nvme(nvme, layout, raw_bytes, setup.reps)
 
-    raw_read = statistics.median([float(r["read"]) for r in raw])
-    raw_write = statistics.median([float(r["write"]) for r in raw])
-    step_s = statistics.median([s.seconds for s in steps])
-    bytes_read, bytes_written = steps[-1].bytes_read, steps[-1].bytes_written
+    def median(value: Callable[[NvmeRound], float]) -> float:
+        return statistics.median(value(r) for r in rounds)
+
+    raw_read, raw_write = median(lambda r: float(r.raw["read"])), median(lambda r: float(r.raw["write"]))
+    bytes_read, bytes_written = rounds[-1].stats.bytes_read, rounds[-1].stats.bytes_written
     io_bound = bytes_read / raw_read / 1e9 + bytes_written / raw_write / 1e9
-    compute_median = statistics.median(compute_s)
+    step_s, compute_s = median(lambda r: r.step_s), median(lambda r: r.compute_s)
     of_bound = io_bound / step_s
     row: Row = {
         "step s": step_s,
-        "compute s": compute_median,
+        "compute s": compute_s,
         "I/O bound s": io_bound,
-        "step/max": step_s / max(compute_median, io_bound),
+        "step/max": step_s / max(compute_s, io_bound),
         "of bound": of_bound,
-        "read wait s": statistics.median([s.read_wait_s for s in steps]),
-        "write wait s": statistics.median([s.write_wait_s for s in steps]),
-        "hidden I/O s": statistics.median([s.hidden_s for s in steps]),
-        "finish s": statistics.median([s.finish_s for s in steps]),
+        "read wait s": median(lambda r: r.stats.read_wait_s),
+        "write wait s": median(lambda r: r.stats.write_wait_s),
+        "hidden I/O s": median(lambda r: r.stats.hidden_s),
+        "finish s": median(lambda r: r.finish_s),
         "GB/s": (bytes_read + bytes_written) / step_s / 1e9,
     }
-    direct = all(bool(r["direct"]) for r in raw)
+    direct, cold = all(bool(r.raw["direct"]) for r in rounds), all(r.cold for r in rounds)
     details = {
         "bytes_read": bytes_read,
         "bytes_written": bytes_written,
@@ -368,20 +374,26 @@ def nvme_tier_section(setup: Setup) -> Section:
         "goal": NVME_GOAL,
         "goal_met": of_bound >= NVME_GOAL,
     }
-    reads = "cold (page cache dropped before each step)" if cold else "WARM (the page cache could not be dropped)"
+    reads = "cold (page cache dropped before each step)" if cold else "WARM (page cache not dropped)"
     title = (
         f"{nvme.params / 1e6:g}M fp32 params in {len(layout.units)} units, buffer {nvme.buffer_mb} MiB, "
         f"{nvme.chunk_mb} MiB chunks, {nvme.io_threads} I/O threads, {torch.get_num_threads()} torch threads; "
         f"median of {setup.reps} steps, reads {reads}"
     )
     notes = [
-        f"I/O bound: {bytes_read / 1e9:.2f} GB / raw read {raw_read:.2f} GB/s + {bytes_written / 1e9:.2f} GB / "
-        f"raw write {raw_write:.2f} GB/s ({'O_DIRECT' if direct else 'buffered'}, {nvme.io_threads} threads, "
-        f"{raw_bytes / MIB:g} MiB, same directory, same rounds).",
-        "step/max: step / max(compute, I/O bound), 1 when one hides the other entirely. "
-        "finish s: draining the last writes, fsync and commit.",
-        f"Goal: of bound (I/O bound / step) >= {NVME_GOAL}: {of_bound:.2f}, "
-        f"{'met' if details['goal_met'] else 'NOT met'}.",
+        (
+            f"I/O bound: {bytes_read / 1e9:.2f} GB / raw read {raw_read:.2f} GB/s + "
+            f"{bytes_written / 1e9:.2f} GB / raw write {raw_write:.2f} GB/s "
+            f"({'O_DIRECT' if direct else 'buffered'}, {nvme.io_threads} threads, {raw_bytes / MIB:.0f} MiB, "
+            f"same directory, same rounds)."
+        ),
+        "step/max: step / max(compute, I/O bound), 1 when one hides the other entirely.",
+        "hidden I/O s: I/O task time summed over the I/O threads, less the step's waits for reads and writes.",
+        "finish s: draining the last writes, fsync and commit (part of step s).",
+        (
+            f"Goal: of bound (I/O bound / step) >= {NVME_GOAL}: {of_bound:.2f}, "
+            f"{'met' if details['goal_met'] else 'NOT met'}."
+        ),
     ]
     return Section(title, [row], notes, details)
 
@@ -406,15 +418,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     nvme_group.add_argument(
         "--dir", type=Path, default=Path("."), help="directory on the disk to measure (default .)"
     )
-    nvme_group.add_argument(
-        "--buffer-mb", type=int, default=offload.buffer_mb, help=f"offload.buffer_mb (default {offload.buffer_mb})"
-    )
-    nvme_group.add_argument(
-        "--chunk-mb", type=int, default=offload.chunk_mb, help=f"offload.chunk_mb (default {offload.chunk_mb})"
-    )
-    nvme_group.add_argument(
-        "--io-threads", type=int, default=offload.io_threads, help=f"offload.io_threads (default {offload.io_threads})"
-    )
+    for name, help_ in {
+        "buffer_mb": "host staging budget, MiB",
+        "chunk_mb": "largest chunk, MiB",
+        "io_threads": "threads doing reads and writes",
+    }.items():
+        default = getattr(offload, name)
+        nvme_group.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=default, help=f"{help_} (default {default})"
+        )
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     params = args.params or (5_000_000 if args.quick else 50_000_000)
@@ -423,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     memcpy = memcpy_gbps(STATE_BYTES_PER_PARAM // 2 * params)  # source and destination
     nvme = NvmeSetup(args.dir, nvme_params, args.buffer_mb, args.chunk_mb, args.io_threads)
-    setup = Setup(params, min(args.shard_params, params), tuple(args.threads), reps, memcpy, nvme)
+    setup = Setup(params, args.shard_params, tuple(args.threads), reps, memcpy, nvme)
     sections = {name: run(setup) for name, run in SECTIONS.items()}
 
     for name, section in sections.items():

@@ -134,8 +134,11 @@ class Engine:
         if "loss_scale" in record:
             self.scaler.load_state_dict(record["loss_scale"])
         self.client_state = record.get("client_state", {})
-        if "rng" in record:
-            rng.restore(record["rng"][self.comm.rank])
+        states = record.get("rng", [])
+        if len(states) == self.comm.world_size:
+            rng.restore(states[self.comm.rank])
+        else:  # per-rank streams cannot be mapped onto another number of ranks
+            logger.warning("random states saved by %d rank(s) are not restored on %d", len(states), self.comm.world_size)
         logger.info("resumed at step %d from %s", self.global_step, self.config.offload.nvme_path)
 
     def _commit_record(self) -> dict[str, Any]:

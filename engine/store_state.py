@@ -83,25 +83,6 @@ def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> N
         )
 
 
-def for_world_size(record: dict, world_size: int) -> dict:
-    """The committed record as ``world_size`` ranks resume it.
-
-    Random states are saved one per rank; on another number of ranks no rank has a stream
-    of its own to continue, so they are left out and every rank keeps the state its process
-    was seeded with (the batches do not depend on them, see ``TokenBatches``).
-    """
-    states = record.get("rng")
-    if states is None or len(states) == world_size:
-        return record
-    logger.warning(
-        "resuming on %d rank(s) a step committed by %d: the saved random states are per rank and "
-        "are not restored",
-        world_size,
-        len(states),
-    )
-    return {key: value for key, value in record.items() if key != "rng"}
-
-
 class StoreOptimizerState:
     """Optimizer shards in a zarr store, streamed through a byte-bounded pipeline."""
 
@@ -152,7 +133,8 @@ class StoreOptimizerState:
         self.resumed_from: dict | None = self._check_resumable(path, layout) if resume else None
 
     def _check_resumable(self, path: Path, layout: ModelLayout) -> dict:
-        """The committed record of an existing store whose layout is this model's."""
+        """The committed record of an existing store of this model, as this world size resumes it;
+        the next generation made ready to write, cut for this layout."""
         record = self.generations.committed()
         if record is None:
             raise FileNotFoundError(
@@ -174,7 +156,7 @@ class StoreOptimizerState:
             self._drop_other_layouts(committed=self._read_generation)
             self.generations.prepare(self._read_generation + 1, self._create_arrays)
         self._barrier()
-        return for_world_size(record, layout.world_size)
+        return record
 
     def _array_in_layout(self, name: str, unit: UnitLayout) -> bool:
         """Whether array ``name`` exists cut as ``unit`` is in this layout: then this rank's

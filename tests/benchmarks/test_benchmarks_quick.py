@@ -40,18 +40,30 @@ def test_tiers_quick(tmp_path: Path) -> None:
 
 
 def test_optimizer_quick(tmp_path: Path) -> None:
-    optimizer.main(
-        ["--quick", "--out", str(tmp_path), "--params", "200000", "--shard-params", "64000", "--reps", "1"]
-    )
+    disk = tmp_path / "disk"
+    host = ["--params", "200000", "--shard-params", "64000", "--reps", "1"]
+    nvme_tier = ["--nvme-params", "320000", "--dir", str(disk), "--buffer-mb", "4"]
+    optimizer.main(["--quick", "--out", str(tmp_path), *host, *nvme_tier])
     record = load_record(tmp_path, "optimizer")
     assert record["params"] == 200_000
     assert record["memcpy_gbps"] > 0 and record["bound_mparam_per_s"] > 0
-    rows = record["sections"]["host memory"]
+    rows = record["sections"]["host memory"]["rows"]
     assert {(row["optimizer"], row["threads"]) for row in rows} == {
         (name, threads) for name in optimizer.OPTIMIZERS for threads in (1, 2)
     }
     for row in rows:
         assert row["Mparam/s"] > 0 and row["of bound"] > 0
+
+    nvme = record["sections"]["nvme tier"]
+    assert record["nvme_params"] == 320_000 and record["nvme"]["buffer_mb"] == 4
+    (row,) = nvme["rows"]
+    for key in ("step s", "compute s", "I/O bound s", "step/max", "of bound", "GB/s"):
+        assert row[key] > 0, key
+    details = nvme["details"]
+    # 5 units of 64000 params, each padded to 65536: master, exp_avg and exp_avg_sq, read and written once
+    assert details["bytes_read"] == details["bytes_written"] == 5 * 65536 * 3 * 4
+    assert details["raw_read_gbps"] > 0 and details["raw_write_gbps"] > 0
+    assert list(disk.iterdir()) == []  # the store and the raw benchmark file were removed
 
 
 def test_plot_is_skipped_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -469,3 +469,26 @@ def test_delete_removes_arrays_and_pending_state(tmp_path, runner):
     store.sync()  # nothing pending refers to the deleted files
     with pytest.raises(FileNotFoundError, match="no group or array 'gen-0'"):
         store.delete("gen-0")
+
+
+def test_read_range_reads_any_range_through_the_chunks_covering_it(tmp_path) -> None:
+    chunk = 1024
+    data = torch.arange(4 * chunk, dtype=torch.float32)
+    with IORunner(threads=2) as runner:
+        store = ShardStore.create(tmp_path / "store", {}, runner=runner)
+        store.create_array("a", data.numel(), chunk, torch.float32)
+        store.write_from("a", 0, data)
+        ranges = [
+            (0, 4 * chunk),  # whole chunks: the fast route
+            (5, 9),  # inside one chunk
+            (chunk - 1, chunk + 1),  # across a boundary
+            (3, 3 * chunk + 2),  # a partial chunk, whole ones, a partial one
+            (chunk, 2 * chunk + 5),
+            (7, 4 * chunk),
+        ]
+        for start, end in ranges:
+            out = torch.full((end - start,), -1.0)
+            store.read_range("a", start, out)
+            assert torch.equal(out, data[start:end]), (start, end)
+        with pytest.raises(ValueError, match=r"elements \[4095, 4097\).*inside the array"):
+            store.read_range("a", 4 * chunk - 1, torch.empty(2))
