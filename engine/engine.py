@@ -7,9 +7,10 @@
         eng.step()
 
 The model computes with compute-dtype parameters that are views into one flat buffer per
-unit on the device. The fp32 masters and AdamW moments are sharded across ranks on the
-optimizer tier; each step reduces the gradients to shards, updates the shards there and
-all-gathers the new parameters back into the flat buffers.
+unit on the device (at stage 3 gathered only while the unit runs, see ``engine.params``).
+The fp32 masters and AdamW moments are sharded across ranks on the optimizer tier; each
+step reduces the gradients to shards, updates the shards there and hands the new
+compute-dtype shards back to the parameters.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine.comm import Comm
 from engine.config import Config
 from engine.device import Device
 from engine.grads import GradientShards
+from engine.params import ReplicatedParams, ShardedParams
 from engine.optim import ShardAdamW, clip_grad_norm_, lr_factor
 from engine.partition import ModelLayout, build_layout, find_units, flatten_into, param_views, unit_parameters
 from engine.precision import LossScaler, compute_dtype
@@ -40,10 +42,22 @@ BYTES_PER_MIB = 1 << 20
 class Engine:
     """ZeRO stage 1/2 training of ``model`` with its optimizer state on the configured tier."""
 
-    def __init__(self, model: nn.Module, config: Config, *, total_steps: int | None = None, resume: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Config,
+        *,
+        total_steps: int | None = None,
+        resume: bool = False,
+        checkpoint: str | None = None,
+    ):
         config.validate()
-        if config.zero.stage == 3:
-            raise NotImplementedError("zero.stage = 3 is not available yet: use zero.stage = 1 or 2")
+        resume = resume or checkpoint is not None  # a checkpoint is only ever resumed from
+        if config.offload.param != "device":
+            raise NotImplementedError(
+                f"offload.param = {config.offload.param!r}: parameter shards live on the device for now; "
+                f'set offload.param = "device" (stage 3 still shards them across ranks)'
+            )
         self.config = config
         self.device = Device.detect()
         self.comm = Comm.from_env(self.device.backend, self.device.device)
@@ -65,8 +79,8 @@ class Engine:
                 f"train with offload.optimizer = \"nvme\" to resume from its store"
             )
         model.to(self.device.device)
-        self.optimizer_state = self._optimizer_state(opt_device, resume)
-        self._flat_params: dict[str, torch.Tensor] = {}
+        self.optimizer_state = self._optimizer_state(opt_device, resume, checkpoint)
+        flats: dict[str, torch.Tensor] = {}
         for unit in self.layout.units:
             full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device.device)
             flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
@@ -76,7 +90,13 @@ class Engine:
             views = param_views(flat, unit)
             for name, param in owned[unit.name]:
                 param.data = views[name]
-            self._flat_params[unit.name] = flat
+            flats[unit.name] = flat
+        self.params: ReplicatedParams | ShardedParams = (
+            ShardedParams(flats, dict(units), self.layout, self.comm)
+            if config.zero.stage == 3
+            else ReplicatedParams(flats, self.layout, self.comm)
+        )
+        del flats
 
         self.grads = GradientShards(
             self.layout,
@@ -86,6 +106,7 @@ class Engine:
             opt_device,
             reduce_per_micro_batch=config.zero.stage >= 2,
             pin_memory=self.device.pin_memory and opt_device.type == "cpu",
+            after_reduce=self.params.release_after_backward,
         )
         self.adam = ShardAdamW(config.optim)
         self._step_counters = {u.name: self.adam.new_step_counter(opt_device) for u in self.layout.units}
@@ -112,21 +133,21 @@ class Engine:
         )
 
     @classmethod
-    def resume(cls, model: nn.Module, config: Config, *, total_steps: int | None = None) -> Engine:
-        """Continue from the last step committed in ``config.offload.nvme_path``: parameters,
-        optimizer state, step count, loss scale, random states and ``client_state``."""
-        return cls(model, config, total_steps=total_steps, resume=True)
+    def resume(
+        cls, model: nn.Module, config: Config, *, total_steps: int | None = None, checkpoint: str | None = None
+    ) -> Engine:
+        """Continue from the last step committed in ``config.offload.nvme_path``, or from its
+        checkpoint ``checkpoint`` (see ``save``): parameters, optimizer state, step count, loss
+        scale, random states and ``client_state``. The first step writes the store's next live
+        generation, so a checkpoint is never modified and can be resumed from again."""
+        return cls(model, config, total_steps=total_steps, resume=True, checkpoint=checkpoint)
 
     def _restore(self, record: dict[str, Any]) -> None:
         """Parameters from the committed masters, and the counters the record holds."""
-        gathers = []
         for unit, master in self.optimizer_state.read_masters():
-            flat = self._flat_params[unit.name]
-            own = flat[unit.shard_slice(self.comm.rank)]
-            own.copy_(master)
-            gathers.append(self.comm.all_gather(flat, own))
-        for work in gathers:
-            work.wait()
+            self.params.shard(unit).copy_(master)
+            self.params.updated(unit)
+        self.params.finish_update()
         self.global_step = record["step"]
         self.skipped_steps = record.get("skipped_steps", 0)
         for counter in self._step_counters.values():
@@ -153,7 +174,7 @@ class Engine:
             "world_size": self.comm.world_size,
         }
 
-    def _optimizer_state(self, device: torch.device, resume: bool) -> OptimizerState:
+    def _optimizer_state(self, device: torch.device, resume: bool, checkpoint: str | None) -> OptimizerState:
         """The (empty) optimizer tier the configuration asks for."""
         offload = self.config.offload
         if offload.optimizer != "nvme":
@@ -168,6 +189,7 @@ class Engine:
             direct_io=offload.direct_io,
             barrier=self.comm.barrier,
             resume=resume,
+            checkpoint=checkpoint,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -210,29 +232,43 @@ class Engine:
         return not overflow
 
     def _update(self, lr: float) -> None:
-        """AdamW on every unit's shard, then all-gather the new compute-dtype parameters."""
-        gathers = []
+        """AdamW on every unit's shard, then hand the new compute-dtype shards to the parameters."""
         for unit, state in self.optimizer_state.stream(self.layout.units):
             grad = self.grads.shards[unit.name]
             self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._step_counters[unit.name], lr)
-            flat = self._flat_params[unit.name]
-            own = flat[unit.shard_slice(self.comm.rank)]
-            own.copy_(state.master)
+            self.params.shard(unit).copy_(state.master)
             self.optimizer_state.done(unit, state)
-            gathers.append(self.comm.all_gather(flat, own))
-        for work in gathers:
-            work.wait()
+            self.params.updated(unit)
+        self.params.finish_update()
         self.optimizer_state.finish(self._commit_record())
+
+    def gathered(self):
+        """A context in which every parameter holds its full values, also at stage 3 (to read,
+        evaluate or save the model outside ``eng(...)``/``eng.backward``)."""
+        return self.params.gathered()
 
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last step."""
         self.grads.zero()
         self._micro_batches = 0
 
+    def save(self, tag: str) -> None:
+        """Keep the last committed step as checkpoint ``tag`` (``checkpoints/<tag>`` in the store),
+        to resume from with ``Engine.resume(..., checkpoint=tag)``. The step's generation is still
+        the live state, so it is kept by a rename, not a copy, when the next step supersedes it;
+        the request is committed, so a crash or a resume loses nothing. Once it is kept, the
+        oldest checkpoints beyond ``checkpoint.keep`` are deleted."""
+        if not isinstance(self.optimizer_state, StoreOptimizerState):
+            raise NotImplementedError(
+                f"checkpoint {tag!r}: checkpoints are kept from the nvme store, but offload.optimizer = "
+                f"{self.config.offload.optimizer!r} holds the optimizer state in memory, and writing it to a "
+                f'store is not supported yet; set offload.optimizer = "nvme" to save checkpoints'
+            )
+        self.optimizer_state.save(tag, keep=self.config.checkpoint.keep)
+
     def memory_report(self) -> dict[str, int]:
         """Bytes the engine holds on each tier for model and optimizer state."""
-        params = sum(t.nbytes for t in self._flat_params.values())
-        tiers = {"device": params, "cpu": 0, "nvme": 0}
+        tiers = {"device": self.params.nbytes(), "cpu": 0, "nvme": 0}
         tiers[self.config.offload.optimizer] += self.optimizer_state.nbytes()
         tiers["device" if self.config.offload.optimizer == "device" else "cpu"] += self.grads.nbytes()
         return tiers
@@ -240,5 +276,6 @@ class Engine:
     def close(self) -> None:
         """Release hooks and the process group this engine created."""
         self.grads.close()
+        self.params.close()
         self.optimizer_state.close()
         self.comm.close()

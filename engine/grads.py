@@ -15,6 +15,7 @@ Either way the shard ends on the optimizer's tier, averaged over ranks.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +51,11 @@ class GradientShards:
         *,
         reduce_per_micro_batch: bool,
         pin_memory: bool = False,
+        after_reduce: Callable[[str], None] = lambda unit_name: None,
     ):
         self._comm, self._device = comm, device
         self._early = reduce_per_micro_batch
+        self._after_reduce = after_reduce
         self._buckets = [_Bucket(u, len(params[u.name])) for u in layout.units]
         self.shards = {
             u.name: torch.zeros(u.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin_memory)
@@ -90,6 +93,7 @@ class GradientShards:
         work, shard = self._comm.reduce_scatter(bucket.flat, bucket.unit.shard_numel)
         self._in_flight.append((bucket.unit, work, shard))
         bucket.flat = None
+        self._after_reduce(bucket.unit.name)
         self._collect(keep=MAX_IN_FLIGHT - 1)
 
     def end_backward(self) -> None:

@@ -49,7 +49,8 @@ def train_engine(cfg: Config, steps: int, micro_batch: int = 4, tie: bool = Fals
             eng.step()
             step_loss += loss.item() / cfg.zero.grad_accum_steps
         losses.append(step_loss)
-        history.append(_snapshot(eng.module))
+        with eng.gathered():
+            history.append(_snapshot(eng.module))
     eng.close()
     return {"losses": losses, "params": history[-1], "history": history}
 

@@ -13,7 +13,7 @@ STEPS = 5
 
 @pytest.mark.parametrize("kernel", ["fused", "foreach"])
 @pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp32_one_rank_is_bit_identical_every_step(stage: int, tier: str, kernel: str, tmp_path) -> None:
     cfg = config(zero={"stage": stage}, offload={"optimizer": tier, "nvme_path": str(tmp_path / "store")}, optim={"kernel": kernel})
     ours = train_engine(cfg, STEPS)
@@ -24,15 +24,16 @@ def test_fp32_one_rank_is_bit_identical_every_step(stage: int, tier: str, kernel
         assert not differing, f"step {step}: parameters differ from torch AdamW: {differing[:3]}"
 
 
-def test_tied_embeddings_bit_identical() -> None:
-    cfg = config(zero={"stage": 2})
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tied_embeddings_bit_identical(stage: int) -> None:
+    cfg = config(zero={"stage": stage})
     ours = train_engine(cfg, STEPS, tie=True)
     ref = train_reference(cfg, STEPS, micro_batch=4, tie=True)
     assert ours["params"].keys() == ref["params"].keys()
     assert all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"])
 
 
-@pytest.mark.parametrize(("stage", "tier"), [(1, "cpu"), (2, "cpu"), (1, "nvme"), (2, "nvme")])
+@pytest.mark.parametrize(("stage", "tier"), [(1, "cpu"), (2, "cpu"), (3, "cpu"), (1, "nvme"), (2, "nvme"), (3, "nvme")])
 def test_two_gloo_ranks_match_one_process(stage: int, tier: str, tmp_path) -> None:
     cfg = config(zero={"stage": stage}, offload={"optimizer": tier, "nvme_path": str(tmp_path / "store")})
     ranks = run_ranks(2, train_engine_on_ranks, cfg, STEPS, 2)
@@ -44,13 +45,14 @@ def test_two_gloo_ranks_match_one_process(stage: int, tier: str, tmp_path) -> No
     assert mean_losses == pytest.approx(ref["losses"], rel=1e-6)
 
 
-def test_gradient_accumulation_equals_one_large_batch() -> None:
-    accumulated = train_engine(config(zero={"stage": 2, "grad_accum_steps": 4}), STEPS, micro_batch=2)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_accumulation_equals_one_large_batch(stage: int) -> None:
+    accumulated = train_engine(config(zero={"stage": stage, "grad_accum_steps": 4}), STEPS, micro_batch=2)
     large = train_reference(config(), STEPS, micro_batch=2, concat=4)
     assert rel_diff(accumulated["params"], large["params"]) <= 1e-6
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_clipping_matches_clip_grad_norm(stage: int) -> None:
     cfg = config(zero={"stage": stage}, optim={"grad_clip": 0.05})
     ours = train_engine(cfg, STEPS)
@@ -60,7 +62,7 @@ def test_clipping_matches_clip_grad_norm(stage: int) -> None:
     assert rel_diff(unclipped["params"], ref["params"]) > 1e-4, "the test's clip threshold never bites"
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_loss_curve_follows_autocast_reference(stage: int) -> None:
     cfg = config(zero={"stage": stage}, precision={"compute_dtype": "bf16"}, optim={"lr": 1e-3})
     ours = train_engine(cfg, 8)

@@ -1,0 +1,40 @@
+"""Stage 3: a unit's full parameters exist only while it runs."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.engine import Engine
+from engine.params import ShardedParams, UnitState
+from engine.partition import ROOT_UNIT
+from tests.training import batches, config, tiny_gpt
+
+
+def test_units_are_gathered_only_while_they_run(monkeypatch) -> None:
+    eng = Engine(tiny_gpt(), config(zero={"stage": 3}), total_steps=2)
+    params = eng.params
+    assert isinstance(params, ShardedParams)
+    assert all(s is UnitState.SHARDED for s in params.state.values()), "nothing is gathered before the first forward"
+    most = 0
+    gather = ShardedParams.gather
+
+    def counting(self, name):
+        nonlocal most
+        gather(self, name)
+        blocks = [n for n, s in self.state.items() if s is UnitState.GATHERED and n != ROOT_UNIT]
+        most = max(most, len(blocks))
+
+    monkeypatch.setattr(ShardedParams, "gather", counting)
+    data = batches(4)
+    for _ in range(2):
+        eng.backward(eng(*data.next()))
+        eng.step()
+        assert all(s is UnitState.SHARDED for s in params.state.values()), params.state
+        assert params.nbytes() == sum(t.nbytes for t in params._shards.values())
+    assert most == 1, f"{most} blocks were gathered at once"
+    gathered_bytes = sum(u.padded_numel for u in eng.layout.units) * 4
+    assert params.high_water_bytes < params.nbytes() + gathered_bytes, "never was the whole model gathered beside its shards"
+    with eng.gathered():
+        assert all(torch.isfinite(p).all() for p in eng.module.parameters())
+    assert all(s is UnitState.SHARDED for s in params.state.values())
+    eng.close()
