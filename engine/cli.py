@@ -2,7 +2,8 @@
 
 - ``train [--config run.toml] [--key value ...]``: any config key can be overridden as
   ``--section.key value`` or, when the name is unique, ``--key value`` (``--steps 3``);
-  continues from the store at ``offload.nvme_path`` when it holds a committed step.
+  continues from the store at ``offload.nvme_path`` when it holds a committed step, or from
+  its checkpoint TAG with ``--from-checkpoint TAG``.
 - ``inspect STORE [--verify]``: what a store holds; ``--verify`` checks every chunk's CRC-32C.
 - ``consolidate STORE OUT.safetensors``: full fp32 weights under the model's parameter names.
 """
@@ -55,7 +56,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
     config = _load_config(args.config, extra)
     _set_threads()
-    result = train(config)
+    result = train(config, checkpoint=args.from_checkpoint)
     if result.losses:
         logger.info(
             "done: %d steps, loss %.4f -> %.4f, %.3f s/step",
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train the built-in model (any config key: --section.key value)")
     train.add_argument("--config", help="a .toml or .json config file")
+    train.add_argument(
+        "--from-checkpoint", metavar="TAG", help="resume from this checkpoint of the store (e.g. step-100)"
+    )
     inspect = commands.add_parser("inspect", help="what a store holds")
     inspect.add_argument("store")
     inspect.add_argument("--verify", action="store_true", help="read every chunk and check its CRC-32C")

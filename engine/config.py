@@ -137,6 +137,17 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Steps kept from the ``nvme`` store as ``checkpoints/<tag>`` (``Engine.save``), each by a
+    rename when the next step supersedes it, to resume from later."""
+
+    interval: int = 0
+    """Steps between the checkpoints ``python -m engine train`` keeps, tagged ``step-<n>``; 0: none."""
+    keep: int = 0
+    """Checkpoints retained: once one more is kept, the oldest beyond this many are deleted; 0 keeps all."""
+
+
+@dataclass
 class Config:
     """A whole run; each attribute is one section of the config file."""
 
@@ -147,6 +158,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | None = None) -> Config:
@@ -222,6 +234,16 @@ class Config:
         _check(self.data.vocab_size >= 257, "data.vocab_size", self.data.vocab_size, "must be > 256 for a BPE")
         _check(self.train.steps >= 1, "train.steps", self.train.steps, "must be >= 1")
         _check(self.train.log_every >= 1, "train.log_every", self.train.log_every, "must be >= 1")
+        ckpt = self.checkpoint
+        _check(ckpt.interval >= 0, "checkpoint.interval", ckpt.interval, "must be >= 0 (0: no periodic checkpoints)")
+        _check(ckpt.keep >= 0, "checkpoint.keep", ckpt.keep, "must be >= 0 (0 keeps every checkpoint)")
+        _check(
+            ckpt.interval == 0 or o.optimizer == "nvme",
+            "checkpoint.interval",
+            ckpt.interval,
+            f'checkpoints are kept from the nvme store, but offload.optimizer = {o.optimizer!r}: set '
+            f'offload.optimizer = "nvme", or checkpoint.interval = 0',
+        )
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:

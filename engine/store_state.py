@@ -11,6 +11,11 @@ arrays whatever their padding, so a generation cut for other shards is read rang
 (each rank's new shard from the chunks that cover it, padding zeroed), and the first step
 writes a generation cut for this run's shards; once it is committed the store records this
 layout and is an ordinary store of the new world size.
+
+A step can also be kept as a checkpoint (``save``), by rename when a later commit supersedes
+its generation (see ``offload.generations``), and resumed from (``checkpoint=`` tag): its
+first step reads the checkpoint and writes the store's next live generation, so the
+checkpoint itself is never modified and can be resumed from again.
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ class StoreOptimizerState:
         direct_io: bool,
         barrier: Callable[[], None],
         resume: bool = False,
+        checkpoint: str | None = None,
     ):
         largest = max(layout.units, key=unit_state_bytes)
         if buffer_bytes < 2 * unit_state_bytes(largest):
@@ -127,14 +133,16 @@ class StoreOptimizerState:
         barrier()
         self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
         self.generations = Generations(self.store)
-        self._read_generation = 0
+        self._committed = 0  # the live committed generation; the next step writes the one after it
+        self._read_prefix = generation_prefix(0)  # where the next step reads: it, or a checkpoint
         self._generation_zero_ready = False
         self._layout_adopted = True  # the store's attributes and committed arrays are this layout
-        self.resumed_from: dict | None = self._check_resumable(path, layout) if resume else None
+        self.resumed_from: dict | None = self._check_resumable(path, layout, checkpoint) if resume else None
 
-    def _check_resumable(self, path: Path, layout: ModelLayout) -> dict:
-        """The committed record of an existing store of this model, as this world size resumes it;
-        the next generation made ready to write, cut for this layout."""
+    def _check_resumable(self, path: Path, layout: ModelLayout, checkpoint: str | None) -> dict:
+        """The record to resume from (the committed one, or checkpoint ``checkpoint``'s) of an
+        existing store of this model, as this world size resumes it; the next generation made
+        ready to write, cut for this layout."""
         record = self.generations.committed()
         if record is None:
             raise FileNotFoundError(
@@ -143,8 +151,17 @@ class StoreOptimizerState:
             )
         stored = ModelLayout.from_dict(self.store.attrs["layout"])
         first_difference(stored, layout, path)
-        self._read_generation = record["generation"]
-        self._layout_adopted = stored == layout and self._in_layout(self._read_generation)
+        if self._leader:
+            # A crash between a commit and the keeping of the generation it superseded leaves
+            # that generation to keep: before any of it is dropped or recycled.
+            self.generations.keep_superseded()
+        self._barrier()
+        self._committed = record["generation"]
+        self._read_prefix = generation_prefix(self._committed)
+        if checkpoint is not None:
+            self._read_prefix, record = self.generations.checkpoint(checkpoint)
+            logger.info("resuming from checkpoint %s (step %s) of %s", checkpoint, record.get("step"), path)
+        self._layout_adopted = stored == layout and self._in_layout(self._read_prefix)
         if not self._layout_adopted:
             logger.info(
                 "store %s holds shards cut for %d rank(s): read as shards of %d until the first step commits its own",
@@ -153,8 +170,8 @@ class StoreOptimizerState:
                 layout.world_size,
             )
         if self._leader:
-            self._drop_other_layouts(committed=self._read_generation)
-            self.generations.prepare(self._read_generation + 1, self._create_arrays)
+            self._drop_other_layouts(committed=self._committed)
+            self.generations.prepare(self._committed + 1, self._create_arrays)
         self._barrier()
         return record
 
@@ -166,9 +183,9 @@ class StoreOptimizerState:
         info = self.store.array_info(name)
         return info.numel == unit.padded_numel and info.chunk_elems == unit.chunk_numel
 
-    def _in_layout(self, generation: int) -> bool:
+    def _in_layout(self, prefix: str) -> bool:
         return all(
-            self._array_in_layout(self._name(generation, unit, kind), unit) for unit in self.layout.units for kind in KINDS
+            self._array_in_layout(self._name(prefix, unit, kind), unit) for unit in self.layout.units for kind in KINDS
         )
 
     def _drop_other_layouts(self, committed: int) -> None:
@@ -176,7 +193,7 @@ class StoreOptimizerState:
         recycling one as the next write target would hand the step arrays of the wrong shape,
         so ``Generations.prepare`` creates that generation afresh instead."""
         for generation in self.generations.on_disk():
-            if generation != committed and not self._in_layout(generation):
+            if generation != committed and not self._in_layout(generation_prefix(generation)):
                 self.store.delete(generation_prefix(generation))
 
     def _create_arrays(self, prefix: str) -> None:
@@ -184,8 +201,8 @@ class StoreOptimizerState:
             for kind in KINDS:
                 self.store.create_array(f"{prefix}/{unit.name}/{kind}", unit.padded_numel, unit.chunk_numel, torch.float32)
 
-    def _name(self, generation: int, unit: UnitLayout, kind: str) -> str:
-        return f"{generation_prefix(generation)}/{unit.name}/{kind}"
+    def _name(self, prefix: str, unit: UnitLayout, kind: str) -> str:
+        return f"{prefix}/{unit.name}/{kind}"
 
     def add_unit(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """Write the unit's initial master and zero moments to generation 0."""
@@ -212,7 +229,7 @@ class StoreOptimizerState:
     def _load(self, unit: UnitLayout, buf: HostBuffer) -> None:
         start = unit.shard_slice(self.rank).start
         for kind, view in zip(KINDS, self._views(unit, buf).tensors()):
-            name = self._name(self._read_generation, unit, kind)
+            name = self._name(self._read_prefix, unit, kind)
             if self._array_in_layout(name, unit):
                 self.store.read_into(name, start, view)
             else:
@@ -229,10 +246,10 @@ class StoreOptimizerState:
         view[count:].zero_()
 
     def _save(self, unit: UnitLayout, buf: HostBuffer, generation: int | None = None) -> None:
-        generation = self._read_generation + 1 if generation is None else generation
+        prefix = generation_prefix(self._committed + 1 if generation is None else generation)
         start = unit.shard_slice(self.rank).start
         for kind, view in zip(KINDS, self._views(unit, buf).tensors()):
-            self.store.write_from(self._name(generation, unit, kind), start, view)
+            self.store.write_from(self._name(prefix, unit, kind), start, view)
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """Each unit's committed master shard, streamed (to rebuild parameters on resume)."""
@@ -259,7 +276,7 @@ class StoreOptimizerState:
     def finish(self, record: dict) -> None:
         """Wait for the step's writes, make them durable on every rank, then commit."""
         self.last_stats = self.pipeline.drain()
-        self._commit(self._read_generation + 1, record)
+        self._commit(self._committed + 1, record)
 
     def _commit(self, generation: int, record: dict) -> None:
         self.store.sync()
@@ -270,8 +287,24 @@ class StoreOptimizerState:
                 self._adopt_layout(generation)
             self.generations.prepare(generation + 1, self._create_arrays)
         self._barrier()
-        self._read_generation = generation
+        self._committed = generation
+        self._read_prefix = generation_prefix(generation)
         self._layout_adopted = True
+
+    def save(self, tag: str, keep: int) -> None:
+        """Keep the committed step as checkpoint ``tag``, by rename once the next commit
+        supersedes it (the request is in ``COMMITTED``, so it survives a crash); then delete
+        the oldest checkpoints beyond ``keep`` (0 keeps all)."""
+        if self._read_prefix != generation_prefix(self._committed):
+            raise ValueError(
+                f"cannot keep checkpoint {tag!r} yet: this run resumed from {self._read_prefix} and has not "
+                f"stepped since, so its state is that checkpoint, not the store's committed step; take a step first"
+            )
+        self.generations.check_new_tag(tag)  # on every rank, so that all of them raise or none
+        self._barrier()
+        if self._leader:
+            self.generations.keep(tag, retain=keep)
+        self._barrier()
 
     def _adopt_layout(self, committed: int) -> None:
         """Once generation ``committed``, of this layout, is committed: record the layout, so the

@@ -2,8 +2,8 @@
 
 The loop is the one a user writes by hand (forward, ``backward``, ``step``); this file
 only adds what a long run wants around it: a progress bar, a log line every few steps
-(loss, tokens/s, peak host RSS, bytes per tier) and a clean stop on SIGINT/SIGTERM
-that finishes the step in flight.
+(loss, tokens/s, peak host RSS, bytes per tier), a checkpoint every ``checkpoint.interval``
+steps and a clean stop on SIGINT/SIGTERM that finishes the step in flight.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from engine.config import Config
 from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine
 from engine.models.gpt import GPT, GPTConfig
+from offload.generations import CheckpointExistsError
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,16 @@ def resumable(config: Config) -> bool:
     return config.offload.optimizer == "nvme" and (Path(config.offload.nvme_path) / "COMMITTED").exists()
 
 
+def save_checkpoint(engine: Engine, tag: str) -> None:
+    """``Engine.save``, except that a tag an earlier run kept is left as it is, with a warning,
+    rather than stopping the run: a run resumed from an older checkpoint passes the same step
+    numbers again."""
+    try:
+        engine.save(tag)
+    except CheckpointExistsError as err:
+        logger.warning("%s; this run does not keep it again", err)
+
+
 def peak_rss_bytes() -> int:
     """High-water mark of this process's resident memory (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -81,11 +92,15 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
-def train(config: Config) -> TrainResult:
-    """Train the built-in model on the built-in (or configured) data for ``train.steps`` steps."""
+def train(config: Config, checkpoint: str | None = None) -> TrainResult:
+    """Train the built-in model on the built-in (or configured) data for ``train.steps`` steps,
+    from the store's last committed step if it has one, or from its checkpoint ``checkpoint``."""
     tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
     model = build_model(config, vocab_size)
-    engine = Engine.resume(model, config) if resumable(config) else Engine(model, config)
+    if checkpoint is not None or resumable(config):
+        engine = Engine.resume(model, config, checkpoint=checkpoint)
+    else:
+        engine = Engine(model, config)
     rank, world = engine.comm.rank, engine.comm.world_size
     data = TokenBatches(
         tokens,
@@ -133,6 +148,9 @@ def train(config: Config) -> TrainResult:
                     tiers["nvme"] / 2**20,
                 )
                 window_start, window_steps = time.perf_counter(), 0
+            interval = config.checkpoint.interval
+            if interval and engine.global_step % interval == 0:
+                save_checkpoint(engine, f"step-{engine.global_step}")
             if stop.requested:
                 result.stopped_early = True
                 break

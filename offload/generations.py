@@ -1,10 +1,19 @@
-"""Generations of a store: the one a step reads, the one it writes, and the flip between them.
+"""Generations of a store: the one a step reads, the one it writes, the flip between them,
+and the ones kept as checkpoints.
 
 Step N reads generation ``g`` and writes ``g + 1``; only once every write is durable does
 ``COMMITTED`` name ``g + 1``. A crash at any instant leaves ``COMMITTED`` naming a complete
 generation, so the store is always a valid checkpoint. The superseded generation's
 directory is then renamed to be the next write target: a rename costs nothing, and its
 arrays' metadata (which holds no path) stays valid, so no step pays for creating arrays.
+
+Keeping a checkpoint is the same rename to another name. The committed generation is still
+the live state the next step reads, so ``keep`` only records the request in ``COMMITTED``;
+the commit that supersedes the generation carries the request (with the record the
+generation was committed with) into its own record, and the generation is then renamed to
+``checkpoints/<tag>`` instead of being recycled. Each of those moves is atomic and the
+request stays in ``COMMITTED`` until it is done, so a crash at any instant loses no
+checkpoint: whichever run commits or opens the store next completes it.
 """
 
 from __future__ import annotations
@@ -20,14 +29,44 @@ from offload.store import ShardStore
 logger = logging.getLogger(__name__)
 
 _GENERATION = re.compile(r"^gen-(\d+)$")
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+CHECKPOINTS = "checkpoints"
+"""The store group holding the kept generations, one ``<tag>`` group each."""
+KEEP = "keep"
+"""Key of ``COMMITTED``: the committed generation is to be kept as ``{"tag", "retain"}``."""
+SUPERSEDED = "superseded"
+"""Key of ``COMMITTED``: the previous generation, to be kept as ``{"tag", "retain", "record"}``."""
+
+
+class CheckpointExistsError(FileExistsError):
+    """A checkpoint tag that is already kept, or already asked for."""
 
 
 def generation_prefix(generation: int) -> str:
     return f"gen-{generation}"
 
 
+def checkpoint_prefix(tag: str) -> str:
+    return f"{CHECKPOINTS}/{tag}"
+
+
+def check_tag(tag: str) -> None:
+    """Refuse a tag that is not one plain directory name (it becomes ``checkpoints/<tag>``)."""
+    if not isinstance(tag, str) or not _TAG.match(tag) or tag == "zarr.json":
+        raise ValueError(
+            f"invalid checkpoint tag {tag!r}: use 1 to 128 letters, digits, '.', '_' or '-', "
+            f"starting with a letter or digit (e.g. 'step-100')"
+        )
+
+
+def _own_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A committed record without the checkpoint requests it carries: what a checkpoint keeps."""
+    return {k: v for k, v in record.items() if k not in (KEEP, SUPERSEDED)}
+
+
 class Generations:
-    """The committed generation of a store and the preparation of the next one."""
+    """The committed generation of a store, the preparation of the next one, and checkpoints."""
 
     def __init__(self, store: ShardStore):
         self.store = store
@@ -43,7 +82,9 @@ class Generations:
 
     def prepare(self, generation: int, create: Callable[[str], None]) -> None:
         """Make ``gen-<generation>`` ready to be written: recycle a superseded generation's
-        directory by renaming it, or, if there is none, ``create(prefix)`` its arrays."""
+        directory by renaming it, or, if there is none, ``create(prefix)`` its arrays.
+        A superseded generation still to be kept as a checkpoint is kept first, never recycled."""
+        self.keep_superseded()
         target = generation_prefix(generation)
         present = self.on_disk()
         if generation in present:
@@ -57,5 +98,101 @@ class Generations:
             create(target)
 
     def commit(self, generation: int, record: dict[str, Any]) -> None:
-        """Name ``generation`` as the committed one, atomically (after ``store.sync()``)."""
-        commit(self.store.path, {**record, "generation": generation})
+        """Name ``generation`` as the committed one, atomically (after ``store.sync()``); the
+        generation it supersedes, if asked to be kept, is then kept as its checkpoint."""
+        reserved = [k for k in (KEEP, SUPERSEDED) if k in record]
+        if reserved:
+            raise ValueError(f"the key {reserved[0]!r} of a committed record is reserved for checkpoints; rename it")
+        previous = self.committed()
+        request = previous.get(KEEP) if previous else None
+        carried = {SUPERSEDED: {**request, "record": _own_record(previous)}} if request else {}
+        commit(self.store.path, {**record, **carried, "generation": generation})
+        self.keep_superseded()
+
+    # ------------------------------------------------------------- checkpoints
+
+    def check_new_tag(self, tag: str) -> None:
+        """Refuse, before anything changes, a request ``keep(tag, ...)`` would refuse."""
+        check_tag(tag)
+        directory = self.store.path / checkpoint_prefix(tag)
+        if directory.exists():
+            raise CheckpointExistsError(
+                f"checkpoint {tag!r} already exists ({directory}): choose another tag, or delete that "
+                f"folder to reuse the name"
+            )
+        record = self.committed()
+        if record is None:
+            raise ValueError(f"store {self.store.path} has no committed step to keep as checkpoint {tag!r}; take a step first")
+        request = record.get(KEEP)
+        if request and request["tag"] == tag:
+            raise CheckpointExistsError(
+                f"checkpoint {tag!r} is already asked for (step {record.get('step')}, kept when the next step "
+                f"commits): choose another tag"
+            )
+        if request:
+            raise ValueError(
+                f"step {record.get('step')} is already to be kept as checkpoint {request['tag']!r}, and a step is "
+                f"kept once: resume from {request['tag']!r}, or take a step before keeping another checkpoint"
+            )
+
+    def keep(self, tag: str, retain: int) -> None:
+        """Keep the committed generation as ``checkpoints/<tag>`` once a commit supersedes it,
+        then delete the oldest checkpoints beyond ``retain`` (0 keeps all)."""
+        self.check_new_tag(tag)
+        record = self.committed()
+        commit(self.store.path, {**record, KEEP: {"tag": tag, "retain": retain}})
+        logger.info("step %s will be kept as checkpoint %s when the next step commits", record.get("step"), tag)
+
+    def keep_superseded(self) -> None:
+        """Complete the keeping of the superseded generation ``COMMITTED`` asks for, if any:
+        idempotent, so it also finishes what a crash interrupted. (Retention interrupted by a
+        crash catches up when the next checkpoint is kept.)"""
+        record = self.committed()
+        request = record.get(SUPERSEDED) if record else None
+        if not request:
+            return
+        kept = request["record"]
+        source = generation_prefix(kept["generation"])
+        if not (self.store.path / source).exists():
+            return
+        # Its record goes in before the rename, so the checkpoint appears whole or not at all.
+        commit(self.store.path / source, kept)
+        self.store.move(source, checkpoint_prefix(request["tag"]))
+        logger.info("kept step %s (%s) as checkpoint %s", kept.get("step"), source, request["tag"])
+        self._retain(request["retain"])
+
+    def _retain(self, retain: int) -> None:
+        """Delete the oldest checkpoints beyond ``retain`` (0 keeps all); the generation each
+        was committed as orders them as they were made, whatever their tags or steps."""
+        if retain <= 0:
+            return
+        by_age = sorted(self.checkpoints().items(), key=lambda item: item[1]["generation"])
+        for tag, record in by_age[:-retain]:
+            self.store.delete(checkpoint_prefix(tag))
+            logger.info("deleted checkpoint %s (step %s): checkpoint.keep = %d", tag, record.get("step"), retain)
+        self.store.sync()
+
+    def checkpoints(self) -> dict[str, dict[str, Any]]:
+        """Every kept checkpoint, by tag, with the record its generation was committed with."""
+        root = self.store.path / CHECKPOINTS
+        if not root.is_dir():
+            return {}
+        records = {p.name: read_committed(p) for p in sorted(root.iterdir()) if p.is_dir()}
+        return {tag: record for tag, record in records.items() if record is not None}
+
+    def checkpoint(self, tag: str) -> tuple[str, dict[str, Any]]:
+        """Where checkpoint ``tag``'s arrays are and the record it was committed with: its own
+        group once kept, the committed generation while the request is pending."""
+        check_tag(tag)
+        record = self.committed()
+        request = record.get(KEEP) if record else None
+        if request and request["tag"] == tag:
+            return generation_prefix(record["generation"]), _own_record(record)
+        kept = read_committed(self.store.path / checkpoint_prefix(tag))
+        if kept is not None:
+            return checkpoint_prefix(tag), kept
+        present = [*self.checkpoints(), *([f"{request['tag']} (pending)"] if request else [])]
+        raise FileNotFoundError(
+            f"no checkpoint {tag!r} in store {self.store.path}: it holds "
+            f"{', '.join(present) if present else 'none'}; pass one of those"
+        )
