@@ -23,14 +23,13 @@ from tqdm import tqdm
 
 from engine.partition import ModelLayout
 from engine.store_state import KINDS
-from offload.generations import Generations, generation_prefix
+from offload.generations import CHECKPOINTS, Generations, generation_prefix
 from offload.io import IORunner
 from offload.manifest import ManifestError, read_committed
 from offload.store import FORMAT_VERSION, ChecksumError, ShardStore
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS_DIR = "checkpoints"
 IO_THREADS = 2  # reads go one chunk at a time: more threads would only wait
 
 
@@ -167,7 +166,7 @@ def _bytes_per_kind(store: ShardStore, arrays: dict[str, tuple[str, str]]) -> di
 
 
 def _checkpoints(path: Path) -> list[str]:
-    root = path / CHECKPOINTS_DIR
+    root = path / CHECKPOINTS
     return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
