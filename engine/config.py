@@ -138,8 +138,9 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Steps kept from the ``nvme`` store as ``checkpoints/<tag>`` (``Engine.save``), each by a
-    rename when the next step supersedes it, to resume from later."""
+    """Steps kept as ``checkpoints/<tag>`` in the store at ``offload.nvme_path`` (``Engine.save``),
+    to resume from later: on the ``nvme`` tier by a rename when the next step supersedes the step,
+    on the memory tiers by writing their state there."""
 
     interval: int = 0
     """Steps between the checkpoints ``python -m engine train`` keeps, tagged ``step-<n>``; 0: none."""
@@ -237,13 +238,6 @@ class Config:
         ckpt = self.checkpoint
         _check(ckpt.interval >= 0, "checkpoint.interval", ckpt.interval, "must be >= 0 (0: no periodic checkpoints)")
         _check(ckpt.keep >= 0, "checkpoint.keep", ckpt.keep, "must be >= 0 (0 keeps every checkpoint)")
-        _check(
-            ckpt.interval == 0 or o.optimizer == "nvme",
-            "checkpoint.interval",
-            ckpt.interval,
-            f'checkpoints are kept from the nvme store, but offload.optimizer = {o.optimizer!r}: set '
-            f'offload.optimizer = "nvme", or checkpoint.interval = 0',
-        )
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:

@@ -32,7 +32,7 @@ from engine.optim import ShardAdamW, clip_grad_norm_, lr_factor
 from engine.partition import ModelLayout, build_layout, find_units, flatten_into, param_views, unit_parameters
 from engine.precision import LossScaler, compute_dtype
 from engine.state import MemoryOptimizerState, OptimizerState
-from engine.store_state import StoreOptimizerState
+from engine.store_state import MemoryCheckpoints, StoreOptimizerState
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ BYTES_PER_MIB = 1 << 20
 
 
 class Engine:
-    """ZeRO stage 1/2 training of ``model`` with its optimizer state on the configured tier."""
+    """ZeRO stage 1, 2 or 3 training of ``model`` with its optimizer state on the configured tier."""
 
     def __init__(
         self,
@@ -73,11 +73,14 @@ class Engine:
 
         tier = config.offload.optimizer
         opt_device = self.device.device if tier == "device" else torch.device("cpu")
-        if resume and tier != "nvme":
+        if resume and tier != "nvme" and checkpoint is None:
             raise ValueError(
-                f"resuming needs the state on disk: offload.optimizer = {tier!r} keeps it in memory; "
-                f"train with offload.optimizer = \"nvme\" to resume from its store"
+                f"resuming needs the state on disk: offload.optimizer = {tier!r} keeps it in memory, so it "
+                f"resumes only from a checkpoint saved in offload.nvme_path (checkpoint=tag); or train with "
+                f"offload.optimizer = \"nvme\" to resume from its store's last step"
             )
+        self._checkpoints: MemoryCheckpoints | None = None
+        """Where a memory tier's checkpoints are written, opened by the first that needs it."""
         model.to(self.device.device)
         self.optimizer_state = self._optimizer_state(opt_device, resume, checkpoint)
         flats: dict[str, torch.Tensor] = {}
@@ -136,8 +139,8 @@ class Engine:
     def resume(
         cls, model: nn.Module, config: Config, *, total_steps: int | None = None, checkpoint: str | None = None
     ) -> Engine:
-        """Continue from the last step committed in ``config.offload.nvme_path``, or from its
-        checkpoint ``checkpoint`` (see ``save``): parameters, optimizer state, step count, loss
+        """Continue from the last step committed in ``config.offload.nvme_path`` (nvme tier), or
+        from its checkpoint ``checkpoint`` (any tier, whichever tier saved it; see ``save``): parameters, optimizer state, step count, loss
         scale, random states and ``client_state``. The first step writes the store's next live
         generation, so a checkpoint is never modified and can be resumed from again."""
         return cls(model, config, total_steps=total_steps, resume=True, checkpoint=checkpoint)
@@ -162,10 +165,10 @@ class Engine:
             logger.warning("random states saved by %d rank(s) are not restored on %d", len(states), self.comm.world_size)
         logger.info("resumed at step %d from %s", self.global_step, self.config.offload.nvme_path)
 
-    def _commit_record(self) -> dict[str, Any]:
-        """What a committed step must remember besides the tensors in the store."""
+    def _commit_record(self, step: int) -> dict[str, Any]:
+        """What a committed step (or a checkpoint) at ``step`` must remember besides the tensors."""
         return {
-            "step": self.global_step + 1,
+            "step": step,
             "skipped_steps": self.skipped_steps,
             "optimizer_steps": int(next(iter(self._step_counters.values())).item()),
             "loss_scale": self.scaler.state_dict(),
@@ -178,7 +181,10 @@ class Engine:
         """The (empty) optimizer tier the configuration asks for."""
         offload = self.config.offload
         if offload.optimizer != "nvme":
-            return MemoryOptimizerState(device, pin_memory=device.type == "cpu" and self.device.pin_memory)
+            state = MemoryOptimizerState(device, pin_memory=device.type == "cpu" and self.device.pin_memory)
+            if resume:
+                state.restore(*self._memory_checkpoints(create=False).read(checkpoint))
+            return state
         return StoreOptimizerState(
             Path(offload.nvme_path),
             self.layout,
@@ -191,6 +197,23 @@ class Engine:
             resume=resume,
             checkpoint=checkpoint,
         )
+
+    def _memory_checkpoints(self, create: bool) -> MemoryCheckpoints:
+        """The store at ``offload.nvme_path`` a memory tier keeps its checkpoints in (created
+        by the first ``save`` if ``create``)."""
+        if self._checkpoints is None:
+            offload = self.config.offload
+            self._checkpoints = MemoryCheckpoints(
+                Path(offload.nvme_path),
+                self.layout,
+                self.comm.rank,
+                io_threads=offload.io_threads,
+                checksum=offload.checksum,
+                direct_io=offload.direct_io,
+                barrier=self.comm.barrier,
+                create=create,
+            )
+        return self._checkpoints
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward, with tensor arguments moved to the compute device."""
@@ -240,7 +263,7 @@ class Engine:
             self.optimizer_state.done(unit, state)
             self.params.updated(unit)
         self.params.finish_update()
-        self.optimizer_state.finish(self._commit_record())
+        self.optimizer_state.finish(self._commit_record(self.global_step + 1))
 
     def gathered(self):
         """A context in which every parameter holds its full values, also at stage 3 (to read,
@@ -253,18 +276,18 @@ class Engine:
         self._micro_batches = 0
 
     def save(self, tag: str) -> None:
-        """Keep the last committed step as checkpoint ``tag`` (``checkpoints/<tag>`` in the store),
-        to resume from with ``Engine.resume(..., checkpoint=tag)``. The step's generation is still
-        the live state, so it is kept by a rename, not a copy, when the next step supersedes it;
-        the request is committed, so a crash or a resume loses nothing. Once it is kept, the
-        oldest checkpoints beyond ``checkpoint.keep`` are deleted."""
-        if not isinstance(self.optimizer_state, StoreOptimizerState):
-            raise NotImplementedError(
-                f"checkpoint {tag!r}: checkpoints are kept from the nvme store, but offload.optimizer = "
-                f"{self.config.offload.optimizer!r} holds the optimizer state in memory, and writing it to a "
-                f'store is not supported yet; set offload.optimizer = "nvme" to save checkpoints'
-            )
-        self.optimizer_state.save(tag, keep=self.config.checkpoint.keep)
+        """Keep the last step as checkpoint ``tag`` (``checkpoints/<tag>`` in the store at
+        ``offload.nvme_path``), to resume from with ``Engine.resume(..., checkpoint=tag)`` on any
+        tier. On the nvme tier the step's generation is still the live state, so it is kept by a
+        rename, not a copy, when the next step supersedes it; the request is committed, so a
+        crash or a resume loses nothing. The memory tiers write their state there now. Once it
+        is kept, the oldest checkpoints beyond ``checkpoint.keep`` are deleted."""
+        keep = self.config.checkpoint.keep
+        if isinstance(self.optimizer_state, StoreOptimizerState):
+            self.optimizer_state.save(tag, keep=keep)
+            return
+        states = self.optimizer_state.stream(self.layout.units)
+        self._memory_checkpoints(create=True).save(tag, self._commit_record(self.global_step), states, keep=keep)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes the engine holds on each tier for model and optimizer state."""
@@ -278,4 +301,6 @@ class Engine:
         self.grads.close()
         self.params.close()
         self.optimizer_state.close()
+        if self._checkpoints is not None:
+            self._checkpoints.close()
         self.comm.close()

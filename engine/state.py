@@ -8,7 +8,7 @@ and write them back behind the update, so the step's code is the same on every t
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,15 +65,34 @@ class MemoryOptimizerState:
 
     def __init__(self, device: torch.device, pin_memory: bool = False):
         self._device, self._pin = device, pin_memory
+        self._units: list[UnitLayout] = []
         self._states: dict[str, ShardState] = {}
+        self.resumed_from: dict | None = None
+        """The record of the checkpoint ``restore`` took the state from."""
 
-    def _empty(self, numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=torch.float32, device=self._device, pin_memory=self._pin)
+    def _new_state(self, unit: UnitLayout) -> ShardState:
+        """A unit's zeroed state, held on this tier."""
+        zeros = (torch.zeros(unit.shard_numel, dtype=torch.float32, device=self._device, pin_memory=self._pin) for _ in range(3))
+        state = ShardState(*zeros)
+        self._units.append(unit)
+        self._states[unit.name] = state
+        return state
 
     def add_unit(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        state = ShardState(*(self._empty(unit.shard_numel) for _ in range(3)))
-        state.master.copy_(master)
-        self._states[unit.name] = state
+        self._new_state(unit).master.copy_(master)
+
+    def restore(self, record: dict, shards: Iterable[tuple[UnitLayout, ShardState]]) -> None:
+        """Resume: take every unit's state as a checkpoint holds it, and the ``record`` it was
+        saved with, instead of adding units."""
+        for unit, loaded in shards:
+            for held, value in zip(self._new_state(unit).tensors(), loaded.tensors()):
+                held.copy_(value)
+        self.resumed_from = record
+
+    def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
+        """Each unit's master shard (to rebuild parameters on resume)."""
+        for unit in self._units:
+            yield unit, self._states[unit.name].master
 
     def seal(self) -> None:
         return None

@@ -88,6 +88,51 @@ def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> N
         )
 
 
+def array_name(prefix: str, unit: UnitLayout, kind: str) -> str:
+    return f"{prefix}/{unit.name}/{kind}"
+
+
+def create_arrays(store: ShardStore, prefix: str, layout: ModelLayout) -> None:
+    """Every unit's state arrays under ``prefix``, cut for ``layout``'s shards."""
+    for unit in layout.units:
+        for kind in KINDS:
+            store.create_array(array_name(prefix, unit, kind), unit.padded_numel, unit.chunk_numel, torch.float32)
+
+
+def array_in_layout(store: ShardStore, name: str, unit: UnitLayout) -> bool:
+    """Whether array ``name`` exists cut as ``unit`` is in this layout: then this rank's
+    shard is whole chunks of it, read and written in place."""
+    if not store.has_array(name):
+        return False
+    info = store.array_info(name)
+    return info.numel == unit.padded_numel and info.chunk_elems == unit.chunk_numel
+
+
+def read_shard(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, state: ShardState) -> None:
+    """Rank ``rank``'s shard of ``unit``'s state under ``prefix`` into ``state`` (host tensors).
+
+    An array cut for other shards (another world size) is read range by range: the unit is
+    the array's first ``numel`` elements whatever its padding, so the part of them this
+    shard covers is read and the rest of the shard, padding, zeroed."""
+    start = unit.shard_slice(rank).start
+    count = min(max(unit.numel - start, 0), unit.shard_numel)
+    for kind, view in zip(KINDS, state.tensors()):
+        name = array_name(prefix, unit, kind)
+        if array_in_layout(store, name, unit):
+            store.read_into(name, start, view)
+            continue
+        if count:
+            store.read_range(name, start, view[:count])
+        view[count:].zero_()
+
+
+def write_shard(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, state: ShardState) -> None:
+    """Rank ``rank``'s shard of ``unit``'s state (host tensors) into the arrays under ``prefix``."""
+    start = unit.shard_slice(rank).start
+    for kind, view in zip(KINDS, state.tensors()):
+        store.write_from(array_name(prefix, unit, kind), start, view)
+
+
 class StoreOptimizerState:
     """Optimizer shards in a zarr store, streamed through a byte-bounded pipeline."""
 
@@ -144,19 +189,28 @@ class StoreOptimizerState:
         existing store of this model, as this world size resumes it; the next generation made
         ready to write, cut for this layout."""
         record = self.generations.committed()
-        if record is None:
+        if record is None and checkpoint is None:
+            tags = list(self.generations.checkpoints())
             raise FileNotFoundError(
-                f"store {path} has no COMMITTED record: its first step never finished, so there is nothing "
+                f"store {path} holds only checkpoints written from memory ({', '.join(tags)}): resume from "
+                f"one of those (checkpoint=, or --from-checkpoint)"
+                if tags
+                else f"store {path} has no COMMITTED record: its first step never finished, so there is nothing "
                 f"to resume; remove it and start afresh"
             )
         stored = ModelLayout.from_dict(self.store.attrs["layout"])
         first_difference(stored, layout, path)
         if self._leader:
             # A crash between a commit and the keeping of the generation it superseded leaves
-            # that generation to keep: before any of it is dropped or recycled.
-            self.generations.keep_superseded()
+            # that generation to keep: before any of it is dropped or recycled. A store of
+            # checkpoints only has no live generation: whatever else is there is a leftover.
+            if record:
+                self.generations.keep_superseded()
+            else:
+                self.generations.drop_uncommitted()
         self._barrier()
-        self._committed = record["generation"]
+        # Without a live generation the run starts its own above the checkpoints' numbers.
+        self._committed = record["generation"] if record else self.generations.next_free() - 1
         self._read_prefix = generation_prefix(self._committed)
         if checkpoint is not None:
             self._read_prefix, record = self.generations.checkpoint(checkpoint)
@@ -175,17 +229,9 @@ class StoreOptimizerState:
         self._barrier()
         return record
 
-    def _array_in_layout(self, name: str, unit: UnitLayout) -> bool:
-        """Whether array ``name`` exists cut as ``unit`` is in this layout: then this rank's
-        shard is whole chunks of it, read and written in place."""
-        if not self.store.has_array(name):
-            return False
-        info = self.store.array_info(name)
-        return info.numel == unit.padded_numel and info.chunk_elems == unit.chunk_numel
-
     def _in_layout(self, prefix: str) -> bool:
         return all(
-            self._array_in_layout(self._name(prefix, unit, kind), unit) for unit in self.layout.units for kind in KINDS
+            array_in_layout(self.store, array_name(prefix, unit, kind), unit) for unit in self.layout.units for kind in KINDS
         )
 
     def _drop_other_layouts(self, committed: int) -> None:
@@ -197,12 +243,7 @@ class StoreOptimizerState:
                 self.store.delete(generation_prefix(generation))
 
     def _create_arrays(self, prefix: str) -> None:
-        for unit in self.layout.units:
-            for kind in KINDS:
-                self.store.create_array(f"{prefix}/{unit.name}/{kind}", unit.padded_numel, unit.chunk_numel, torch.float32)
-
-    def _name(self, prefix: str, unit: UnitLayout, kind: str) -> str:
-        return f"{prefix}/{unit.name}/{kind}"
+        create_arrays(self.store, prefix, self.layout)
 
     def add_unit(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """Write the unit's initial master and zero moments to generation 0."""
@@ -227,29 +268,11 @@ class StoreOptimizerState:
         return ShardState(*(buf.view(torch.float32, n, i * n * FP32) for i in range(len(KINDS))))
 
     def _load(self, unit: UnitLayout, buf: HostBuffer) -> None:
-        start = unit.shard_slice(self.rank).start
-        for kind, view in zip(KINDS, self._views(unit, buf).tensors()):
-            name = self._name(self._read_prefix, unit, kind)
-            if self._array_in_layout(name, unit):
-                self.store.read_into(name, start, view)
-            else:
-                self._read_resharded(name, unit, view)
-
-    def _read_resharded(self, name: str, unit: UnitLayout, view: torch.Tensor) -> None:
-        """This rank's shard of ``unit`` from an array cut for other shards: the unit is the
-        array's first ``numel`` elements whatever its padding, so the part of them this shard
-        covers is read and the rest of the shard, padding, zeroed."""
-        start = unit.shard_slice(self.rank).start
-        count = min(max(unit.numel - start, 0), unit.shard_numel)
-        if count:
-            self.store.read_range(name, start, view[:count])
-        view[count:].zero_()
+        read_shard(self.store, self._read_prefix, unit, self.rank, self._views(unit, buf))
 
     def _save(self, unit: UnitLayout, buf: HostBuffer, generation: int | None = None) -> None:
         prefix = generation_prefix(self._committed + 1 if generation is None else generation)
-        start = unit.shard_slice(self.rank).start
-        for kind, view in zip(KINDS, self._views(unit, buf).tensors()):
-            self.store.write_from(self._name(prefix, unit, kind), start, view)
+        write_shard(self.store, prefix, unit, self.rank, self._views(unit, buf))
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """Each unit's committed master shard, streamed (to rebuild parameters on resume)."""
@@ -316,6 +339,79 @@ class StoreOptimizerState:
     def nbytes(self) -> int:
         """This rank's share of the store on disk (both generations)."""
         return GENERATIONS_ON_DISK * sum(unit_state_bytes(u) for u in self.layout.units)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class MemoryCheckpoints:
+    """Checkpoints of the memory tiers (``device``, ``cpu``) in a store at ``offload.nvme_path``.
+
+    Their state has no generation on disk to keep by rename, so ``save`` writes each rank's
+    shards to a fresh generation and keeps it as ``checkpoints/<tag>`` as the nvme tier keeps
+    a superseded one: the same arrays and record, so every tier resumes from either's
+    checkpoints. The write is synchronous, so the step after ``save`` cannot change what it keeps.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        layout: ModelLayout,
+        rank: int,
+        *,
+        io_threads: int,
+        checksum: bool,
+        direct_io: bool,
+        barrier: Callable[[], None],
+        create: bool,
+    ):
+        self.layout, self.rank = layout, rank
+        self._barrier = barrier
+        self._leader = rank == 0
+        self.runner = IORunner(threads=io_threads)
+        if self._leader and create and not (path / "zarr.json").exists():
+            attrs = {"layout": layout.to_dict()}
+            ShardStore.create(path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=path.exists())
+        barrier()
+        self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
+        first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)
+        self.generations = Generations(self.store)
+        if self._leader:  # a checkpoint a crash left pending in a live store is kept before it is looked for
+            self.generations.keep_superseded()
+        barrier()
+
+    def read(self, tag: str) -> tuple[dict, Iterator[tuple[UnitLayout, ShardState]]]:
+        """Checkpoint ``tag``'s record, and this rank's shard of each unit's state (host tensors,
+        read as they are consumed), cut for this layout whatever world size wrote it."""
+        prefix, record = self.generations.checkpoint(tag)
+        logger.info("resuming from checkpoint %s (step %s) of %s", tag, record.get("step"), self.store.path)
+
+        def shards() -> Iterator[tuple[UnitLayout, ShardState]]:
+            for unit in self.layout.units:
+                state = ShardState(*(torch.empty(unit.shard_numel, dtype=torch.float32) for _ in KINDS))
+                read_shard(self.store, prefix, unit, self.rank, state)
+                yield unit, state
+
+        return record, shards()
+
+    def save(self, tag: str, record: dict, states: Iterator[tuple[UnitLayout, ShardState]], keep: int) -> None:
+        """Write every unit's state as checkpoint ``tag`` with ``record``, then delete the oldest
+        checkpoints beyond ``keep`` (0 keeps all)."""
+        self.generations.check_free_tag(tag)  # on every rank, so that all of them raise or none
+        generation = self.generations.next_free()
+        prefix = generation_prefix(generation)
+        self._barrier()
+        if self._leader:
+            self.generations.drop_uncommitted()
+            create_arrays(self.store, prefix, self.layout)
+        self._barrier()
+        for unit, state in states:
+            write_shard(self.store, prefix, unit, self.rank, ShardState(*(t.cpu() for t in state.tensors())))
+        self.store.sync()
+        self._barrier()
+        if self._leader:
+            self.generations.keep_generation(tag, {**record, "generation": generation}, retain=keep)
+        self._barrier()
 
     def close(self) -> None:
         self.runner.close()

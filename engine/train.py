@@ -50,7 +50,8 @@ def build_model(config: Config, vocab_size: int) -> GPT:
 
 
 def resumable(config: Config) -> bool:
-    """A run continues where the store at ``offload.nvme_path`` last committed, if there is one."""
+    """A run continues where the store at ``offload.nvme_path`` last committed, if there is one
+    (the memory tiers commit no steps there, only checkpoints, resumed from by tag)."""
     return config.offload.optimizer == "nvme" and (Path(config.offload.nvme_path) / "COMMITTED").exists()
 
 
@@ -160,7 +161,8 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
         how = (
             f"run the same command again to resume from {config.offload.nvme_path}"
             if config.offload.optimizer == "nvme"
-            else 'the state was in memory (offload.optimizer = "nvme" makes runs resumable)'
+            else 'the state was in memory: resume from a checkpoint with --from-checkpoint TAG, or set '
+            'offload.optimizer = "nvme" to make every step resumable'
         )
         logger.warning("stopped after step %d of %d: %s", result.steps_done, config.train.steps, how)
     engine.close()

@@ -111,8 +111,8 @@ class Generations:
 
     # ------------------------------------------------------------- checkpoints
 
-    def check_new_tag(self, tag: str) -> None:
-        """Refuse, before anything changes, a request ``keep(tag, ...)`` would refuse."""
+    def check_free_tag(self, tag: str) -> None:
+        """Refuse a tag that is invalid, kept, or asked for: what any new checkpoint must pass."""
         check_tag(tag)
         directory = self.store.path / checkpoint_prefix(tag)
         if directory.exists():
@@ -121,14 +121,20 @@ class Generations:
                 f"folder to reuse the name"
             )
         record = self.committed()
-        if record is None:
-            raise ValueError(f"store {self.store.path} has no committed step to keep as checkpoint {tag!r}; take a step first")
-        request = record.get(KEEP)
+        request = record.get(KEEP) if record else None
         if request and request["tag"] == tag:
             raise CheckpointExistsError(
                 f"checkpoint {tag!r} is already asked for (step {record.get('step')}, kept when the next step "
                 f"commits): choose another tag"
             )
+
+    def check_new_tag(self, tag: str) -> None:
+        """Refuse, before anything changes, a request ``keep(tag, ...)`` would refuse."""
+        self.check_free_tag(tag)
+        record = self.committed()
+        if record is None:
+            raise ValueError(f"store {self.store.path} has no committed step to keep as checkpoint {tag!r}; take a step first")
+        request = record.get(KEEP)
         if request:
             raise ValueError(
                 f"step {record.get('step')} is already to be kept as checkpoint {request['tag']!r}, and a step is "
@@ -152,14 +158,37 @@ class Generations:
         if not request:
             return
         kept = request["record"]
-        source = generation_prefix(kept["generation"])
-        if not (self.store.path / source).exists():
-            return
+        if (self.store.path / generation_prefix(kept["generation"])).exists():
+            self.keep_generation(request["tag"], kept, request["retain"])
+
+    def keep_generation(self, tag: str, record: dict[str, Any], retain: int) -> None:
+        """Keep the written generation ``record["generation"]`` as ``checkpoints/<tag>`` with
+        ``record``, then delete the oldest checkpoints beyond ``retain`` (0 keeps all)."""
+        source = generation_prefix(record["generation"])
         # Its record goes in before the rename, so the checkpoint appears whole or not at all.
-        commit(self.store.path / source, kept)
-        self.store.move(source, checkpoint_prefix(request["tag"]))
-        logger.info("kept step %s (%s) as checkpoint %s", kept.get("step"), source, request["tag"])
-        self._retain(request["retain"])
+        commit(self.store.path / source, record)
+        self.store.move(source, checkpoint_prefix(tag))
+        logger.info("kept step %s (%s) as checkpoint %s", record.get("step"), source, tag)
+        self._retain(retain)
+
+    def next_free(self) -> int:
+        """A generation number above every one the store holds, committed, on disk or kept: a
+        checkpoint written outside the live generations (from memory) takes it, so it sorts as
+        the newest for retention and its directory collides with none."""
+        record = self.committed()
+        taken = [*self.on_disk(), *(r["generation"] for r in self.checkpoints().values())]
+        taken += [record["generation"]] if record else []
+        return max(taken, default=-1) + 1
+
+    def drop_uncommitted(self) -> None:
+        """Delete every generation directory but the committed one, after completing a pending
+        keep: leftovers of an interrupted write, or the live state's next write target, which
+        is created again when needed."""
+        self.keep_superseded()
+        record = self.committed()
+        for generation in self.on_disk():
+            if not record or generation != record["generation"]:
+                self.store.delete(generation_prefix(generation))
 
     def _retain(self, retain: int) -> None:
         """Delete the oldest checkpoints beyond ``retain`` (0 keeps all); the generation each

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ConfigError
 from engine.engine import Engine
 from offload.generations import CheckpointExistsError
 from offload.manifest import read_committed
@@ -18,7 +17,7 @@ from offload.store import ShardStore
 from tests.engine.test_cli import losses as cli_losses
 from tests.engine.test_cli import run as cli
 from tests.engine.test_resume import nvme, params, run
-from tests.training import config, tiny_gpt
+from tests.training import tiny_gpt
 
 
 def kept(root: Path) -> list[str]:
@@ -131,15 +130,6 @@ def test_errors_name_the_tag_and_the_fix(tmp_path) -> None:
     with pytest.raises(ValueError, match="resumed from checkpoints/first and has not stepped since"):
         resumed.save("again")
     resumed.close()
-
-
-def test_memory_tiers_cannot_save_yet(tmp_path) -> None:
-    eng = Engine(tiny_gpt(), config(), total_steps=1)
-    with pytest.raises(NotImplementedError, match='checkpoints are kept from the nvme store.*set offload.optimizer = "nvme"'):
-        eng.save("step-0")
-    eng.close()
-    with pytest.raises(ConfigError, match='checkpoint.interval = 2: checkpoints are kept from the nvme store'):
-        config(checkpoint={"interval": 2})
 
 
 def test_cli_keeps_every_interval_retains_and_resumes_from_a_checkpoint(tmp_path) -> None:

@@ -1,0 +1,97 @@
+"""Checkpoints of the cpu tier: written to a store at ``offload.nvme_path`` in the nvme tier's
+layout, resumed from bit-identically on the cpu tier and on the nvme tier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from offload.generations import CheckpointExistsError
+from offload.manifest import read_committed
+from tests.engine.test_checkpoints import kept
+from tests.engine.test_cli import losses as cli_losses
+from tests.engine.test_cli import run as cli
+from tests.engine.test_resume import nvme, params, run
+from tests.training import config, tiny_gpt
+
+
+def cpu(tmp_path, stage: int = 2, **sections):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return config(zero={"stage": stage}, offload={"optimizer": "cpu", "nvme_path": str(tmp_path / "store")}, **sections)
+
+
+def saved_midway(cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Six uninterrupted steps, checkpoint ``step-3`` saved after the third: the losses and
+    final parameters a resume from it must reproduce."""
+    eng = Engine(tiny_gpt(), cfg, total_steps=6)
+    losses = run(eng, 3)
+    eng.save("step-3")
+    losses += run(eng, 3)
+    expected = params(eng)
+    eng.close()
+    return losses, expected
+
+
+def assert_resumes_identically(cfg, expected_losses: list[float], expected: dict[str, torch.Tensor]) -> None:
+    torch.manual_seed(1234)  # resume must not depend on the new process's random state
+    resumed = Engine.resume(tiny_gpt(seed=99), cfg, total_steps=6, checkpoint="step-3")
+    assert resumed.global_step == 3
+    assert run(resumed, 3) == expected_losses[3:]
+    got = params(resumed)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    resumed.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cpu_checkpoint_resumes_bit_identically(tmp_path, stage: int) -> None:
+    cfg, store = cpu(tmp_path, stage), tmp_path / "store"
+    expected_losses, expected = saved_midway(cfg)
+    assert kept(store) == ["step-3"]
+    assert read_committed(store / "checkpoints" / "step-3")["step"] == 3
+    assert not (store / "COMMITTED").exists(), "the cpu tier commits no live state"
+    names = {p.relative_to(store / "checkpoints" / "step-3").as_posix() for p in (store / "checkpoints" / "step-3").glob("*/*")}
+    assert {"blocks.0/master", "blocks.0/exp_avg", "blocks.0/exp_avg_sq"} <= names
+    assert_resumes_identically(cfg, expected_losses, expected)
+
+
+def test_cpu_checkpoint_resumes_on_the_nvme_tier(tmp_path) -> None:
+    expected_losses, expected = saved_midway(cpu(tmp_path))
+    assert_resumes_identically(nvme(tmp_path), expected_losses, expected)
+    assert read_committed(tmp_path / "store")["step"] == 6, "the nvme tier continues as a live store"
+
+
+def test_nvme_checkpoint_resumes_on_the_cpu_tier(tmp_path) -> None:
+    expected_losses, expected = saved_midway(nvme(tmp_path))
+    assert_resumes_identically(cpu(tmp_path), expected_losses, expected)
+
+
+def test_retention_and_errors_name_the_tags(tmp_path) -> None:
+    cfg, store = cpu(tmp_path, checkpoint={"keep": 2}), tmp_path / "store"
+    eng = Engine(tiny_gpt(), cfg, total_steps=6)
+    for tag in ("z-first", "m-second", "a-third"):
+        run(eng, 1)
+        eng.save(tag)
+    assert kept(store) == ["a-third", "m-second"]
+    with pytest.raises(CheckpointExistsError, match=r"checkpoint 'a-third' already exists"):
+        eng.save("a-third")
+    with pytest.raises(ValueError, match=r"invalid checkpoint tag '\.\./up'"):
+        eng.save("../up")
+    eng.close()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint 'nope' in store .*: it holds a-third, m-second"):
+        Engine.resume(tiny_gpt(), cfg, total_steps=6, checkpoint="nope")
+    with pytest.raises(ValueError, match="resuming needs the state on disk.*checkpoint=tag"):
+        Engine.resume(tiny_gpt(), cfg, total_steps=6)
+    with pytest.raises(FileNotFoundError, match="holds only checkpoints written from memory"):
+        Engine.resume(tiny_gpt(), nvme(tmp_path), total_steps=6)
+
+
+def test_cli_keeps_every_interval_and_resumes_on_the_cpu_tier(tmp_path) -> None:
+    store = tmp_path / "offload_store"
+    args = ["--steps", "5", "--seq_len", "64", "--offload.optimizer", "cpu", "--checkpoint.interval", "2"]
+    steps, _, last = cli_losses(cli(args, tmp_path))
+    assert steps == 5 and kept(store) == ["step-2", "step-4"]
+    again = cli([*args, "--from-checkpoint", "step-2"], tmp_path)
+    assert "resumed at step 2" in again.stderr
+    steps, _, resumed_last = cli_losses(again)
+    assert (steps, resumed_last) == (5, last), "steps 3..5 again, on the same data, to the same loss"
