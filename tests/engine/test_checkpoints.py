@@ -30,6 +30,16 @@ def file_hashes(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
 
 
+
+def assert_resumes_identically(cfg, expected_losses: list[float], expected: dict[str, torch.Tensor]) -> None:
+    torch.manual_seed(1234)  # resume must not depend on the new process's random state
+    resumed = Engine.resume(tiny_gpt(seed=99), cfg, total_steps=6, checkpoint="step-3")
+    assert resumed.global_step == 3
+    assert run(resumed, 3) == expected_losses[3:]
+    got = params(resumed)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    resumed.close()
+
 def test_resume_from_a_checkpoint_is_bit_identical_and_never_modifies_it(tmp_path) -> None:
     cfg, store = nvme(tmp_path), tmp_path / "store"
     original = Engine(tiny_gpt(), cfg, total_steps=6)
@@ -44,13 +54,7 @@ def test_resume_from_a_checkpoint_is_bit_identical_and_never_modifies_it(tmp_pat
     before = file_hashes(store / "checkpoints" / "step-3")
 
     for _ in range(2):  # resumable again and again: its first step writes a new live generation
-        torch.manual_seed(1234)
-        resumed = Engine.resume(tiny_gpt(seed=99), cfg, total_steps=6, checkpoint="step-3")
-        assert resumed.global_step == 3
-        assert run(resumed, 3) == expected_losses[3:]
-        got = params(resumed)
-        assert all(torch.equal(got[k], expected[k]) for k in expected)
-        resumed.close()
+        assert_resumes_identically(cfg, expected_losses, expected)
         assert read_committed(store)["step"] == 6
         assert file_hashes(store / "checkpoints" / "step-3") == before
 

@@ -9,7 +9,7 @@ import torch
 from engine.engine import Engine
 from offload.generations import CheckpointExistsError
 from offload.manifest import read_committed
-from tests.engine.test_checkpoints import kept
+from tests.engine.test_checkpoints import assert_resumes_identically, kept
 from tests.engine.test_cli import losses as cli_losses
 from tests.engine.test_cli import run as cli
 from tests.engine.test_resume import nvme, params, run
@@ -31,16 +31,6 @@ def saved_midway(cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     expected = params(eng)
     eng.close()
     return losses, expected
-
-
-def assert_resumes_identically(cfg, expected_losses: list[float], expected: dict[str, torch.Tensor]) -> None:
-    torch.manual_seed(1234)  # resume must not depend on the new process's random state
-    resumed = Engine.resume(tiny_gpt(seed=99), cfg, total_steps=6, checkpoint="step-3")
-    assert resumed.global_step == 3
-    assert run(resumed, 3) == expected_losses[3:]
-    got = params(resumed)
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
-    resumed.close()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
