@@ -35,6 +35,8 @@ class ZeroConfig:
     """1: shard masters and optimizer state; 2: also gradients; 3: also the compute-dtype parameters."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; ``Engine.step()`` acts only on the last one."""
+    activation_checkpointing: bool = False
+    """Recompute each unit's activations in backward instead of keeping them (root excluded)."""
     unit_classes: list[str] = field(default_factory=list)
     """Module class names that form a unit (the grain of sharding and I/O). Empty: every
     entry of every ``nn.ModuleList`` (transformer blocks), plus a root unit for the rest."""

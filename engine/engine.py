@@ -27,10 +27,19 @@ from engine.comm import Comm
 from engine.config import Config
 from engine.device import Device
 from engine.grads import GradientShards
-from engine.params import ReplicatedParams, ShardedParams
 from engine.optim import ShardAdamW, clip_grad_norm_, lr_factor
-from engine.partition import ModelLayout, build_layout, find_units, flatten_into, param_views, unit_parameters
+from engine.params import ReplicatedParams, ShardedParams
+from engine.partition import (
+    ROOT_UNIT,
+    ModelLayout,
+    build_layout,
+    find_units,
+    flatten_into,
+    param_views,
+    unit_parameters,
+)
 from engine.precision import LossScaler, compute_dtype
+from engine.recompute import checkpoint_forward
 from engine.state import MemoryOptimizerState, OptimizerState
 from engine.store_state import MemoryCheckpoints, StoreOptimizerState
 
@@ -66,6 +75,10 @@ class Engine:
         self.module = model
 
         units = find_units(model, config.zero.unit_classes)
+        if config.zero.activation_checkpointing:
+            for name, module in units:
+                if name != ROOT_UNIT:
+                    checkpoint_forward(module)
         owned = unit_parameters(model, units)
         max_chunk = config.offload.chunk_mb * BYTES_PER_MIB // 4
         self.layout: ModelLayout = build_layout(owned, self.comm.world_size, max_chunk)

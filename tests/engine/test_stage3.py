@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.engine import Engine
 from engine.params import ShardedParams, UnitState
 from engine.partition import ROOT_UNIT
-from tests.training import batches, config, tiny_gpt
+from tests.training import batches, config, tiny_gpt, train_engine, train_reference
 
 
 def test_units_are_gathered_only_while_they_run(monkeypatch) -> None:
@@ -38,3 +39,31 @@ def test_units_are_gathered_only_while_they_run(monkeypatch) -> None:
         assert all(torch.isfinite(p).all() for p in eng.module.parameters())
     assert all(s is UnitState.SHARDED for s in params.state.values())
     eng.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_activation_checkpointing_is_bit_identical(stage: int) -> None:
+    cfg = config(zero={"stage": stage, "activation_checkpointing": True})
+    ours = train_engine(cfg, 4)
+    ref = train_reference(cfg, 4, micro_batch=4)
+    assert ours["losses"] == ref["losses"]
+    assert all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"])
+
+
+def test_activation_checkpointing_keeps_fewer_activations() -> None:
+    def saved_bytes(checkpointing: bool) -> int:
+        eng = Engine(tiny_gpt(), config(zero={"stage": 3, "activation_checkpointing": checkpointing}), total_steps=1)
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = eng(*batches(4).next())
+        eng.backward(loss)
+        eng.close()
+        return total
+
+    assert saved_bytes(True) < 0.5 * saved_bytes(False)
