@@ -31,7 +31,14 @@ from typing import BinaryIO
 import torch
 from tqdm import tqdm
 
-from engine.inspect import IO_THREADS, ChunkReader, array_name, committed_record, open_store, store_layout
+from engine.inspect import (
+    IO_THREADS,
+    ChunkReader,
+    committed_record,
+    generation_array,
+    open_store,
+    store_layout,
+)
 from engine.partition import ModelLayout
 from offload.generations import Generations
 from offload.io import IORunner
@@ -58,7 +65,7 @@ def consolidate(
         layout = store_layout(store)
         generation, metadata = _choose_generation(store, generation)
         header = safetensors_header(layout, metadata)
-        reader = ChunkReader(store, (array_name(generation, u.name, "master") for u in layout.units))
+        reader = ChunkReader(store, (generation_array(generation, u.name, "master") for u in layout.units))
         fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as out:
@@ -136,7 +143,7 @@ def _write_masters(reader: ChunkReader, layout: ModelLayout, generation: int, ou
     """Append each unit's master, cut to its real length, one chunk at a time."""
     with tqdm(total=layout.numel * FP32, desc="consolidate", unit="B", unit_scale=True, disable=None) as bar:
         for unit in layout.units:
-            name = array_name(generation, unit.name, "master")
+            name = generation_array(generation, unit.name, "master")
             info = reader.infos[name]
             if info.dtype != torch.float32 or info.numel < unit.numel:
                 raise ValueError(

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engine import rng
+from engine.checkpoint import MemoryCheckpoints
 from engine.comm import Comm
 from engine.config import Config
 from engine.device import Device
@@ -41,7 +42,7 @@ from engine.partition import (
 from engine.precision import LossScaler, compute_dtype
 from engine.recompute import checkpoint_forward
 from engine.state import MemoryOptimizerState, OptimizerState
-from engine.store_state import MemoryCheckpoints, StoreOptimizerState
+from engine.store_state import StoreOptimizerState
 
 logger = logging.getLogger(__name__)
 

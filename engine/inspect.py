@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from engine.partition import ModelLayout
-from engine.store_state import KINDS
+from engine.store_state import KINDS, array_name
 from offload.generations import CHECKPOINTS, Generations, generation_prefix
 from offload.io import IORunner
 from offload.manifest import ManifestError, read_committed
@@ -66,9 +66,9 @@ def committed_record(store: ShardStore) -> dict[str, Any] | None:
     return record
 
 
-def array_name(generation: int, unit: str, kind: str) -> str:
+def generation_array(generation: int, unit: str, kind: str) -> str:
     """The store array holding one kind of state of one unit in one generation."""
-    return f"{generation_prefix(generation)}/{unit}/{kind}"
+    return array_name(generation_prefix(generation), unit, kind)
 
 
 class ChunkReader:
@@ -191,7 +191,7 @@ def _verify(
     if generation is not None:
         for unit in layout.units:
             for kind in KINDS:
-                name = array_name(generation, unit.name, kind)
+                name = generation_array(generation, unit.name, kind)
                 if name not in arrays:
                     fail(unit.name, kind, None, store.path / name, "the array is missing from the committed generation")
     reader = ChunkReader(store, arrays)

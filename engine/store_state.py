@@ -88,15 +88,17 @@ def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> N
         )
 
 
-def array_name(prefix: str, unit: UnitLayout, kind: str) -> str:
-    return f"{prefix}/{unit.name}/{kind}"
+def array_name(prefix: str, unit: str, kind: str) -> str:
+    """The store array holding one kind of state of one unit under ``prefix`` (a generation
+    or a checkpoint)."""
+    return f"{prefix}/{unit}/{kind}"
 
 
 def create_arrays(store: ShardStore, prefix: str, layout: ModelLayout) -> None:
     """Every unit's state arrays under ``prefix``, cut for ``layout``'s shards."""
     for unit in layout.units:
         for kind in KINDS:
-            store.create_array(array_name(prefix, unit, kind), unit.padded_numel, unit.chunk_numel, torch.float32)
+            store.create_array(array_name(prefix, unit.name, kind), unit.padded_numel, unit.chunk_numel, torch.float32)
 
 
 def array_in_layout(store: ShardStore, name: str, unit: UnitLayout) -> bool:
@@ -117,7 +119,7 @@ def read_shard(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, stat
     start = unit.shard_slice(rank).start
     count = min(max(unit.numel - start, 0), unit.shard_numel)
     for kind, view in zip(KINDS, state.tensors()):
-        name = array_name(prefix, unit, kind)
+        name = array_name(prefix, unit.name, kind)
         if array_in_layout(store, name, unit):
             store.read_into(name, start, view)
             continue
@@ -130,7 +132,7 @@ def write_shard(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, sta
     """Rank ``rank``'s shard of ``unit``'s state (host tensors) into the arrays under ``prefix``."""
     start = unit.shard_slice(rank).start
     for kind, view in zip(KINDS, state.tensors()):
-        store.write_from(array_name(prefix, unit, kind), start, view)
+        store.write_from(array_name(prefix, unit.name, kind), start, view)
 
 
 class StoreOptimizerState:
@@ -231,7 +233,7 @@ class StoreOptimizerState:
 
     def _in_layout(self, prefix: str) -> bool:
         return all(
-            array_in_layout(self.store, array_name(prefix, unit, kind), unit) for unit in self.layout.units for kind in KINDS
+            array_in_layout(self.store, array_name(prefix, unit.name, kind), unit) for unit in self.layout.units for kind in KINDS
         )
 
     def _drop_other_layouts(self, committed: int) -> None:
@@ -339,79 +341,6 @@ class StoreOptimizerState:
     def nbytes(self) -> int:
         """This rank's share of the store on disk (both generations)."""
         return GENERATIONS_ON_DISK * sum(unit_state_bytes(u) for u in self.layout.units)
-
-    def close(self) -> None:
-        self.runner.close()
-
-
-class MemoryCheckpoints:
-    """Checkpoints of the memory tiers (``device``, ``cpu``) in a store at ``offload.nvme_path``.
-
-    Their state has no generation on disk to keep by rename, so ``save`` writes each rank's
-    shards to a fresh generation and keeps it as ``checkpoints/<tag>`` as the nvme tier keeps
-    a superseded one: the same arrays and record, so every tier resumes from either's
-    checkpoints. The write is synchronous, so the step after ``save`` cannot change what it keeps.
-    """
-
-    def __init__(
-        self,
-        path: Path,
-        layout: ModelLayout,
-        rank: int,
-        *,
-        io_threads: int,
-        checksum: bool,
-        direct_io: bool,
-        barrier: Callable[[], None],
-        create: bool,
-    ):
-        self.layout, self.rank = layout, rank
-        self._barrier = barrier
-        self._leader = rank == 0
-        self.runner = IORunner(threads=io_threads)
-        if self._leader and create and not (path / "zarr.json").exists():
-            attrs = {"layout": layout.to_dict()}
-            ShardStore.create(path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=path.exists())
-        barrier()
-        self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
-        first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)
-        self.generations = Generations(self.store)
-        if self._leader:  # a checkpoint a crash left pending in a live store is kept before it is looked for
-            self.generations.keep_superseded()
-        barrier()
-
-    def read(self, tag: str) -> tuple[dict, Iterator[tuple[UnitLayout, ShardState]]]:
-        """Checkpoint ``tag``'s record, and this rank's shard of each unit's state (host tensors,
-        read as they are consumed), cut for this layout whatever world size wrote it."""
-        prefix, record = self.generations.checkpoint(tag)
-        logger.info("resuming from checkpoint %s (step %s) of %s", tag, record.get("step"), self.store.path)
-
-        def shards() -> Iterator[tuple[UnitLayout, ShardState]]:
-            for unit in self.layout.units:
-                state = ShardState(*(torch.empty(unit.shard_numel, dtype=torch.float32) for _ in KINDS))
-                read_shard(self.store, prefix, unit, self.rank, state)
-                yield unit, state
-
-        return record, shards()
-
-    def save(self, tag: str, record: dict, states: Iterator[tuple[UnitLayout, ShardState]], keep: int) -> None:
-        """Write every unit's state as checkpoint ``tag`` with ``record``, then delete the oldest
-        checkpoints beyond ``keep`` (0 keeps all)."""
-        self.generations.check_free_tag(tag)  # on every rank, so that all of them raise or none
-        generation = self.generations.next_free()
-        prefix = generation_prefix(generation)
-        self._barrier()
-        if self._leader:
-            self.generations.drop_uncommitted()
-            create_arrays(self.store, prefix, self.layout)
-        self._barrier()
-        for unit, state in states:
-            write_shard(self.store, prefix, unit, self.rank, ShardState(*(t.cpu() for t in state.tensors())))
-        self.store.sync()
-        self._barrier()
-        if self._leader:
-            self.generations.keep_generation(tag, {**record, "generation": generation}, retain=keep)
-        self._barrier()
 
     def close(self) -> None:
         self.runner.close()

@@ -1,0 +1,102 @@
+"""Checkpoints of the memory tiers (``device``, ``cpu``), in the nvme tier's store layout.
+
+The nvme tier keeps a checkpoint by renaming a generation it already wrote; the memory
+tiers have no state on disk, so they write one. The layout is the same, so every tier
+resumes from either's checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from engine.partition import ModelLayout, UnitLayout
+from engine.state import ShardState
+from engine.store_state import (
+    KINDS,
+    create_arrays,
+    first_difference,
+    read_shard,
+    write_shard,
+)
+from offload.generations import Generations, generation_prefix
+from offload.io import IORunner
+from offload.store import ShardStore
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryCheckpoints:
+    """Checkpoints of the memory tiers (``device``, ``cpu``) in a store at ``offload.nvme_path``.
+
+    Their state has no generation on disk to keep by rename, so ``save`` writes each rank's
+    shards to a fresh generation and keeps it as ``checkpoints/<tag>`` as the nvme tier keeps
+    a superseded one: the same arrays and record, so every tier resumes from either's
+    checkpoints. The write is synchronous, so the step after ``save`` cannot change what it keeps.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        layout: ModelLayout,
+        rank: int,
+        *,
+        io_threads: int,
+        checksum: bool,
+        direct_io: bool,
+        barrier: Callable[[], None],
+        create: bool,
+    ):
+        self.layout, self.rank = layout, rank
+        self._barrier = barrier
+        self._leader = rank == 0
+        self.runner = IORunner(threads=io_threads)
+        if self._leader and create and not (path / "zarr.json").exists():
+            attrs = {"layout": layout.to_dict()}
+            ShardStore.create(path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=path.exists())
+        barrier()
+        self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
+        first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)
+        self.generations = Generations(self.store)
+        if self._leader:  # a checkpoint a crash left pending in a live store is kept before it is looked for
+            self.generations.keep_superseded()
+        barrier()
+
+    def read(self, tag: str) -> tuple[dict, Iterator[tuple[UnitLayout, ShardState]]]:
+        """Checkpoint ``tag``'s record, and this rank's shard of each unit's state (host tensors,
+        read as they are consumed), cut for this layout whatever world size wrote it."""
+        prefix, record = self.generations.checkpoint(tag)
+        logger.info("resuming from checkpoint %s (step %s) of %s", tag, record.get("step"), self.store.path)
+
+        def shards() -> Iterator[tuple[UnitLayout, ShardState]]:
+            for unit in self.layout.units:
+                state = ShardState(*(torch.empty(unit.shard_numel, dtype=torch.float32) for _ in KINDS))
+                read_shard(self.store, prefix, unit, self.rank, state)
+                yield unit, state
+
+        return record, shards()
+
+    def save(self, tag: str, record: dict, states: Iterator[tuple[UnitLayout, ShardState]], keep: int) -> None:
+        """Write every unit's state as checkpoint ``tag`` with ``record``, then delete the oldest
+        checkpoints beyond ``keep`` (0 keeps all)."""
+        self.generations.check_free_tag(tag)  # on every rank, so that all of them raise or none
+        generation = self.generations.next_free()
+        prefix = generation_prefix(generation)
+        self._barrier()
+        if self._leader:
+            self.generations.drop_uncommitted()
+            create_arrays(self.store, prefix, self.layout)
+        self._barrier()
+        for unit, state in states:
+            write_shard(self.store, prefix, unit, self.rank, ShardState(*(t.cpu() for t in state.tensors())))
+        self.store.sync()
+        self._barrier()
+        if self._leader:
+            self.generations.keep_generation(tag, {**record, "generation": generation}, retain=keep)
+        self._barrier()
+
+    def close(self) -> None:
+        self.runner.close()
