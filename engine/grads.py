@@ -24,7 +24,6 @@ from torch import nn
 from engine.comm import Comm, Work
 from engine.partition import ModelLayout, ParamSlot, UnitLayout
 
-
 # Reductions in flight at once during backward: enough to overlap one with the next
 # unit's backward, few enough that reduced shards never pile up for the whole model.
 MAX_IN_FLIGHT = 2

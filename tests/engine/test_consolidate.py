@@ -13,7 +13,14 @@ from safetensors.torch import load_file
 
 from engine.consolidate import consolidate
 from offload.store import ChecksumError
-from tests.engine.test_inspect import CHUNK_ELEMS, STEPS, flip_byte, record_read_sizes, train_store, wide_gpt
+from tests.engine.test_inspect import (
+    CHUNK_ELEMS,
+    STEPS,
+    flip_byte,
+    record_read_sizes,
+    train_store,
+    wide_gpt,
+)
 from tests.training import tiny_gpt
 
 

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 
-
 from engine.config import Config
 from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine

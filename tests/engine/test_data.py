@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from engine import data
-from engine.data import ByteTokenizer, TokenBatches, load_tokens, shakespeare_paths, shakespeare_text, split
+from engine.data import (
+    ByteTokenizer,
+    TokenBatches,
+    load_tokens,
+    shakespeare_paths,
+    shakespeare_text,
+    split,
+)
 
 
 @pytest.fixture(scope="module")

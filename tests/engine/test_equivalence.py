@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
-from tests.training import config, rel_diff, train_engine, train_engine_on_ranks, train_reference
+from tests.training import (
+    config,
+    rel_diff,
+    train_engine,
+    train_engine_on_ranks,
+    train_reference,
+)
 
 STEPS = 5
 

@@ -4,7 +4,13 @@ import stat
 
 import pytest
 
-from offload.manifest import FORMAT_VERSION, ManifestError, commit, read_committed, write_atomic
+from offload.manifest import (
+    FORMAT_VERSION,
+    ManifestError,
+    commit,
+    read_committed,
+    write_atomic,
+)
 
 
 def record(generation: int) -> dict:
