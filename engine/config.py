@@ -40,6 +40,15 @@ class ZeroConfig:
     unit_classes: list[str] = field(default_factory=list)
     """Module class names that form a unit (the grain of sharding and I/O). Empty: every
     entry of every ``nn.ModuleList`` (transformer blocks), plus a root unit for the rest."""
+    prefetch_mb: float = 64.0
+    """Stage 3: bytes of the units ahead in the traced order gathered while the current one
+    computes, in MiB; 0 gathers each unit only when it is needed."""
+    persistence_threshold: int = 0
+    """Stage 3: units with fewer parameters than this stay gathered for the whole run (their
+    gathers would cost more in latency than their bytes save)."""
+    device_memory_limit_mb: float = 0.0
+    """Device bytes the engine may hold (parameters, shards, gradient buckets, prefetch
+    window), in MiB; the prefetch window shrinks to stay under it. 0: no limit."""
 
 
 @dataclass
@@ -62,6 +71,17 @@ class OffloadConfig:
     """Store a CRC-32C with every chunk and verify it on every read."""
     direct_io: bool = True
     """Use O_DIRECT where the filesystem allows it (falls back by itself where it does not)."""
+
+
+@dataclass
+class StoreConfig:
+    """How the ``nvme`` store keeps its state between steps."""
+
+    mode: Literal["generations", "in-place"] = "generations"
+    """``generations``: each step writes a new generation and commits it atomically, so a crash
+    at any instant resumes from the last step (about twice the disk). ``in-place``: one
+    generation rewritten each step (half the disk); a crash mid-step leaves it unusable and
+    resuming falls back to the last explicit checkpoint."""
 
 
 @dataclass
@@ -94,6 +114,10 @@ class OptimConfig:
     is bit-identical to torch's default AdamW."""
     grad_clip: float = 1.0
     """Global gradient-norm clipping across ranks; 0 disables it."""
+    overlap: bool = True
+    """Without clipping (``grad_clip = 0``), update each unit as soon as its gradient shard is
+    reduced on the last micro-batch, overlapped with the rest of backward; the result is
+    bit-identical either way. With clipping every gradient must be reduced first."""
     warmup_steps: int = 0
     schedule: Literal["cosine", "constant"] = "cosine"
     decay_steps: int = 0
@@ -156,6 +180,7 @@ class Config:
 
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -202,6 +227,14 @@ class Config:
             "offload.param",
             o.param,
             "offloading parameters needs zero.stage = 3 (set zero.stage = 3, or offload.param = \"device\")",
+        )
+        _check(z.prefetch_mb >= 0, "zero.prefetch_mb", z.prefetch_mb, "must be >= 0 (0: no prefetch)")
+        _check(z.persistence_threshold >= 0, "zero.persistence_threshold", z.persistence_threshold, "must be >= 0")
+        _check(
+            z.device_memory_limit_mb >= 0,
+            "zero.device_memory_limit_mb",
+            z.device_memory_limit_mb,
+            "must be >= 0 (0: no limit)",
         )
         _check(o.buffer_mb >= 1, "offload.buffer_mb", o.buffer_mb, "must be >= 1")
         _check(o.chunk_mb >= 1, "offload.chunk_mb", o.chunk_mb, "must be >= 1")

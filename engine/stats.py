@@ -1,0 +1,48 @@
+"""What one optimizer step cost, split the way a user tuning offload tiers needs it.
+
+The split answers "what is my step waiting on": ``compute_s`` is the time the step's
+thread spent neither blocked on a parameter fetch nor on the optimizer's I/O. Waiting
+that a prefetch hid costs nothing and is not counted, so ``param_wait_s`` and
+``optimizer_wait_s`` are the *exposed* I/O seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StepStats:
+    """One optimizer step (all its micro-batches), on this rank."""
+
+    seconds: float = 0.0
+    """Wall time from the end of the previous ``step()`` to the end of this one."""
+    param_wait_s: float = 0.0
+    """Blocked waiting for parameter shards (tier read, host-to-device copy, all-gather)."""
+    optimizer_wait_s: float = 0.0
+    """Blocked on optimizer-state I/O: reads not ready in time, the last writes, fsync, commit."""
+    optimizer_s: float = 0.0
+    """Spent in the AdamW update itself (on the step's thread or hidden in backward)."""
+    bytes_read: int = 0
+    """Bytes read from the store (optimizer state and parameter shards)."""
+    bytes_written: int = 0
+    """Bytes written to the store."""
+    prefetch_hits: int = 0
+    """Stage 3 gathers that found the unit already gathered (or in flight) by prefetch."""
+    prefetch_misses: int = 0
+    """Stage 3 gathers that had to start from nothing."""
+    device_high_water: int = 0
+    """Most device bytes the engine held at once during the step."""
+
+    @property
+    def compute_s(self) -> float:
+        """The rest of the step: forward, backward and everything else not waiting on I/O."""
+        return max(self.seconds - self.param_wait_s - self.optimizer_wait_s, 0.0)
+
+    @property
+    def prefetch_hit_rate(self) -> float:
+        total = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / total if total else 1.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self) | {"compute_s": self.compute_s, "prefetch_hit_rate": self.prefetch_hit_rate}
