@@ -9,7 +9,10 @@ hook. What happens to a full bucket is the stage's difference:
 - stage 2 (and 3) reduce-scatters a bucket as soon as its unit's last gradient arrives,
   overlapped with the rest of backward, frees it, and accumulates only the shard.
 
-Either way the shard ends on the optimizer's tier, averaged over ranks.
+Either way the shard ends on the optimizer's tier, averaged over ranks. Shards are made
+when their first gradient arrives and can be dropped as soon as the optimizer has used
+them (``release_shard``), so when the update overlaps backward no gradient shard of the
+whole model ever exists at once. Buckets on the device are charged to the device budget.
 """
 
 from __future__ import annotations
@@ -21,12 +24,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.budget import DeviceBudget
 from engine.comm import Comm, Work
+from engine.order import TracedOrder
 from engine.partition import ModelLayout, ParamSlot, UnitLayout
 
 # Reductions in flight at once during backward: enough to overlap one with the next
 # unit's backward, few enough that reduced shards never pile up for the whole model.
 MAX_IN_FLIGHT = 2
+
+
+def bucket_bytes(unit: UnitLayout) -> int:
+    """Device bytes of a unit's fp32 gradient bucket."""
+    return unit.padded_numel * 4
 
 
 @dataclass
@@ -49,17 +59,22 @@ class GradientShards:
         shard_device: torch.device,
         *,
         reduce_per_micro_batch: bool,
+        budget: DeviceBudget,
+        shards_on_device: bool,
         pin_memory: bool = False,
         after_reduce: Callable[[str], None] = lambda unit_name: None,
     ):
         self._comm, self._device = comm, device
+        self._shard_device, self._pin = shard_device, pin_memory
+        self._budget, self._shards_on_device = budget, shards_on_device
         self._early = reduce_per_micro_batch
         self._after_reduce = after_reduce
         self._buckets = [_Bucket(u, len(params[u.name])) for u in layout.units]
-        self.shards = {
-            u.name: torch.zeros(u.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin_memory)
-            for u in layout.units
-        }
+        self.shards: dict[str, torch.Tensor] = {}
+        self.on_ready: Callable[[str], None] | None = None
+        """Called with a unit's name once its shard is final for the step (last micro-batch, stage >= 2)."""
+        self.order = TracedOrder("the order gradient shards complete in")
+        self._last_micro_batch = False
         self._first_micro_batch = True
         self._in_flight: collections.deque[tuple[UnitLayout, Work, torch.Tensor]] = collections.deque()
         self._handles = []
@@ -77,7 +92,7 @@ class GradientShards:
 
     def _add(self, bucket: _Bucket, slot: ParamSlot, grad: torch.Tensor) -> None:
         if bucket.flat is None:
-            bucket.flat = torch.zeros(bucket.unit.padded_numel, dtype=torch.float32, device=self._device)
+            bucket.flat = self._new_bucket(bucket.unit)
         region = bucket.flat[slot.offset : slot.offset + slot.numel]
         # The first gradient of a window is copied, not added to zero, as torch does (keeps -0.0).
         if self._first_micro_batch or self._early:
@@ -87,6 +102,16 @@ class GradientShards:
         bucket.arrived += 1
         if self._early and bucket.arrived == bucket.expected:
             self._reduce(bucket)
+
+    def _new_bucket(self, unit: UnitLayout) -> torch.Tensor:
+        self._budget.charge(bucket_bytes(unit), f"the gradient bucket of unit {unit.name!r}")
+        return torch.zeros(unit.padded_numel, dtype=torch.float32, device=self._device)
+
+    def start_backward(self, last_micro_batch: bool) -> None:
+        """Before ``loss.backward()``: whether this micro-batch ends the accumulation window."""
+        self._last_micro_batch = last_micro_batch
+        if last_micro_batch:
+            self.order.start()
 
     def _reduce(self, bucket: _Bucket) -> None:
         work, shard = self._comm.reduce_scatter(bucket.flat, bucket.unit.shard_numel)
@@ -101,7 +126,7 @@ class GradientShards:
         for bucket in self._buckets:
             if self._early and bucket.arrived < bucket.expected:
                 if bucket.flat is None:
-                    bucket.flat = torch.zeros(bucket.unit.padded_numel, dtype=torch.float32, device=self._device)
+                    bucket.flat = self._new_bucket(bucket.unit)
                 self._reduce(bucket)
             bucket.arrived = 0
         if self._early:
@@ -109,14 +134,15 @@ class GradientShards:
         self._first_micro_batch = False
 
     def finalize(self) -> list[torch.Tensor]:
-        """At the optimizer step: the averaged, accumulated gradient shards in unit order."""
+        """At the optimizer step: the averaged, accumulated gradient shards not yet released,
+        in unit order."""
         if not self._early:
             for bucket in self._buckets:
                 if bucket.flat is None:
-                    bucket.flat = torch.zeros(bucket.unit.padded_numel, dtype=torch.float32, device=self._device)
+                    bucket.flat = self._new_bucket(bucket.unit)
                 self._reduce(bucket)
             self._collect()
-        return [self.shards[b.unit.name] for b in self._buckets]
+        return [self.shards[b.unit.name] for b in self._buckets if b.unit.name in self.shards]
 
     def _collect(self, keep: int = 0) -> None:
         """Fold finished reductions into the accumulated shards, oldest first, leaving ``keep`` in flight."""
@@ -125,15 +151,41 @@ class GradientShards:
             work.wait()
             if self._comm.world_size > 1:
                 shard.div_(self._comm.world_size)
-            target = self.shards[unit.name]
+            target = self._shard(unit)
             target.copy_(shard) if self._first_micro_batch or not self._early else target.add_(shard)
+            del shard  # on one rank and on gloo a view of the bucket: the bucket is free from here
+            self._budget.credit(bucket_bytes(unit))
+            if self._last_micro_batch and self._early:
+                self.order.visit(unit.name)
+                if self.on_ready is not None:
+                    self.on_ready(unit.name)
+
+    def _shard(self, unit: UnitLayout) -> torch.Tensor:
+        """The unit's accumulated shard, made at its first gradient of the window."""
+        shard = self.shards.get(unit.name)
+        if shard is None:
+            shard = torch.empty(unit.shard_numel, dtype=torch.float32, device=self._shard_device, pin_memory=self._pin)
+            if self._shards_on_device:
+                self._budget.charge(shard.nbytes, f"the gradient shard of unit {unit.name!r}")
+            self.shards[unit.name] = shard
+        return shard
+
+    def release_shard(self, unit_name: str) -> None:
+        """The optimizer has used the unit's shard: free it until the next window."""
+        shard = self.shards.pop(unit_name)
+        if self._shards_on_device:
+            self._budget.credit(shard.nbytes)
 
     def zero(self) -> None:
         """Start a new accumulation window."""
         self._first_micro_batch = True
         for bucket in self._buckets:
+            if bucket.flat is not None:
+                self._budget.credit(bucket_bytes(bucket.unit))
             bucket.flat = None
             bucket.arrived = 0
+        for name in list(self.shards):
+            self.release_shard(name)
 
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.shards.values())

@@ -1,30 +1,37 @@
 """The compute-dtype parameters on the device: replicated (stages 1, 2) or sharded (stage 3).
 
 Either way each unit's parameters are views into one flat buffer, and an optimizer step
-hands each rank's updated shard to ``shard(unit)``. What differs is when the full buffer
-exists:
+hands each rank's updated fp32 master shard to ``update``. What differs is when the full
+buffer exists:
 
 - ``ReplicatedParams`` keeps every unit gathered for the whole run and all-gathers each
   unit right after its shard is updated.
-- ``ShardedParams`` keeps only the rank's shard between uses. A unit is gathered just
-  before its forward and again just before its backward, and released right after each;
-  releasing frees the buffer's storage (resized to zero bytes) while the parameter views,
-  and any views autograd saved for backward, stay valid objects that the next gather
-  refills in place.
+- ``ShardedParams`` keeps only the rank's shard, on its tier (``engine.param_tiers``). A
+  unit is gathered just before its forward and again just before its backward, and
+  released right after each; releasing frees the buffer's storage (resized to zero bytes)
+  while the parameter views, and any views autograd saved for backward, stay valid
+  objects that the next gather refills in place. The units that come next in the traced
+  order (``engine.order``) are fetched and gathered ahead, within ``zero.prefetch_mb`` and
+  the device budget.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from engine.budget import MIB, DeviceBudget, DeviceMemoryError
 from engine.comm import Comm, Work
+from engine.order import TracedOrder
+from engine.param_tiers import Fetch, ParamTier
 from engine.partition import ROOT_UNIT, ModelLayout, UnitLayout
 
 logger = logging.getLogger(__name__)
@@ -33,24 +40,29 @@ logger = logging.getLogger(__name__)
 class ReplicatedParams:
     """Stage 1/2: full compute-dtype parameters on every rank, refreshed by all-gather."""
 
-    def __init__(self, flats: dict[str, torch.Tensor], layout: ModelLayout, comm: Comm):
-        self._flats, self._layout, self._comm = flats, layout, comm
+    def __init__(self, layout: ModelLayout, comm: Comm, budget: DeviceBudget):
+        self._layout, self._comm, self._budget = layout, comm, budget
+        self._flats: dict[str, torch.Tensor] = {}
         self._gathers: list[Work] = []
 
-    def shard(self, unit: UnitLayout) -> torch.Tensor:
-        return self._flats[unit.name][unit.shard_slice(self._comm.rank)]
+    def add(self, unit: UnitLayout, flat: torch.Tensor) -> None:
+        """Take the unit's full initial buffer (the module's parameters are views of it)."""
+        self._budget.charge(flat.nbytes, f"the parameters of unit {unit.name!r}")
+        self._flats[unit.name] = flat
 
-    def updated(self, unit: UnitLayout) -> None:
-        """The unit's shard holds new values: share them with every rank (asynchronously)."""
-        self._gathers.append(self._comm.all_gather(self._flats[unit.name], self.shard(unit)))
+    def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
+        """The unit's master shard holds new values: share them with every rank (asynchronously)."""
+        shard = self._flats[unit.name][unit.shard_slice(self._comm.rank)]
+        shard.copy_(master)
+        self._gathers.append(self._comm.all_gather(self._flats[unit.name], shard))
 
     def finish_update(self) -> None:
         for work in self._gathers:
             work.wait()
         self._gathers.clear()
 
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._flats.values())
+    def begin_iteration(self) -> None:
+        return None
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -59,99 +71,320 @@ class ReplicatedParams:
     def release_after_backward(self, unit_name: str) -> None:
         return None
 
+    def take_wait_s(self) -> float:
+        return 0.0
+
+    def prefetch_counts(self) -> tuple[int, int]:
+        return 0, 0
+
+    def io_bytes(self) -> tuple[int, int]:
+        return 0, 0
+
+    def host_bytes(self) -> int:
+        return 0
+
     def close(self) -> None:
         return None
 
 
 class UnitState(enum.Enum):
-    """Whether a stage-3 unit's full parameters exist on the device."""
+    """Where a stage-3 unit's full parameters are in their life cycle."""
 
     SHARDED = "sharded"
+    """Only this rank's shard exists, on its tier."""
+    FETCHING = "fetching"
+    """The shard is on its way from its tier to where the device can copy it."""
+    GATHERING = "gathering"
+    """The all-gather into the full buffer is in flight."""
     GATHERED = "gathered"
 
 
+@dataclass
+class _Unit:
+    layout: UnitLayout
+    flat: torch.Tensor
+    persistent: bool
+    state: UnitState = UnitState.SHARDED
+    fetch: Fetch | None = None
+    work: Work | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
 class ShardedParams:
-    """Stage 3: only this rank's shard of each unit persists; units are gathered on demand."""
+    """Stage 3: only this rank's shard of each unit persists; units are gathered on demand.
+
+    ``needs`` maps each hooked module (a unit's module) to the units whose parameters it
+    uses: its own, and those it borrows (a tied weight owned by another unit).
+    """
 
     def __init__(
         self,
-        flats: dict[str, torch.Tensor],
-        modules: dict[str, nn.Module],
         layout: ModelLayout,
         comm: Comm,
+        tier: ParamTier,
+        budget: DeviceBudget,
+        *,
+        prefetch_bytes: int,
+        persistence_threshold: int,
+        reserve_bytes: int,
     ):
-        self._flats, self._layout, self._comm = flats, layout, comm
-        self._units = {u.name: u for u in layout.units}
-        self._shards = {u.name: flats[u.name][u.shard_slice(comm.rank)].clone() for u in layout.units}
-        self.state = {u.name: UnitState.GATHERED for u in layout.units}
-        self.high_water_bytes = 0
-        for unit in layout.units:
-            self.release(unit.name)
-        self._handles = []
+        self._layout, self._comm, self._tier, self._budget = layout, comm, tier, budget
+        self._prefetch_bytes = prefetch_bytes
+        self._persistence_threshold = persistence_threshold
+        self._reserve = reserve_bytes
+        """Device bytes that gathering ahead and keeping a unit for its next use leave free for
+        what a step must allocate (a unit gathered on demand, gradient buckets)."""
+        self._units: dict[str, _Unit] = {}
+        self.order = TracedOrder("the order units run in")
+        self._handles: list = []
+        self._wait_s = 0.0
+        self.hits = 0
+        self.misses = 0
+
+    # ------------------------------------------------------------ set-up
+
+    def add(self, unit: UnitLayout, flat: torch.Tensor) -> None:
+        """Take the unit's full initial buffer: its shard goes to the tier, and unless the unit
+        is small enough to persist, the buffer's memory is freed until the unit runs."""
+        rank = self._comm.rank
+        self._tier.add(unit, flat[unit.shard_slice(rank)])
+        persistent = unit.numel < self._persistence_threshold
+        entry = _Unit(unit, flat, persistent, UnitState.GATHERED)
+        self._units[unit.name] = entry
+        self._budget.charge(entry.nbytes, f"the gathered parameters of unit {unit.name!r}")
+        if not persistent:
+            self._free(entry)
+
+    def hook(self, modules: dict[str, nn.Module], needs: dict[str, list[str]]) -> None:
+        """Gather before and release after every unit module's forward and backward."""
         for name, module in modules.items():
-            if name in self._units:
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward(name)))
-                self._handles.append(module.register_forward_hook(self._post_forward(name)))
+            units = [u for u in needs.get(name, []) if u in self._units]
+            if units:
+                self._handles.append(module.register_forward_pre_hook(self._pre_forward(units)))
+                self._handles.append(module.register_forward_hook(self._post_forward(units)))
 
-    def gather(self, name: str) -> None:
-        """Give the unit its full parameters (idempotent)."""
-        if self.state[name] is UnitState.GATHERED:
+    def check_fits(self, grad_bucket_bytes: dict[str, int], in_flight: int) -> None:
+        """Refuse, before the first forward, a limit that even one unit at a time cannot meet:
+        what stays resident, plus the root's working set (it stays gathered through forward
+        and backward), plus the largest other unit's parameters and gradient bucket, plus the
+        buckets of earlier units still being reduced."""
+        budget = self._budget
+        if not budget.limit:
             return
-        flat, unit = self._flats[name], self._units[name]
-        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        self._comm.all_gather(flat, self._shards[name]).wait()
-        self.state[name] = UnitState.GATHERED
-        self.high_water_bytes = max(self.high_water_bytes, self.nbytes())
-        logger.debug("gathered unit %s (%d elements)", unit.name, unit.padded_numel)
+        root = ROOT_UNIT if ROOT_UNIT in self._units else None
 
-    def release(self, name: str) -> None:
-        """Free the unit's full parameters; its shard stays."""
-        if self.state[name] is UnitState.SHARDED:
+        def working_set(name: str) -> int:
+            entry = self._units[name]
+            return (0 if entry.persistent else entry.nbytes) + grad_bucket_bytes[name]
+
+        others = [n for n in self._units if n != root]
+        if not others:
             return
-        self._flats[name].untyped_storage().resize_(0)
-        self.state[name] = UnitState.SHARDED
+        largest = max(others, key=working_set)
+        resident = budget.used + (working_set(root) if root else 0)
+        need = resident + working_set(largest) + (in_flight - 1) * max(grad_bucket_bytes.values())
+        if need > budget.limit:
+            raise DeviceMemoryError(
+                f"unit {largest!r} needs {working_set(largest) / MIB:.2f} MiB of device memory while it runs "
+                f"({self._units[largest].nbytes / MIB:.2f} MiB of gathered parameters and a "
+                f"{grad_bucket_bytes[largest] / MIB:.2f} MiB gradient bucket) on top of {resident / MIB:.2f} MiB "
+                f"held throughout (shards, persistent units, the root unit) and "
+                f"{(in_flight - 1) * max(grad_bucket_bytes.values()) / MIB:.2f} MiB of buckets being reduced: "
+                f"{need / MIB:.2f} MiB in all, over zero.device_memory_limit_mb = {budget.limit / MIB:.4g}; raise "
+                f"the limit to at least {need / MIB:.1f}, or split the unit (zero.unit_classes)"
+            )
 
-    def _pre_forward(self, name: str):
+    # --------------------------------------------------------------- hooks
+
+    def _pre_forward(self, units: list[str]):
         def hook(module: nn.Module, args) -> None:
-            self.gather(name)
+            for name in units:
+                self.gather(name)
 
         return hook
 
-    def _post_forward(self, name: str):
+    def _post_forward(self, units: list[str]):
         def hook(module: nn.Module, args, output):
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for tensor in tensors:
                 # Fires when the gradient of the unit's output is ready: its backward is next.
-                tensor.register_hook(lambda grad: self.gather(name))
-            if name != ROOT_UNIT:  # the root's parameters are the first backward needs
-                self.release(name)
+                tensor.register_hook(lambda grad: self._gather_all(units))
+            for name in units:
+                self._release_unless_next(name)
 
         return hook
+
+    def _gather_all(self, units: list[str]) -> None:
+        for name in units:
+            self.gather(name)
+
+    # ----------------------------------------------------- the life cycle
+
+    def begin_iteration(self) -> None:
+        """A forward is about to start: what the last iteration gathered ahead is dropped."""
+        for entry in self._units.values():
+            if not entry.persistent:
+                self._free(entry)
+        self.order.start()
+
+    def gather(self, name: str) -> None:
+        """Give the unit its full parameters, then start gathering the units that follow it."""
+        entry = self._units[name]
+        self.order.visit(name)
+        if entry.persistent or entry.state is UnitState.GATHERED:
+            self.hits += not entry.persistent
+        else:
+            ahead = entry.state is not UnitState.SHARDED
+            self.hits += ahead
+            self.misses += not ahead
+            start = time.perf_counter()
+            self._complete(entry)
+            self._wait_s += time.perf_counter() - start
+        self._prefetch()
+
+    def _fetch(self, entry: _Unit) -> None:
+        entry.fetch = self._tier.fetch(entry.layout)
+        entry.state = UnitState.FETCHING
+
+    def _start_gather(self, entry: _Unit) -> None:
+        """The shard is fetched: copy it into place and all-gather (asynchronously)."""
+        if entry.state is UnitState.SHARDED:
+            self._fetch(entry)
+        self._budget.charge(entry.nbytes, f"gathering unit {entry.layout.name!r}")
+        flat = entry.flat
+        flat.untyped_storage().resize_(entry.nbytes)
+        own = flat[entry.layout.shard_slice(self._comm.rank)]
+        assert entry.fetch is not None
+        own.copy_(entry.fetch.wait(), non_blocking=True)
+        entry.fetch.release()
+        entry.fetch = None
+        entry.work = self._comm.all_gather(flat, own)
+        entry.state = UnitState.GATHERING
+
+    def _complete(self, entry: _Unit) -> None:
+        if entry.state in (UnitState.SHARDED, UnitState.FETCHING):
+            self._start_gather(entry)
+        assert entry.work is not None
+        entry.work.wait()
+        entry.work = None
+        entry.state = UnitState.GATHERED
+
+    def _prefetch(self) -> None:
+        """Fetch the units next in the traced order, and all-gather those whose fetch was
+        already under way, while their bytes fit the window and the device budget.
+
+        Every rank takes the same decisions from the same trace and the same byte counts,
+        so the all-gathers are issued in the same order everywhere."""
+        window = 0
+        seen: set[str] = set()
+        for name in self.order.upcoming():
+            entry = self._units[name]
+            if name in seen or entry.persistent:
+                continue
+            seen.add(name)
+            window += entry.nbytes
+            if window > self._prefetch_bytes:
+                return
+            if entry.state is UnitState.FETCHING:
+                if not self._budget.fits(entry.nbytes + self._reserve):
+                    return
+                self._start_gather(entry)
+            elif entry.state is UnitState.SHARDED:
+                self._fetch(entry)
+
+    def _release_unless_next(self, name: str) -> None:
+        """Release after use, unless the unit is used again within the prefetch window
+        (the last block's forward is followed at once by its backward) and keeping it leaves
+        the device budget room for what must be allocated before then."""
+        if not self._budget.fits(self._reserve):
+            self.release(name)
+            return
+        window = 0
+        for upcoming in self.order.upcoming():
+            if upcoming == name:
+                return
+            window += self._units[upcoming].nbytes
+            if window > self._prefetch_bytes:
+                break
+        self.release(name)
+
+    def release(self, name: str) -> None:
+        """Free the unit's full parameters; its shard stays (persistent units are kept)."""
+        entry = self._units[name]
+        if not entry.persistent:
+            self._free(entry)
+
+    def _free(self, entry: _Unit) -> None:
+        if entry.state is UnitState.SHARDED:
+            return
+        if entry.fetch is not None:
+            entry.fetch.release()
+            entry.fetch = None
+        if entry.work is not None:  # an all-gather nobody waited for: it must land before its buffer goes
+            entry.work.wait()
+            entry.work = None
+        if entry.state is not UnitState.FETCHING:
+            entry.flat.untyped_storage().resize_(0)
+            self._budget.credit(entry.nbytes)
+        entry.state = UnitState.SHARDED
 
     def release_after_backward(self, unit_name: str) -> None:
         """The unit's gradients are reduced: its full parameters are not needed until the next forward."""
         self.release(unit_name)
 
-    def shard(self, unit: UnitLayout) -> torch.Tensor:
-        return self._shards[unit.name]
+    # ---------------------------------------------------------- the update
 
-    def updated(self, unit: UnitLayout) -> None:
-        return None  # the next forward gathers the new values
+    def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
+        """Store the unit's new shard on its tier; a persistent unit is re-gathered at once."""
+        self._tier.update(unit, master)
+        entry = self._units[unit.name]
+        if entry.persistent:
+            own = entry.flat[unit.shard_slice(self._comm.rank)]
+            own.copy_(master)
+            entry.work = self._comm.all_gather(entry.flat, own)
 
     def finish_update(self) -> None:
-        return None
+        self._tier.finish_update()
+        for entry in self._units.values():
+            if entry.persistent and entry.work is not None:
+                entry.work.wait()
+                entry.work = None
 
-    def nbytes(self) -> int:
-        """Bytes held on the device now: every shard plus the units currently gathered."""
-        shards = sum(t.nbytes for t in self._shards.values())
-        return shards + sum(self._flats[n].nbytes for n, s in self.state.items() if s is UnitState.GATHERED)
+    # ------------------------------------------------------------ reports
+
+    @property
+    def state(self) -> dict[str, UnitState]:
+        return {name: entry.state for name, entry in self._units.items()}
+
+    def take_wait_s(self) -> float:
+        """Seconds spent blocked on parameter fetches and all-gathers since the last call."""
+        seconds, self._wait_s = self._wait_s, 0.0
+        return seconds
+
+    def prefetch_counts(self) -> tuple[int, int]:
+        """Gathers that found their unit gathered or on its way, and those that did not,
+        since the last call."""
+        counts = self.hits, self.misses
+        self.hits = self.misses = 0
+        return counts
+
+    def io_bytes(self) -> tuple[int, int]:
+        """Bytes the tier read and wrote since the last call."""
+        return self._tier.take_io_bytes()
+
+    def host_bytes(self) -> int:
+        return self._tier.host_bytes()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
         """Every unit gathered (to read or save full parameters outside forward/backward)."""
         before = {n for n, s in self.state.items() if s is UnitState.SHARDED}
-        for name in self._units:
-            self.gather(name)
+        for name, entry in self._units.items():
+            if entry.state is not UnitState.GATHERED:
+                self._complete(entry)
         try:
             yield
         finally:
@@ -161,3 +394,4 @@ class ShardedParams:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
+        self._tier.close()

@@ -13,6 +13,7 @@ drives resume, resharding and consolidation without the model class.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -125,6 +126,27 @@ def unit_parameters(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dic
     return owned
 
 
+def unit_needs(model: nn.Module, units: list[tuple[str, nn.Module]], owned: dict[str, list[tuple[str, nn.Parameter]]]) -> dict[str, list[str]]:
+    """For each unit module, the units whose parameters it uses when it runs: its own and
+    any it borrows (a weight tied to one another unit owns). The root's module is the whole
+    model, so for it only what lies outside every other unit counts."""
+    owner = {id(p): unit for unit, params in owned.items() for _, p in params}
+    unit_modules = {id(m) for name, m in units if name != ROOT_UNIT}
+
+    def reachable(module: nn.Module, top: bool) -> Iterator[nn.Parameter]:
+        if not top and id(module) in unit_modules:
+            return
+        yield from module.parameters(recurse=False)
+        for child in module.children():
+            yield from reachable(child, top=False)
+
+    needs: dict[str, list[str]] = {}
+    for name, module in units:
+        used = [owner[id(p)] for p in reachable(module, top=True) if id(p) in owner]
+        needs[name] = list(dict.fromkeys([name, *used] if name in owned and owned[name] else used))
+    return needs
+
+
 def build_layout(
     params_by_unit: dict[str, list[tuple[str, nn.Parameter]]], world_size: int, max_chunk_numel: int
 ) -> ModelLayout:
@@ -158,6 +180,14 @@ def flatten_into(flat: torch.Tensor, unit: UnitLayout, tensors: dict[str, torch.
     """Copy each parameter's values into its slot of ``flat`` (casting to ``flat``'s dtype)."""
     for slot in unit.params:
         flat[slot.offset : slot.offset + slot.numel].copy_(tensors[slot.name].reshape(-1))
+
+
+def materialize_(params: list[tuple[str, nn.Parameter]], device: torch.device) -> None:
+    """Give parameters built on the ``meta`` device real (uninitialised) fp32 memory, in
+    place: the same Python objects, so ties and references to them stay valid."""
+    for _, param in params:
+        if param.is_meta:
+            torch.utils.swap_tensors(param, nn.Parameter(torch.empty(param.shape, device=device), param.requires_grad))
 
 
 def param_views(flat: torch.Tensor, unit: UnitLayout) -> dict[str, torch.Tensor]:

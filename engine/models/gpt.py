@@ -1,10 +1,10 @@
 """The built-in model: a GPT-2-style decoder in one readable file.
 
 The model is written so that the engine can build it on the ``meta`` device and
-materialise it one unit at a time (a unit is a transformer block, or the root's
-own layers). Initialisation is therefore defined per unit, from a generator
-derived from ``(seed, unit index)``: the same seed gives the same weights
-whichever order, process or device initialises the units.
+materialise it one unit at a time, however the units are cut. Initialisation is
+therefore defined per parameter, from a generator derived from ``(seed, parameter
+name)``: the same seed gives the same weights whichever order, process, device or
+grouping initialises them.
 
 There is no dropout: training must be deterministic.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,8 +28,8 @@ __all__ = [
     "GPTConfig",
     "Block",
     "GPT",
-    "unit_generator",
-    "init_module_",
+    "param_generator",
+    "init_parameters_",
 ]
 
 INIT_STD = 0.02
@@ -215,16 +216,9 @@ class GPT(nn.Module):
         if self.config.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 
-    def units(self) -> list[nn.Module]:
-        """The initialisation units in their fixed order: the root's own layers
-        (index 0), then block ``i`` at index ``i + 1``."""
-        return [self, *self.blocks]
-
     def reset_parameters(self, seed: int = 0) -> None:
-        """Initialise every unit from its own generator, so the result does not
-        depend on the order in which units are initialised."""
-        for index, unit in enumerate(self.units()):
-            init_module_(unit, self.config, unit_generator(seed, index))
+        """Initialise every parameter from its own generator (see :func:`init_parameters_`)."""
+        init_parameters_(dict(self.named_parameters()), self.config, seed)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (fp32) if ``targets`` is given."""
@@ -245,59 +239,40 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def unit_generator(seed: int, index: int) -> torch.Generator:
-    """The generator that initialises unit ``index`` of a model seeded with ``seed``.
+def param_generator(seed: int, name: str) -> torch.Generator:
+    """The generator that initialises parameter ``name`` of a model seeded with ``seed``.
 
-    ``SeedSequence`` mixes the pair so neighbouring units get unrelated streams.
+    ``SeedSequence`` mixes the pair so parameters get unrelated streams.
     """
-    if seed < 0 or index < 0:
-        raise ValueError(f"seed and unit index must be non-negative, got seed={seed}, index={index}")
-    state = np.random.SeedSequence([seed, index]).generate_state(2, np.uint32)
+    if seed < 0:
+        raise ValueError(f"seed must be non-negative, got {seed}")
+    state = np.random.SeedSequence([seed, zlib.crc32(name.encode())]).generate_state(2, np.uint32)
     return torch.Generator().manual_seed((int(state[0]) << 31) ^ int(state[1]))
 
 
-def init_module_(module: nn.Module, config: GPTConfig, generator: torch.Generator) -> None:
-    """Initialise one unit in place: a :class:`Block`, or a :class:`GPT`'s own layers
-    (embeddings, final LayerNorm, head; its blocks are units of their own).
+def init_parameters_(params: dict[str, torch.Tensor], config: GPTConfig, seed: int) -> None:
+    """Initialise the named parameters of a GPT in place: any subset, in any order.
 
-    Weights are normal(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)
-    as in GPT-2, biases zero, LayerNorms identity. Values are drawn in fp32 on the
-    CPU and copied in, so the weights are the same on any device and in any dtype
-    (rounded to it).
+    Weights are normal(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer) as in
+    GPT-2, biases zero, LayerNorms identity. Values are drawn in fp32 on the CPU and
+    copied in, so the weights are the same on any device and in any dtype (rounded to it).
     """
     residual_std = INIT_STD / math.sqrt(2 * config.n_layer)
     with torch.no_grad():
-        if isinstance(module, Block):
-            _init_layer_norm_(module.ln1)
-            _init_linear_(module.attn.qkv, INIT_STD, generator)
-            _init_linear_(module.attn.proj, residual_std, generator)
-            _init_layer_norm_(module.ln2)
-            _init_linear_(module.mlp.fc, INIT_STD, generator)
-            _init_linear_(module.mlp.proj, residual_std, generator)
-        elif isinstance(module, GPT):
-            module.tie_weights()
-            _normal_(module.tok_emb.weight, INIT_STD, generator)
-            _normal_(module.pos_emb.weight, INIT_STD, generator)
-            _init_layer_norm_(module.ln_f)
-            if not config.tie_embeddings:
-                _normal_(module.head.weight, INIT_STD, generator)
-        else:
-            raise TypeError(
-                f"init_module_ initialises a GPT unit (a Block or the GPT root), got {type(module).__name__}"
-            )
+        for name, tensor in params.items():
+            module, leaf = name.rsplit(".", 1)
+            if module.rsplit(".", 1)[-1] in ("ln1", "ln2", "ln_f"):
+                tensor.fill_(1.0) if leaf == "weight" else tensor.zero_()
+            elif leaf == "bias":
+                tensor.zero_()
+            elif module.endswith(("attn.proj", "mlp.proj")):
+                _normal_(tensor, residual_std, param_generator(seed, name))
+            elif leaf == "weight":
+                _normal_(tensor, INIT_STD, param_generator(seed, name))
+            else:
+                raise ValueError(f"{name!r} is not a parameter of a GPT")
 
 
 def _normal_(tensor: torch.Tensor, std: float, generator: torch.Generator) -> None:
     values = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
     tensor.copy_(values)
-
-
-def _init_linear_(linear: nn.Linear, std: float, generator: torch.Generator) -> None:
-    _normal_(linear.weight, std, generator)
-    if linear.bias is not None:
-        linear.bias.zero_()
-
-
-def _init_layer_norm_(norm: nn.LayerNorm) -> None:
-    norm.weight.fill_(1.0)
-    norm.bias.zero_()

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.models.gpt import GPT, Block, GPTConfig, init_module_, unit_generator
+from engine.models.gpt import GPT, Block, GPTConfig, init_parameters_
 
 SMALL_PRESETS = ["tiny", "small"]
 NOMINAL = {"tiny": 0.24e6, "small": 4.9e6, "medium": 25e6, "large": 125e6, "1b": 1e9, "3b": 3e9}
@@ -118,16 +118,17 @@ def test_same_seed_same_weights_other_seed_other_weights():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_meta_build_initialised_unit_by_unit_equals_a_normal_build(tied):
+def test_meta_build_initialised_part_by_part_equals_a_normal_build(tied):
     config = tiny(tie_embeddings=tied)
     seed = 1234
     expected = GPT(config, seed=seed)
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device="cpu")
-    units = model.units()
-    for index in reversed(range(len(units))):  # another order than reset_parameters uses
-        init_module_(units[index], config, unit_generator(seed, index))
+    model.tie_weights()
+    params = list(model.named_parameters())
+    for name, param in reversed(params):  # one at a time, in another order than reset_parameters
+        init_parameters_({name: param}, config, seed)
     assert model.state_dict().keys() == expected.state_dict().keys()
     for name, value in expected.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
@@ -138,13 +139,13 @@ def test_a_block_initialises_alone_the_same_as_inside_the_model():
     config = tiny()
     expected = GPT(config, seed=7).blocks[2]
     block = Block(config)
-    init_module_(block, config, unit_generator(7, 3))  # block i is unit i + 1
+    init_parameters_({f"blocks.2.{n}": p for n, p in block.named_parameters()}, config, 7)
     assert all(torch.equal(p, q) for p, q in zip(block.parameters(), expected.parameters()))
 
 
-def test_init_module_rejects_a_foreign_module():
-    with pytest.raises(TypeError, match="Linear"):
-        init_module_(torch.nn.Linear(2, 2), tiny(), unit_generator(0, 0))
+def test_init_rejects_a_foreign_parameter():
+    with pytest.raises(ValueError, match="running_mean"):
+        init_parameters_({"bn.running_mean": torch.zeros(2)}, tiny(), 0)
 
 
 def test_adamw_steps_lower_the_loss_on_a_fixed_batch():

@@ -1,0 +1,55 @@
+"""The order in which units are used in one iteration, learned by watching it.
+
+A training iteration visits the same units in the same order every time (forward
+0..K-1, backward K-1..0, recomputations, a module run twice), so the first one is
+recorded and later ones are predicted from it: whatever comes next in the record can be
+fetched ahead. An iteration that departs from the record (a data-dependent branch, an
+evaluation pass) only costs the prediction: from the first difference on nothing is
+predicted, that iteration is recorded instead, and it becomes the record for the next.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+class TracedOrder:
+    """A recorded sequence of names and a position in it."""
+
+    def __init__(self, what: str):
+        self._what = what
+        self._record: list[str] = []
+        self._current: list[str] = []
+        self._position = 0
+        self._following = False  # whether this iteration has matched the record so far
+
+    def start(self) -> None:
+        """A new iteration begins; the one before becomes the record unless it followed it."""
+        if self._current and not self._following:
+            self._record = self._current
+        self._current = []
+        self._position = 0
+        self._following = bool(self._record)
+
+    def visit(self, name: str) -> None:
+        """``name`` is used now."""
+        self._current.append(name)
+        if not self._following:
+            return
+        if self._position < len(self._record) and self._record[self._position] == name:
+            self._position += 1
+            return
+        expected = self._record[self._position] if self._position < len(self._record) else "the end"
+        logger.info("%s changed: %r used where the last iteration used %r; re-recording", self._what, name, expected)
+        self._following = False
+
+    def upcoming(self) -> list[str]:
+        """What the record says comes after the last visit (nothing once the iteration departed)."""
+        return self._record[self._position :] if self._following else []
+
+    @property
+    def recorded(self) -> list[str]:
+        """The last full iteration's order (empty before one has finished)."""
+        return list(self._record)

@@ -1,0 +1,198 @@
+"""Where a rank's compute-dtype parameter shards live between uses (stage 3, ``offload.param``).
+
+``device`` keeps them on the compute device, ``cpu`` in host memory (pinned where an
+accelerator exists, so the copy up is asynchronous), ``nvme`` in a store under
+``<offload.nvme_path>/params``, read ahead into pooled host buffers. Either way a gather
+asks for a ``Fetch`` early and waits for it late, and every optimizer step hands the new
+fp32 masters back through ``update``.
+
+The parameter shards are derived data: the fp32 masters are the truth, and a resume
+rebuilds the shards from the committed masters. So the ``nvme`` tier keeps one copy
+outside the store's generations, rewritten in place each step: half the bytes of a
+versioned copy, and a crash mid-write loses nothing that resume does not recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from engine.budget import DeviceBudget
+from engine.partition import ModelLayout, UnitLayout
+from offload.buffers import BufferPool
+from offload.io import IORunner
+from offload.store import ShardStore
+
+PARAM_STORE = "params"
+"""The sub-folder of ``offload.nvme_path`` holding the ``nvme`` tier's parameter shards."""
+
+
+class Fetch:
+    """A shard on its way to the host or device; ``wait`` gives it, ``release`` frees its buffer."""
+
+    def __init__(self, shard: torch.Tensor, future: Future | None = None, free: Callable[[], None] | None = None):
+        self._shard, self._future, self._free = shard, future, free
+
+    def wait(self) -> torch.Tensor:
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+        return self._shard
+
+    def release(self) -> None:
+        if self._free is not None:
+            self.wait()
+            self._free()
+            self._free = None
+
+
+class ParamTier(Protocol):
+    """One tier's storage of every unit's parameter shard on this rank."""
+
+    def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
+        """Take the unit's initial shard (compute dtype, copied)."""
+        ...
+
+    def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
+        """Store the unit's new shard, cast from its fp32 master (copied before returning)."""
+        ...
+
+    def finish_update(self) -> None:
+        """Every update of the step is stored: fetches from here on see the new values."""
+        ...
+
+    def fetch(self, unit: UnitLayout) -> Fetch:
+        """Start bringing the unit's shard where a copy to the device can take it."""
+        ...
+
+    def host_bytes(self) -> int:
+        """Host memory this tier holds now."""
+        ...
+
+    def take_io_bytes(self) -> tuple[int, int]:
+        """Bytes read from and written to disk since the last call."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class MemoryParamTier:
+    """Shards held in memory for the whole run: on the device (``device``, charged to the
+    device budget) or in host memory (``cpu``, pinned where an accelerator exists)."""
+
+    def __init__(self, on_device: bool, device: torch.device, dtype: torch.dtype, budget: DeviceBudget, *, pin: bool):
+        self._on_device, self._budget = on_device, budget
+        self._device = device if on_device else torch.device("cpu")
+        self._dtype, self._pin = dtype, pin and not on_device
+        self._shards: dict[str, torch.Tensor] = {}
+
+    def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
+        held = torch.empty(unit.shard_numel, dtype=self._dtype, device=self._device, pin_memory=self._pin)
+        if self._on_device:
+            self._budget.charge(held.nbytes, f"the parameter shard of unit {unit.name!r}")
+        self._shards[unit.name] = held.copy_(shard)
+
+    def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
+        self._shards[unit.name].copy_(master)
+
+    def finish_update(self) -> None:
+        return None
+
+    def fetch(self, unit: UnitLayout) -> Fetch:
+        return Fetch(self._shards[unit.name])
+
+    def host_bytes(self) -> int:
+        return 0 if self._on_device else sum(t.nbytes for t in self._shards.values())
+
+    def take_io_bytes(self) -> tuple[int, int]:
+        return 0, 0
+
+    def close(self) -> None:
+        return None
+
+
+class StoreParamTier:
+    """Shards in a store on disk, staged through a bounded pool of host buffers.
+
+    Reads for prefetch and writes of updated shards share the pool, so the host memory
+    this tier holds is at most ``buffer_bytes`` (the prefetch window's share of this rank)
+    plus two of the largest shards, whatever the model's size: one for a fetch the window
+    did not foresee and one for a write.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        layout: ModelLayout,
+        rank: int,
+        dtype: torch.dtype,
+        *,
+        buffer_bytes: int,
+        io_threads: int,
+        checksum: bool,
+        direct_io: bool,
+        barrier: Callable[[], None],
+    ):
+        self._rank, self._dtype = rank, dtype
+        largest = max(u.shard_numel for u in layout.units) * dtype.itemsize
+        self.pool = BufferPool(buffer_bytes + 2 * largest)
+        self.runner = IORunner(threads=io_threads)
+        if rank == 0:
+            # Derived data: whatever an earlier run left here is replaced, never resumed from.
+            path.parent.mkdir(parents=True, exist_ok=True)
+            store = ShardStore.create(path, {"content": "compute-dtype parameter shards, derived from the masters"},
+                                      runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=True)
+            for unit in layout.units:
+                store.create_array(unit.name, unit.padded_numel, unit.chunk_numel, dtype)
+            store.sync()
+        barrier()
+        self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
+        self._writes: list[Future] = []
+        self._bytes_read = 0
+        self._bytes_written = 0
+
+    def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
+        self._write(unit, shard)
+
+    def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
+        self._write(unit, master)
+
+    def _write(self, unit: UnitLayout, values: torch.Tensor) -> None:
+        buf = self.pool.acquire(unit.shard_numel * self._dtype.itemsize)
+        staged = buf.view(self._dtype, unit.shard_numel)
+        staged.copy_(values)
+        start = unit.shard_slice(self._rank).start
+        future = self.store.write_async(unit.name, start, staged)
+        future.add_done_callback(lambda _: self.pool.release(buf))  # the next write may need it at once
+        self._writes.append(future)
+        self._bytes_written += buf.nbytes
+
+    def finish_update(self) -> None:
+        """Wait for the step's writes (fsynced with them: cheap after direct I/O, and it keeps
+        the store's record of unsynced writes from growing); a failed one raises here."""
+        writes, self._writes = self._writes, []
+        for future in writes:
+            future.result()
+        self.store.sync()
+
+    def fetch(self, unit: UnitLayout) -> Fetch:
+        buf = self.pool.acquire(unit.shard_numel * self._dtype.itemsize)
+        shard = buf.view(self._dtype, unit.shard_numel)
+        future = self.store.read_async(unit.name, unit.shard_slice(self._rank).start, shard)
+        self._bytes_read += buf.nbytes
+        return Fetch(shard, future, lambda: self.pool.release(buf))
+
+    def host_bytes(self) -> int:
+        return self.pool.allocated_bytes
+
+    def take_io_bytes(self) -> tuple[int, int]:
+        counts = self._bytes_read, self._bytes_written
+        self._bytes_read = self._bytes_written = 0
+        return counts
+
+    def close(self) -> None:
+        self.runner.close()

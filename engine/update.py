@@ -1,0 +1,71 @@
+"""One optimizer step over every unit, applied as each unit's gradient becomes final.
+
+The step's optimizer state is streamed in the order the gradient shards completed in the
+last step (``GradientShards.order``), and the stream is opened before backward so its
+first reads overlap backward's compute. Without clipping or loss scaling nothing needs
+every gradient first, so each unit is updated as soon as its shard is final and the ones
+before it in the order are done: the update runs inside backward, hidden behind the
+backward of the units still to come. Otherwise the units wait for ``finish``, after
+clipping. Either way every unit sees the same arithmetic, so the result is the same.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+
+from engine.partition import UnitLayout
+from engine.state import OptimizerState, ShardState
+
+
+class Update:
+    """The units of one step, updated in a fixed order as they become ready."""
+
+    def __init__(
+        self,
+        order: Sequence[UnitLayout],
+        optimizer_state: OptimizerState,
+        apply: Callable[[UnitLayout, ShardState], None],
+    ):
+        self._pending = collections.deque(order)
+        self._ready: set[str] = set()
+        self._state = optimizer_state
+        self._apply = apply
+        self.wait_s = 0.0
+        """Seconds blocked on the optimizer tier: reads not ready, writes backed up."""
+        self.compute_s = 0.0
+        """Seconds in the update itself."""
+        start = time.perf_counter()
+        self._stream = optimizer_state.stream(order)  # its first reads start now
+        self.wait_s += time.perf_counter() - start
+
+    def ready(self, unit_name: str) -> None:
+        """The unit's gradient shard is final: update it and any after it that were waiting."""
+        self._ready.add(unit_name)
+        while self._pending and self._pending[0].name in self._ready:
+            self._update_next()
+
+    def finish(self) -> None:
+        """Every gradient is final: update the units still pending."""
+        while self._pending:
+            self._update_next()
+
+    def abandon(self) -> None:
+        """Skip the step (overflowed gradients): drop the reads, touch nothing."""
+        self._pending.clear()
+        close = getattr(self._stream, "close", None)
+        if close is not None:
+            close()
+
+    def _update_next(self) -> None:
+        unit = self._pending.popleft()
+        start = time.perf_counter()
+        streamed, state = next(self._stream)
+        assert streamed is unit, f"the optimizer state streamed {streamed.name!r} where {unit.name!r} was due"
+        computed = time.perf_counter()
+        self._apply(unit, state)
+        applied = time.perf_counter()
+        self._state.done(unit, state)
+        self.compute_s += applied - computed
+        self.wait_s += (computed - start) + (time.perf_counter() - applied)
