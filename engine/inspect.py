@@ -1,10 +1,12 @@
-"""What a store holds: its layout, committed step, generations, sizes, and whether its bytes are intact.
+"""What a store holds: its layout, mode, committed step, generations, sizes, and whether its bytes are intact.
 
 The store is the checkpoint, so before resuming from it, consolidating it or copying it
 away one wants to know what it is without loading a model: ``inspect_store`` reads only
 metadata unless asked to ``verify``, which then reads every chunk of the committed
 generation through the store's own CRC-32C check, one chunk at a time, and lists every
-bad chunk rather than stopping at the first (a damaged disk rarely damages only one).
+bad chunk rather than stopping at the first (a damaged disk rarely damages only one). A
+store written in place that is dirty is described, not refused: the report says which
+checkpoint to resume from instead.
 
 The read-side helpers here (opening a store, its layout, its committed record, a
 chunk-at-a-time reader) are shared with ``engine.consolidate``.
@@ -22,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from engine.partition import ModelLayout
-from engine.store_state import KINDS, array_name
+from engine.store_state import GENERATIONS, IN_PLACE, KINDS, MODE_ATTR, DirtyStoreError, array_name, check_clean
 from offload.generations import CHECKPOINTS, Generations, generation_prefix
 from offload.io import IORunner
 from offload.manifest import ManifestError, read_committed
@@ -54,16 +56,28 @@ def store_layout(store: ShardStore) -> ModelLayout:
     return ModelLayout.from_dict(layout)
 
 
-def committed_record(store: ShardStore) -> dict[str, Any] | None:
+def committed_record(store: ShardStore, dirty_ok: bool = False) -> dict[str, Any] | None:
     """The committed record, or None if nothing was committed; a record that names no
-    generation is as untrustworthy as a garbled one."""
+    generation is as untrustworthy as a garbled one, and so, unless ``dirty_ok``, is the
+    record of a dirty store (its generation mixes two steps)."""
     record = read_committed(store.path)
     if record is not None and not isinstance(record.get("generation"), int):
         raise ManifestError(
             f"{store.path / 'COMMITTED'} names no integer 'generation' (it holds {sorted(record)}); "
             f"restore it from a backup or resume from a retained checkpoint"
         )
+    if not dirty_ok:
+        check_clean(Generations(store))
     return record
+
+
+def dirty_status(store: ShardStore) -> str | None:
+    """Why the store is dirty and what to resume from instead, or None if it is clean."""
+    try:
+        check_clean(Generations(store))
+    except DirtyStoreError as err:
+        return str(err)
+    return None
 
 
 def generation_array(generation: int, unit: str, kind: str) -> str:
@@ -102,15 +116,17 @@ def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[st
     with IORunner(threads=IO_THREADS) as runner:
         store = open_store(path, runner)
         layout = store_layout(store)
-        record = committed_record(store)
+        record = committed_record(store, dirty_ok=True)
         generation = None if record is None else record["generation"]
         arrays = _generation_arrays(store, generation)
         report: dict[str, Any] = {
             "path": str(path),
             "format": {"zarr": 3, "offload_store": FORMAT_VERSION, "checksum": store.checksum},
             "committed": None if record is None else _scalars(record),
+            "mode": store.attrs.get(MODE_ATTR, GENERATIONS),
+            "dirty": dirty_status(store),
             "world_size": layout.world_size,
-            "attributes": {k: v for k, v in store.attrs.items() if k != "layout"},
+            "attributes": {k: v for k, v in store.attrs.items() if k not in ("layout", MODE_ATTR)},
             "num_units": len(layout.units),
             "num_params": sum(len(u.params) for u in layout.units),
             "numel": layout.numel,
@@ -234,6 +250,8 @@ def format_report(report: dict[str, Any]) -> str:
         )
         if committed["generation"] not in report["generations"]:
             lines.append(f"             generation {committed['generation']} is MISSING on disk")
+    state = f", DIRTY: {report['dirty']}" if report["dirty"] else ", clean" if report["mode"] == IN_PLACE else ""
+    lines.append(f"mode:        {report['mode']}{state}")
     lines.append(f"world size:  {report['world_size']}")
     lines += [f"{key + ':':<12} {value}" for key, value in report["attributes"].items()]
     lines.append(

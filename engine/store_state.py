@@ -16,6 +16,16 @@ A step can also be kept as a checkpoint (``save``), by rename when a later commi
 its generation (see ``offload.generations``), and resumed from (``checkpoint=`` tag): its
 first step reads the checkpoint and writes the store's next live generation, so the
 checkpoint itself is never modified and can be resumed from again.
+
+``store.mode = "in-place"`` halves the disk: each step rewrites the one committed generation,
+unit by unit as it updates them, instead of writing the next. The first write of a step
+marks the store dirty (durably, on every rank before its own first write), and the commit
+clears the mark; a crash in between leaves the generation mixing two steps, so a dirty
+store is refused and the error names its last checkpoint. Nothing supersedes the
+generation, so ``save`` copies it to ``checkpoints/<tag>`` at once, each rank its own
+chunks through one pool buffer. A store's mode is one of its attributes and may change
+between runs: a pending keep is then taken by copy, and a generation cut for another world
+size is replaced, never rewritten (its shards fall elsewhere), by writing a fresh one.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import torch
 from engine.partition import ModelLayout, UnitLayout
 from engine.state import ShardState
 from offload.buffers import BufferPool, HostBuffer
-from offload.generations import Generations, generation_prefix
+from offload.generations import KEEP, Generations, generation_prefix
 from offload.io import IORunner
 from offload.pipeline import Pipeline, PipelineStats
 from offload.store import ShardStore
@@ -40,7 +50,18 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 FP32 = 4
-GENERATIONS_ON_DISK = 2  # the committed one and the one being written
+GENERATIONS = "generations"
+IN_PLACE = "in-place"
+MODES = (GENERATIONS, IN_PLACE)
+MODE_ATTR = "store_mode"
+"""Group attribute: the ``store.mode`` the store was last opened with (absent: generations)."""
+GENERATIONS_ON_DISK = {GENERATIONS: 2, IN_PLACE: 1}
+"""Live generations each mode keeps: the committed one and the one being written, or the one
+rewritten in place (checkpoints come on top)."""
+
+
+class DirtyStoreError(ValueError):
+    """A store whose committed generation was being rewritten in place when its run stopped."""
 
 
 def unit_state_bytes(unit: UnitLayout) -> int:
@@ -48,24 +69,59 @@ def unit_state_bytes(unit: UnitLayout) -> int:
     return len(KINDS) * unit.shard_numel * FP32
 
 
-def store_bytes(layout: ModelLayout) -> int:
-    """Disk the optimizer state takes for all ranks, both generations."""
-    return GENERATIONS_ON_DISK * len(KINDS) * FP32 * sum(u.padded_numel for u in layout.units)
+def store_bytes(layout: ModelLayout, mode: str = GENERATIONS) -> int:
+    """Disk the optimizer state takes for all ranks, in the live generations of ``mode``."""
+    return GENERATIONS_ON_DISK[mode] * len(KINDS) * FP32 * sum(u.padded_numel for u in layout.units)
 
 
-def check_nvme_path(path: Path, layout: ModelLayout) -> None:
+def check_mode(mode: str) -> None:
+    """Refuse an unknown mode by name (the config checks it too, but the class is also used directly)."""
+    if mode not in MODES:
+        raise ValueError(f"store.mode = {mode!r}: use one of {', '.join(map(repr, MODES))}")
+
+
+def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS) -> None:
     """Refuse, before any work, a path that cannot hold the store (missing rights or space)."""
     parent = path if path.exists() else path.parent
     if not parent.exists():
         raise FileNotFoundError(f"offload.nvme_path = {str(path)!r}: its parent folder {parent} does not exist; create it")
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"offload.nvme_path = {str(path)!r}: {parent} is not writable; choose a writable folder")
-    need, free = store_bytes(layout), shutil.disk_usage(parent).free
+    need, free = store_bytes(layout, mode), shutil.disk_usage(parent).free
     if need > free:
+        in_place = store_bytes(layout, IN_PLACE)
+        hint = (
+            f'; store.mode = "in-place" needs {in_place / 2**30:.2f} GiB (one generation rewritten each step; '
+            f"after a crash mid-step only an explicit checkpoint resumes)"
+            if mode != IN_PLACE and in_place <= free
+            else "; free some space or choose another nvme_path"
+        )
         raise OSError(
             f"offload.nvme_path = {str(path)!r}: the store needs {need / 2**30:.2f} GiB "
-            f"(two generations of fp32 master, exp_avg and exp_avg_sq) but only {free / 2**30:.2f} GiB are free there"
+            f"({GENERATIONS_ON_DISK[mode]} generation(s) of fp32 master, exp_avg and exp_avg_sq, store.mode = {mode!r}) "
+            f"but only {free / 2**30:.2f} GiB are free there{hint}"
         )
+
+
+def check_clean(generations: Generations) -> None:
+    """Refuse a dirty store (its committed generation mixes two steps), naming the way out:
+    its last checkpoint, or removing it."""
+    mark = generations.dirty()
+    if mark is None:
+        return
+    path, latest = generations.store.path, generations.latest_checkpoint()
+    way_out = (
+        f"resume from its last checkpoint, {latest!r}: Engine.resume(model, config, checkpoint={latest!r}) or "
+        f"`python -m engine train --from-checkpoint {latest}`"
+        if latest
+        else f"it holds no checkpoint to resume from, so remove {path} and start afresh (checkpoint.interval "
+        f"keeps checkpoints to fall back to)"
+    )
+    raise DirtyStoreError(
+        f"store {path} is dirty: its run (store.mode = \"in-place\") stopped while rewriting generation "
+        f"{mark['generation']}, committed at step {mark['step']}, so that generation mixes two steps and cannot be "
+        f"read; {way_out}"
+    )
 
 
 def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> None:
@@ -151,7 +207,9 @@ class StoreOptimizerState:
         barrier: Callable[[], None],
         resume: bool = False,
         checkpoint: str | None = None,
+        mode: str = GENERATIONS,
     ):
+        check_mode(mode)
         largest = max(layout.units, key=unit_state_bytes)
         if buffer_bytes < 2 * unit_state_bytes(largest):
             need_mb = -(-2 * unit_state_bytes(largest) // 2**20)
@@ -160,7 +218,7 @@ class StoreOptimizerState:
                 f"{unit_state_bytes(largest) / 2**20:.1f} MiB of host buffer to stage its optimizer state, "
                 f"twice that to read one unit while writing another; set offload.buffer_mb >= {need_mb}"
             )
-        self.layout, self.rank = layout, rank
+        self.layout, self.rank, self.mode = layout, rank, mode
         self._barrier = barrier
         self._leader = rank == 0
         self.runner = IORunner(threads=io_threads)
@@ -168,19 +226,23 @@ class StoreOptimizerState:
         self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, window_bytes=buffer_bytes // 2)
         self.last_stats = PipelineStats()
         self._held: dict[str, HostBuffer] = {}
+        self._copy_bytes = buffer_bytes // 2  # a checkpoint copy's buffer: room for it beside a stream's window
         if self._leader and not resume:
-            check_nvme_path(path, layout)
+            check_nvme_path(path, layout, mode)
             if (path / "zarr.json").exists():
                 raise FileExistsError(
                     f"offload.nvme_path = {str(path)!r} already holds a store: resume from it "
                     f"(Engine.resume, or `python -m engine train` with the same nvme_path), "
                     f"or remove it, or choose another nvme_path"
                 )
-            ShardStore.create(path, {"layout": layout.to_dict()}, runner=self.runner, checksum=checksum, direct_io=direct_io)
+            attrs = {"layout": layout.to_dict(), MODE_ATTR: mode}
+            ShardStore.create(path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io)
         barrier()
         self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
         self.generations = Generations(self.store)
-        self._committed = 0  # the live committed generation; the next step writes the one after it
+        self._committed = 0  # the live committed generation
+        self._target = 0  # the generation the next step writes: the one after it, or itself in place
+        self._marked = False  # this step has marked the store dirty
         self._read_prefix = generation_prefix(0)  # where the next step reads: it, or a checkpoint
         self._generation_zero_ready = False
         self._layout_adopted = True  # the store's attributes and committed arrays are this layout
@@ -190,8 +252,8 @@ class StoreOptimizerState:
         """The record to resume from (the committed one, or checkpoint ``checkpoint``'s) of an
         existing store of this model, as this world size resumes it; the next generation made
         ready to write, cut for this layout."""
-        record = self.generations.committed()
-        if record is None and checkpoint is None:
+        live = self.generations.committed()
+        if live is None and checkpoint is None:
             tags = list(self.generations.checkpoints())
             raise FileNotFoundError(
                 f"store {path} holds only checkpoints written from memory ({', '.join(tags)}): resume from "
@@ -202,19 +264,26 @@ class StoreOptimizerState:
             )
         stored = ModelLayout.from_dict(self.store.attrs["layout"])
         first_difference(stored, layout, path)
+        if checkpoint is None:
+            check_clean(self.generations)
+        elif self.generations.dirty():
+            logger.warning("store %s is dirty: the first step rewrites it from checkpoint %s", path, checkpoint)
         if self._leader:
+            self._record_mode(path)
             # A crash between a commit and the keeping of the generation it superseded leaves
             # that generation to keep: before any of it is dropped or recycled. A store of
             # checkpoints only has no live generation: whatever else is there is a leftover.
-            if record:
+            if live:
                 self.generations.keep_superseded()
             else:
                 self.generations.drop_uncommitted()
         self._barrier()
         # Without a live generation the run starts its own above the checkpoints' numbers.
-        self._committed = record["generation"] if record else self.generations.next_free() - 1
+        self._committed = live["generation"] if live else self.generations.next_free() - 1
         self._read_prefix = generation_prefix(self._committed)
-        if checkpoint is not None:
+        if checkpoint is None:
+            record = self.generations.own_record()  # the step's own, not the store's bookkeeping
+        else:
             self._read_prefix, record = self.generations.checkpoint(checkpoint)
             logger.info("resuming from checkpoint %s (step %s) of %s", checkpoint, record.get("step"), path)
         self._layout_adopted = stored == layout and self._in_layout(self._read_prefix)
@@ -225,11 +294,42 @@ class StoreOptimizerState:
                 stored.world_size,
                 layout.world_size,
             )
-        if self._leader:
-            self._drop_other_layouts(committed=self._committed)
-            self.generations.prepare(self._committed + 1, self._create_arrays)
+        if self.mode == IN_PLACE:
+            self._open_in_place(live)
+        else:
+            self._target = self._committed + 1
+            if self._leader:
+                self._drop_other_layouts(committed=self._committed)
+                self.generations.prepare(self._target, self._create_arrays)
         self._barrier()
         return record
+
+    def _record_mode(self, path: Path) -> None:
+        """Note this run's mode in the store's attributes, if it differs from the last run's:
+        either way round is safe (a dirty store is refused before, a pending keep is taken by
+        copy in ``_open_in_place``)."""
+        previous = self.store.attrs.get(MODE_ATTR, GENERATIONS)
+        if previous != self.mode:
+            logger.info("store %s was written with store.mode = %r; continuing with %r", path, previous, self.mode)
+            self.store.update_attrs({MODE_ATTR: self.mode})
+
+    def _open_in_place(self, live: dict | None) -> None:
+        """Make the next step's target ready in place: the committed generation if it is cut for
+        this layout, else (another world size, or no live generation) a fresh one, which the
+        commit then makes the only one. A keep still pending from the generations mode is
+        taken now, by copy, since no step will supersede the generation it names."""
+        request = live.get(KEEP) if live else None
+        if request:
+            if request["tag"] not in self.generations.checkpoints():  # else a crash came after the copy
+                self._keep_by_copy(request["tag"], self.generations.own_record(), request["retain"])
+            if self._leader:
+                self.generations.drop_keep_request()
+        in_place = live is not None and self._in_layout(generation_prefix(self._committed))
+        self._target = self._committed if in_place else self._committed + 1
+        if self._leader:
+            self.generations.drop_uncommitted()  # leftovers: a generations-mode target, a copy cut short
+            if not in_place:
+                self.generations.prepare(self._target, self._create_arrays)
 
     def _in_layout(self, prefix: str) -> bool:
         return all(
@@ -273,7 +373,7 @@ class StoreOptimizerState:
         read_shard(self.store, self._read_prefix, unit, self.rank, self._views(unit, buf))
 
     def _save(self, unit: UnitLayout, buf: HostBuffer, generation: int | None = None) -> None:
-        prefix = generation_prefix(self._committed + 1 if generation is None else generation)
+        prefix = generation_prefix(self._target if generation is None else generation)
         write_shard(self.store, prefix, unit, self.rank, self._views(unit, buf))
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
@@ -287,13 +387,24 @@ class StoreOptimizerState:
                 self.pipeline.release(buf)
 
     def stream(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
-        for unit, buf in self.pipeline.stream(
+        """The units' state in order; the first reads are issued now, not at the first ``next``."""
+        stream = self.pipeline.stream(
             units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"optimizer state of unit {u.name}"
-        ):
-            self._held[unit.name] = buf
-            yield unit, self._views(unit, buf)
+        )
+        return self._hand_over(stream)
+
+    def _hand_over(self, stream: Iterator[tuple[UnitLayout, HostBuffer]]) -> Iterator[tuple[UnitLayout, ShardState]]:
+        with stream:
+            for unit, buf in stream:
+                self._held[unit.name] = buf
+                yield unit, self._views(unit, buf)
 
     def done(self, unit: UnitLayout, state: ShardState) -> None:
+        if self._target == self._committed and not self._marked:
+            # The first write over the committed generation: from here until the commit a
+            # crash leaves it mixing two steps, which the durable mark lets every reader see.
+            self.generations.mark_dirty()
+            self._marked = True
         self.pipeline.write_back(
             unit, self._held.pop(unit.name), self._save, describe=lambda u: f"optimizer state of unit {u.name}"
         )
@@ -301,7 +412,7 @@ class StoreOptimizerState:
     def finish(self, record: dict) -> None:
         """Wait for the step's writes, make them durable on every rank, then commit."""
         self.last_stats = self.pipeline.drain()
-        self._commit(self._committed + 1, record)
+        self._commit(self._target, record)
 
     def _commit(self, generation: int, record: dict) -> None:
         self.store.sync()
@@ -310,25 +421,56 @@ class StoreOptimizerState:
             self.generations.commit(generation, record)
             if not self._layout_adopted:
                 self._adopt_layout(generation)
-            self.generations.prepare(generation + 1, self._create_arrays)
+            if self.mode == IN_PLACE:
+                if generation != self._committed:
+                    self.generations.drop_uncommitted()  # the generation a fresh target replaced
+            else:
+                self.generations.prepare(generation + 1, self._create_arrays)
         self._barrier()
         self._committed = generation
+        self._target = generation if self.mode == IN_PLACE else generation + 1
+        self._marked = False
         self._read_prefix = generation_prefix(generation)
         self._layout_adopted = True
 
     def save(self, tag: str, keep: int) -> None:
-        """Keep the committed step as checkpoint ``tag``, by rename once the next commit
-        supersedes it (the request is in ``COMMITTED``, so it survives a crash); then delete
-        the oldest checkpoints beyond ``keep`` (0 keeps all)."""
+        """Keep the committed step as checkpoint ``tag``: by rename once the next commit
+        supersedes it (the request is in ``COMMITTED``, so it survives a crash), or in place,
+        where nothing supersedes it, by a copy now; then delete the oldest checkpoints beyond
+        ``keep`` (0 keeps all)."""
         if self._read_prefix != generation_prefix(self._committed):
             raise ValueError(
                 f"cannot keep checkpoint {tag!r} yet: this run resumed from {self._read_prefix} and has not "
                 f"stepped since, so its state is that checkpoint, not the store's committed step; take a step first"
             )
+        if self.mode == IN_PLACE:
+            check_clean(self.generations)  # after a failed step: a copy would keep a mix of two steps
+            self.generations.check_free_tag(tag)  # on every rank, so that all of them raise or none
+            self._keep_by_copy(tag, self.generations.own_record(), keep)
+            return
         self.generations.check_new_tag(tag)  # on every rank, so that all of them raise or none
         self._barrier()
         if self._leader:
             self.generations.keep(tag, retain=keep)
+        self._barrier()
+
+    def _keep_by_copy(self, tag: str, record: dict, retain: int) -> None:
+        """Copy the committed generation to a fresh one, each rank its share of the chunks
+        through one pool buffer, then keep that as ``checkpoints/<tag>`` with ``record`` (it
+        appears whole or not at all) and apply ``retain``."""
+        generation = self.generations.next_free()  # on every rank before the leader creates it
+        source, copy = generation_prefix(self._committed), generation_prefix(generation)
+        self._barrier()
+        if self._leader:
+            self.generations.create_like(source, copy)
+        self._barrier()
+        with self.pool.acquire(self._copy_bytes) as buf:
+            part = (self.rank, self.layout.world_size)
+            self.generations.copy(source, copy, buf.view(torch.uint8, buf.nbytes), part=part)
+        self.store.sync()
+        self._barrier()
+        if self._leader:
+            self.generations.keep_generation(tag, {**record, "generation": generation}, retain=retain)
         self._barrier()
 
     def _adopt_layout(self, committed: int) -> None:
@@ -339,8 +481,8 @@ class StoreOptimizerState:
         self.store.sync()
 
     def nbytes(self) -> int:
-        """This rank's share of the store on disk (both generations)."""
-        return GENERATIONS_ON_DISK * sum(unit_state_bytes(u) for u in self.layout.units)
+        """This rank's share of the store's live generations on disk (checkpoints aside)."""
+        return GENERATIONS_ON_DISK[self.mode] * sum(unit_state_bytes(u) for u in self.layout.units)
 
     def close(self) -> None:
         self.runner.close()

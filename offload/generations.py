@@ -14,6 +14,16 @@ generation was committed with) into its own record, and the generation is then r
 ``checkpoints/<tag>`` instead of being recycled. Each of those moves is atomic and the
 request stays in ``COMMITTED`` until it is done, so a crash at any instant loses no
 checkpoint: whichever run commits or opens the store next completes it.
+
+A store short of disk may instead rewrite its one committed generation in place. A crash
+mid-step then leaves it mixing two steps, so before the first write over it a ``DIRTY``
+mark naming the commit it overwrites is made durable, and reading such a store is refused.
+Every commit carries a serial number one above the last: the mark applies only while
+``COMMITTED`` still holds the serial it names, so a new commit clears it atomically, with
+no window in which a finished step looks unfinished, and any writer may make the mark
+without waiting for the others. Nothing supersedes a generation rewritten in place, so its
+checkpoints are copies (``create_like`` and ``copy``), chunk by chunk through the store's
+own checked reads and writes, then kept as a written generation is.
 """
 
 from __future__ import annotations
@@ -21,7 +31,10 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
+
+import torch
 
 from offload.manifest import commit, read_committed
 from offload.store import ShardStore
@@ -37,6 +50,13 @@ KEEP = "keep"
 """Key of ``COMMITTED``: the committed generation is to be kept as ``{"tag", "retain"}``."""
 SUPERSEDED = "superseded"
 """Key of ``COMMITTED``: the previous generation, to be kept as ``{"tag", "retain", "record"}``."""
+SERIAL = "serial"
+"""Key of ``COMMITTED``: how many commits the store has had, this one included."""
+DIRTY = "DIRTY"
+"""The file marking the committed generation as being rewritten: ``{"generation", "step", "over"}``,
+``over`` the serial of the commit it overwrites."""
+_BOOKKEEPING = (KEEP, SUPERSEDED, SERIAL)
+_DIRECT_ALIGN = 4096  # each half of a copy buffer starts aligned, so both halves may use O_DIRECT
 
 
 class CheckpointExistsError(FileExistsError):
@@ -61,8 +81,9 @@ def check_tag(tag: str) -> None:
 
 
 def _own_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A committed record without the checkpoint requests it carries: what a checkpoint keeps."""
-    return {k: v for k, v in record.items() if k not in (KEEP, SUPERSEDED)}
+    """A committed record without the store's bookkeeping (checkpoint requests, serial): what a
+    checkpoint keeps."""
+    return {k: v for k, v in record.items() if k not in _BOOKKEEPING}
 
 
 class Generations:
@@ -98,16 +119,108 @@ class Generations:
             create(target)
 
     def commit(self, generation: int, record: dict[str, Any]) -> None:
-        """Name ``generation`` as the committed one, atomically (after ``store.sync()``); the
-        generation it supersedes, if asked to be kept, is then kept as its checkpoint."""
-        reserved = [k for k in (KEEP, SUPERSEDED) if k in record]
+        """Name ``generation`` as the committed one, atomically (after ``store.sync()``), with the
+        next serial, which voids any dirty mark; the generation it supersedes, if asked to be
+        kept, is then kept as its checkpoint."""
+        reserved = [k for k in _BOOKKEEPING if k in record]
         if reserved:
-            raise ValueError(f"the key {reserved[0]!r} of a committed record is reserved for checkpoints; rename it")
+            raise ValueError(f"the key {reserved[0]!r} of a committed record is reserved for the store's bookkeeping; rename it")
         previous = self.committed()
         request = previous.get(KEEP) if previous else None
         carried = {SUPERSEDED: {**request, "record": _own_record(previous)}} if request else {}
-        commit(self.store.path, {**record, **carried, "generation": generation})
+        serial = (previous.get(SERIAL, 0) if previous else 0) + 1
+        commit(self.store.path, {**record, **carried, "generation": generation, SERIAL: serial})
+        # The new serial already voids any dirty mark; removing the file only tidies up.
+        (self.store.path / DIRTY).unlink(missing_ok=True)
         self.keep_superseded()
+
+    def own_record(self) -> dict[str, Any]:
+        """The committed record as a checkpoint of it keeps it (without the store's bookkeeping)."""
+        record = self.committed()
+        if record is None:
+            raise ValueError(f"store {self.store.path} has no committed step; take a step first")
+        return _own_record(record)
+
+    # ------------------------------------------------------- rewriting in place
+
+    def mark_dirty(self) -> None:
+        """Record, durably, that the committed generation is about to be overwritten in place.
+        Idempotent, and every writer may call it without waiting for the others: each makes
+        the mark before its own first write, so no write precedes a mark."""
+        record = self.committed()
+        if record is None:
+            raise ValueError(f"store {self.store.path} has no committed generation to rewrite in place; commit one first")
+        mark = {"generation": record["generation"], "step": record.get("step"), "over": record.get(SERIAL, 0)}
+        commit(self.store.path, mark, name=DIRTY)
+
+    def dirty(self) -> dict[str, Any] | None:
+        """The dirty mark if it holds (the committed generation was being rewritten and no commit
+        has followed), else None: a mark a later commit voided is ignored."""
+        mark = read_committed(self.store.path, DIRTY)
+        record = self.committed()
+        if mark is None or record is None or mark.get("over") != record.get(SERIAL, 0):
+            return None
+        return mark
+
+    def drop_keep_request(self) -> None:
+        """Withdraw the committed generation's pending ``keep``: for a store that will rewrite
+        that generation in place, once the checkpoint is kept by copy instead."""
+        record = self.committed()
+        if record and KEEP in record:
+            commit(self.store.path, {k: v for k, v in record.items() if k != KEEP})
+
+    def create_like(self, source: str, target: str) -> None:
+        """Create under ``target`` an empty array like each array under ``source`` (same size,
+        chunks and dtype): the destination of ``copy``."""
+        for name in self._arrays(source):
+            info = self.store.array_info(name)
+            self.store.create_array(target + name[len(source) :], info.numel, info.chunk_elems, info.dtype)
+
+    def copy(self, source: str, target: str, buffer: torch.Tensor, part: tuple[int, int] = (0, 1)) -> None:
+        """Copy the chunks of every array under ``source`` into the array of the same name under
+        ``target`` (see ``create_like``), through ``buffer`` (uint8) only, whatever the sizes.
+
+        ``part = (index, parts)`` copies that share of each array's chunks, so that ``parts``
+        processes copy one generation together without two writing one chunk. Chunks go
+        through the store's checked reads and writes: damage in the source is reported now,
+        not when the copy is needed, and every chunk is written with its CRC-32C. The buffer is
+        used in two halves, the reads into one overlapping the writes from the other.
+        Durable at the store's next ``sync()``."""
+        index, parts = part
+        half = buffer.numel() // 2 // _DIRECT_ALIGN * _DIRECT_ALIGN
+        halves = (buffer[:half], buffer[half : 2 * half])
+        writes: list[Future | None] = [None, None]
+        turn = 0
+        try:
+            for name in self._arrays(source):
+                info = self.store.array_info(name)
+                per_batch = half // info.chunk_bytes
+                if per_batch == 0:
+                    need = 2 * -(-info.chunk_bytes // _DIRECT_ALIGN) * _DIRECT_ALIGN
+                    raise ValueError(
+                        f"a copy buffer of {buffer.numel()} bytes cannot hold two {info.chunk_bytes}-byte chunks of "
+                        f"array {name!r}; pass a buffer of at least {need} bytes"
+                    )
+                first, end = info.nchunks * index // parts, info.nchunks * (index + 1) // parts
+                for batch in range(first, end, per_batch):
+                    count = min(per_batch, end - batch)
+                    if writes[turn] is not None:
+                        writes[turn].result()  # this half is still being written from
+                    data = halves[turn][: count * info.chunk_bytes].view(info.dtype)
+                    self.store.read_into(name, batch * info.chunk_elems, data)
+                    writes[turn] = self.store.write_async(target + name[len(source) :], batch * info.chunk_elems, data)
+                    turn ^= 1
+        finally:
+            # The writes read from ``buffer``, which the caller reuses: none may outlive this call.
+            outstanding = [write for write in writes if write is not None]
+            for write in outstanding:
+                write.exception()
+        for write in outstanding:
+            write.result()
+
+    def _arrays(self, prefix: str) -> list[str]:
+        """Every array under the group ``prefix``."""
+        return [name for name in self.store.array_names() if name.startswith(prefix + "/")]
 
     # ------------------------------------------------------------- checkpoints
 
@@ -200,6 +313,11 @@ class Generations:
             self.store.delete(checkpoint_prefix(tag))
             logger.info("deleted checkpoint %s (step %s): checkpoint.keep = %d", tag, record.get("step"), retain)
         self.store.sync()
+
+    def latest_checkpoint(self) -> str | None:
+        """The tag of the checkpoint kept last (the one a run falls back to), or None."""
+        kept = self.checkpoints()
+        return max(kept, key=lambda tag: kept[tag]["generation"]) if kept else None
 
     def checkpoints(self) -> dict[str, dict[str, Any]]:
         """Every kept checkpoint, by tag, with the record its generation was committed with."""

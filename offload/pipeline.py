@@ -94,42 +94,24 @@ class Pipeline(Generic[T]):
         nbytes: Callable[[T], int],
         load: Callable[[T, HostBuffer], None],
         describe: Callable[[T], str] = str,
-    ) -> Iterator[tuple[T, HostBuffer]]:
+    ) -> Stream[T]:
         """Yield ``(item, buf)`` in order, each once ``load(item, buf)`` has finished.
 
-        Loads run on the runner ahead of the consumer while the bytes loaded or
-        loading but not yet yielded stay within the window (one item always may).
-        An item leaves the window as it is handed over, and the loads that
-        refill the window are issued then, so they run while the consumer computes.
-        The consumer owns each yielded buffer and hands it back with
-        :meth:`write_back` or :meth:`release` before the pool runs dry: the
-        iterator waits for pool room only when it has no load out, and that
-        room must come from somewhere. A failed load raises here, at its item.
-        Closing the iterator early (``break``, an exception, ``close()``)
-        cancels or waits for the loads still out and returns their buffers.
+        The first loads are issued at once, so a stream opened early (say, before a
+        backward pass) has its first items read while other work runs. Loads run on the
+        runner ahead of the consumer while the bytes loaded or loading but not yet yielded
+        stay within the window (one item always may). An item leaves the window as it is
+        handed over, and the loads that refill the window are issued then, so they run
+        while the consumer computes. The consumer owns each yielded buffer and hands it
+        back with :meth:`write_back` or :meth:`release` before the pool runs dry: the
+        iterator waits for pool room only when it has no load out, and that room must come
+        from somewhere. A failed load raises here, at its item. ``close()`` (also on
+        ``break`` or an exception in a ``with`` block) cancels or waits for the loads still
+        out and returns their buffers.
         """
         prefetch = _Prefetch(self, items, nbytes, load, describe)
-        try:
-            while True:
-                prefetch.fill(block=not prefetch.queue)
-                if not prefetch.queue:
-                    return
-                head = prefetch.queue[0]
-                start = time.perf_counter()
-                try:
-                    head.future.result()
-                finally:
-                    self._add_read_wait(time.perf_counter() - start)
-                prefetch.pop()
-                # The consumer owns head.buf from here on, so waiting for room could wait on it.
-                try:
-                    prefetch.fill(block=False)
-                except BaseException:
-                    self.pool.release(head.buf)
-                    raise
-                yield head.item, head.buf
-        finally:
-            prefetch.abandon()
+        prefetch.fill(block=False)
+        return Stream(self, prefetch)
 
     def write_back(
         self,
@@ -225,6 +207,54 @@ class Pipeline(Generic[T]):
     def _add_read_wait(self, seconds: float) -> None:
         with self._cond:
             self._stats.read_wait_s += seconds
+
+
+class Stream(Generic[T]):
+    """The consumer's side of :meth:`Pipeline.stream`: an iterator that must be closed
+    (exhausting it closes it) so that loads still out return their buffers."""
+
+    def __init__(self, pipeline: Pipeline[T], prefetch: _Prefetch[T]) -> None:
+        self._pipeline, self._prefetch = pipeline, prefetch
+
+    def __iter__(self) -> Stream[T]:
+        return self
+
+    def __next__(self) -> tuple[T, HostBuffer]:
+        prefetch, pipeline = self._prefetch, self._pipeline
+        try:
+            prefetch.fill(block=not prefetch.queue)
+            if not prefetch.queue:
+                raise StopIteration
+            head = prefetch.queue[0]
+            start = time.perf_counter()
+            try:
+                head.future.result()
+            finally:
+                pipeline._add_read_wait(time.perf_counter() - start)
+            prefetch.pop()
+            # The consumer owns head.buf from here on, so waiting for room could wait on it.
+            try:
+                prefetch.fill(block=False)
+            except BaseException:
+                pipeline.pool.release(head.buf)
+                raise
+        except BaseException:
+            self.close()
+            raise
+        return head.item, head.buf
+
+    def close(self) -> None:
+        self._prefetch.abandon()
+
+    def __del__(self) -> None:
+        # As a generator would be: a stream dropped unfinished gives its buffers back.
+        self.close()
+
+    def __enter__(self) -> Stream[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class _Prefetch(Generic[T]):

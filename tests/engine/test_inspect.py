@@ -1,5 +1,5 @@
-"""``inspect_store`` on a store the engine trained: what it reports, what ``verify`` catches,
-and how it fails on paths that are not healthy stores."""
+"""``inspect_store`` on a store the engine trained: what it reports (mode and dirt included),
+what ``verify`` catches, and how it fails on paths that are not healthy stores."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.inspect import format_report, inspect_store
+from engine.inspect import committed_record, format_report, inspect_store
 from engine.models.gpt import GPT, GPTConfig
 from engine.partition import ModelLayout
-from engine.store_state import KINDS
+from engine.store_state import KINDS, DirtyStoreError
+from offload.generations import Generations
+from offload.io import IORunner
 from offload.manifest import ManifestError
 from offload.store import ShardStore
 from tests.training import SEQ_LEN, batches, config
@@ -28,13 +30,19 @@ def wide_gpt() -> GPT:
     return GPT(GPTConfig(n_layer=1, d_model=256, n_head=4, seq_len=SEQ_LEN))
 
 
-def train_store(path: Path, model: torch.nn.Module, steps: int = STEPS) -> tuple[ModelLayout, dict[str, torch.Tensor]]:
-    """Train ``model`` into an nvme store at ``path``; return its layout and final parameters."""
-    eng = Engine(model, config(offload={"optimizer": "nvme", "nvme_path": str(path), "chunk_mb": 1}), total_steps=steps)
+def train_store(
+    path: Path, model: torch.nn.Module, steps: int = STEPS, mode: str = "generations", save_at: int = 0
+) -> tuple[ModelLayout, dict[str, torch.Tensor]]:
+    """Train ``model`` into an nvme store at ``path`` in ``mode`` (keeping step ``save_at`` as
+    ``step-<n>`` if it is not 0); return its layout and final parameters."""
+    offload = {"optimizer": "nvme", "nvme_path": str(path), "chunk_mb": 1}
+    eng = Engine(model, config(offload=offload, store={"mode": mode}), total_steps=steps)
     data = batches(4)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         eng.backward(eng(*data.next()))
         eng.step()
+        if step == save_at:
+            eng.save(f"step-{step}")
     params = {name: p.detach().clone() for name, p in eng.module.named_parameters()}
     eng.close()
     return eng.layout, params
@@ -58,6 +66,7 @@ def test_report_describes_the_trained_store(trained) -> None:
     report = inspect_store(path)
     assert report["committed"]["generation"] == STEPS and report["committed"]["step"] == STEPS
     assert report["world_size"] == 1
+    assert report["mode"] == "generations" and report["dirty"] is None
     assert report["num_units"] == 2 and report["num_params"] == len(list(wide_gpt().parameters()))
     assert [(u["name"], u["numel"], u["shard_numel"], u["chunk_numel"]) for u in report["units"]] == [
         (u.name, u.numel, u.shard_numel, u.chunk_numel) for u in layout.units
@@ -72,8 +81,31 @@ def test_report_describes_the_trained_store(trained) -> None:
     assert report["verify"] is None
     text = format_report(report)
     assert f"step {STEPS}, generation {STEPS}" in text
+    assert "\nmode:        generations\n" in text
     assert all(u.name in text for u in layout.units)
     assert "checksum" not in text
+
+
+def test_an_in_place_store_reports_its_mode_and_whether_it_is_dirty(tmp_path) -> None:
+    path = tmp_path / "store"
+    layout, _ = train_store(path, wide_gpt(), mode="in-place", save_at=2)
+    report = inspect_store(path)
+    assert report["mode"] == "in-place" and report["dirty"] is None
+    assert report["generations"] == [0] and report["checkpoints"] == ["step-2"]
+    assert "store_mode" not in report["attributes"]
+    one_kind = 4 * sum(u.padded_numel for u in layout.units)
+    # One live generation and one checkpoint, each of three kinds, plus CRCs and metadata.
+    assert 2 * len(KINDS) * one_kind < report["disk_bytes"] < 2 * len(KINDS) * one_kind + 2**17
+    assert "mode:        in-place, clean" in format_report(report)
+    with IORunner(threads=1) as runner:
+        store = ShardStore.open(path, runner=runner)
+        Generations(store).mark_dirty()  # what a run killed while rewriting the generation leaves
+        report = inspect_store(path, verify=True)
+        assert "is dirty" in report["dirty"] and "checkpoint='step-2'" in report["dirty"]
+        assert report["verify"]["failures"] == [], "every chunk is whole: only their mix of steps is wrong"
+        assert "mode:        in-place, DIRTY: store" in format_report(report)
+        with pytest.raises(DirtyStoreError, match="--from-checkpoint step-2"):
+            committed_record(store)  # what consolidate reads: a mix of two steps is no model
 
 
 def test_checkpoints_are_listed(store_copy) -> None:

@@ -1,12 +1,14 @@
-"""Generations: the next write target is recycled by rename, never the committed one."""
+"""Generations: the next write target is recycled by rename, never the committed one; a
+generation rewritten in place is marked dirty until the next commit, and copied chunk by chunk."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from offload.generations import Generations
+from offload.generations import DIRTY, KEEP, Generations
 from offload.io import IORunner
-from offload.store import ShardStore
+from offload.store import ChecksumError, ShardStore
 
 
 def make(tmp_path):
@@ -39,7 +41,7 @@ def test_prepare_creates_then_recycles_the_superseded_generation(tmp_path) -> No
     gens.prepare(2, create)  # gen-0 is superseded: renamed, not created
     assert created == ["gen-0", "gen-1"]
     assert gens.on_disk() == [1, 2]
-    assert gens.committed() == {"generation": 1, "step": 1}
+    assert gens.committed() == {"generation": 1, "step": 1, "serial": 2}
     out = torch.empty(4096)
     store.read_into("gen-1/u/master", 0, out)
     assert torch.equal(out, torch.full((4096,), 2.0)), "the committed generation is never touched"
@@ -58,4 +60,90 @@ def test_uncommitted_leftover_is_recycled_after_a_crash(tmp_path) -> None:
     # a crash mid-step left gen-1 half written and uncommitted; the next run targets gen-1 again
     gens.prepare(1, lambda p: (_ for _ in ()).throw(AssertionError("must not create")))
     assert gens.on_disk() == [0, 1]
+    runner.close()
+
+
+def committed_generation(tmp_path):
+    """A store whose generation 0 (two arrays of different chunk sizes, random data) is committed."""
+    store, gens, _, runner = make(tmp_path)
+    store.create_array("gen-0/u/master", 8 * 1024, 1024, torch.float32)
+    store.create_array("gen-0/v/exp_avg", 3 * 2048, 2048, torch.float32)
+    data = {"u/master": torch.randn(8 * 1024), "v/exp_avg": torch.randn(3 * 2048)}
+    for name, values in data.items():
+        store.write_from(f"gen-0/{name}", 0, values)
+    store.sync()
+    gens.commit(0, {"step": 0})
+    return store, gens, data, runner
+
+
+def test_a_dirty_mark_holds_until_the_next_commit_voids_it(tmp_path) -> None:
+    store, gens, _, runner = committed_generation(tmp_path)
+    assert gens.committed()["serial"] == 1 and gens.dirty() is None
+    gens.mark_dirty()
+    gens.mark_dirty()  # every writer marks before its own first write: idempotent
+    assert gens.dirty() == {"generation": 0, "step": 0, "over": 1}
+    mark = (store.path / DIRTY).read_bytes()
+    gens.commit(0, {"step": 1})
+    assert gens.dirty() is None and not (store.path / DIRTY).exists()
+    # A crash between the commit and the removal of the mark: the new serial already voids it.
+    (store.path / DIRTY).write_bytes(mark)
+    assert gens.dirty() is None
+    with pytest.raises(ValueError, match="'serial' of a committed record is reserved"):
+        gens.commit(0, {"step": 2, "serial": 9})
+    runner.close()
+
+
+def test_copy_moves_every_chunk_through_a_small_buffer_with_its_checksum(tmp_path, monkeypatch) -> None:
+    store, gens, data, runner = committed_generation(tmp_path)
+    read_bytes: list[int] = []
+    read_into = ShardStore.read_into
+
+    def recording(self, name, start, out):
+        read_bytes.append(out.numel() * out.element_size())
+        return read_into(self, name, start, out)
+
+    monkeypatch.setattr(ShardStore, "read_into", recording)
+    gens.create_like("gen-0", "gen-7")
+    buffer = torch.empty(4 * 8192, dtype=torch.uint8)  # two halves of two 4 KiB or one 8 KiB chunk
+    for part in range(3):  # three processes sharing the copy, each its own chunks
+        gens.copy("gen-0", "gen-7", buffer, part=(part, 3))
+    store.sync()
+    assert max(read_bytes) <= buffer.numel() // 2
+    for name, values in data.items():
+        out = torch.empty_like(values)
+        store.read_into(f"gen-7/{name}", 0, out)
+        assert torch.equal(out, values)
+        chunks = sorted((store.path / "gen-0" / name / "c").iterdir())
+        assert [c.read_bytes() for c in chunks] == [(store.path / "gen-7" / name / "c" / c.name).read_bytes() for c in chunks]
+    with pytest.raises(ValueError, match="cannot hold two 8192-byte chunks of array 'gen-0/v/exp_avg'"):
+        gens.copy("gen-0", "gen-7", torch.empty(8192, dtype=torch.uint8))
+    runner.close()
+
+
+def test_copy_reports_a_damaged_source_chunk(tmp_path) -> None:
+    store, gens, _, runner = committed_generation(tmp_path)
+    chunk = store.path / "gen-0" / "u" / "master" / "c" / "3"
+    damaged = bytearray(chunk.read_bytes())
+    damaged[5] ^= 0x01
+    chunk.write_bytes(bytes(damaged))
+    gens.create_like("gen-0", "gen-1")
+    with pytest.raises(ChecksumError, match="'gen-0/u/master' chunk 3"):
+        gens.copy("gen-0", "gen-1", torch.empty(4 * 8192, dtype=torch.uint8))
+    runner.close()
+
+
+def test_a_pending_keep_is_withdrawn_and_the_latest_checkpoint_found(tmp_path) -> None:
+    store, gens, _, runner = committed_generation(tmp_path)
+    assert gens.latest_checkpoint() is None
+    gens.keep("first", retain=0)
+    gens.drop_keep_request()
+    assert KEEP not in gens.committed() and gens.committed()["serial"] == 1
+    for tag in ("b-older", "a-newer"):
+        generation = gens.next_free()
+        gens.create_like("gen-0", f"gen-{generation}")
+        gens.copy("gen-0", f"gen-{generation}", torch.empty(4 * 8192, dtype=torch.uint8))
+        store.sync()
+        gens.keep_generation(tag, {**gens.own_record(), "generation": generation}, retain=0)
+    assert gens.latest_checkpoint() == "a-newer", "by the order they were kept, not by name"
+    assert "serial" not in gens.checkpoints()["a-newer"]
     runner.close()
