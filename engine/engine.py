@@ -16,6 +16,8 @@ compute-dtype shards back to the parameters.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,27 +29,31 @@ from engine.checkpoint import MemoryCheckpoints
 from engine.comm import Comm
 from engine.config import Config
 from engine.device import Device
-from engine.grads import GradientShards
+from engine.budget import MIB, DeviceBudget
+from engine.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
 from engine.optim import ShardAdamW, clip_grad_norm_, lr_factor
+from engine.param_tiers import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
 from engine.params import ReplicatedParams, ShardedParams
 from engine.partition import (
     ROOT_UNIT,
     ModelLayout,
+    UnitLayout,
     build_layout,
     find_units,
     flatten_into,
+    materialize_,
     param_views,
+    unit_needs,
     unit_parameters,
 )
 from engine.precision import LossScaler, compute_dtype
 from engine.recompute import checkpoint_forward
-from engine.state import MemoryOptimizerState, OptimizerState
+from engine.state import MemoryOptimizerState, OptimizerState, ShardState
+from engine.stats import StepStats
 from engine.store_state import StoreOptimizerState
+from engine.update import Update
 
 logger = logging.getLogger(__name__)
-
-BYTES_PER_MIB = 1 << 20
-
 
 class Engine:
     """ZeRO stage 1, 2 or 3 training of ``model`` with its optimizer state on the configured tier."""
@@ -60,20 +66,17 @@ class Engine:
         total_steps: int | None = None,
         resume: bool = False,
         checkpoint: str | None = None,
+        init_unit: Callable[[dict[str, torch.Tensor]], None] | None = None,
     ):
         config.validate()
         resume = resume or checkpoint is not None  # a checkpoint is only ever resumed from
-        if config.offload.param != "device":
-            raise NotImplementedError(
-                f"offload.param = {config.offload.param!r}: parameter shards live on the device for now; "
-                f'set offload.param = "device" (stage 3 still shards them across ranks)'
-            )
         self.config = config
         self.device = Device.detect()
         self.comm = Comm.from_env(self.device.backend, self.device.device)
         self.dtype = compute_dtype(config.precision.compute_dtype)
         self.total_steps = total_steps or config.train.steps
         self.module = model
+        self.budget = DeviceBudget(int(config.zero.device_memory_limit_mb * MIB))
 
         units = find_units(model, config.zero.unit_classes)
         if config.zero.activation_checkpointing:
@@ -81,7 +84,7 @@ class Engine:
                 if name != ROOT_UNIT:
                     checkpoint_forward(module)
         owned = unit_parameters(model, units)
-        max_chunk = config.offload.chunk_mb * BYTES_PER_MIB // 4
+        max_chunk = config.offload.chunk_mb * MIB // 4
         self.layout: ModelLayout = build_layout(owned, self.comm.world_size, max_chunk)
         owned = {u.name: owned[u.name] for u in self.layout.units}
 
@@ -93,27 +96,37 @@ class Engine:
                 f"resumes only from a checkpoint saved in offload.nvme_path (checkpoint=tag); or train with "
                 f"offload.optimizer = \"nvme\" to resume from its store's last step"
             )
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and init_unit is None:
+            raise ValueError(
+                "the model's parameters are on the meta device: pass init_unit=, a function that "
+                "initialises named parameters in place, so the engine can build the model unit by unit"
+            )
         self._checkpoints: MemoryCheckpoints | None = None
         """Where a memory tier's checkpoints are written, opened by the first that needs it."""
-        model.to(self.device.device)
+        if not on_meta:
+            model.to(self.device.device)
         self.optimizer_state = self._optimizer_state(opt_device, resume, checkpoint)
-        flats: dict[str, torch.Tensor] = {}
+        if tier == "device":
+            self.budget.charge(self.optimizer_state.nbytes(), "the optimizer state (offload.optimizer = \"device\")")
+        self.params = self._params()
+        modules = dict(units)
         for unit in self.layout.units:
+            if on_meta:
+                materialize_(owned[unit.name], self.device.device)
+                init_unit(dict(owned[unit.name]))
             full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device.device)
             flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
             if not resume:
                 self.optimizer_state.add_unit(unit, full[unit.shard_slice(self.comm.rank)])
             flat = full.to(self.dtype) if self.dtype != torch.float32 else full
+            del full
             views = param_views(flat, unit)
             for name, param in owned[unit.name]:
                 param.data = views[name]
-            flats[unit.name] = flat
-        self.params: ReplicatedParams | ShardedParams = (
-            ShardedParams(flats, dict(units), self.layout, self.comm)
-            if config.zero.stage == 3
-            else ReplicatedParams(flats, self.layout, self.comm)
-        )
-        del flats
+            self.params.add(unit, flat)
+            del flat, views
+        self.params.finish_update()  # the initial shards are stored before anything fetches them
 
         self.grads = GradientShards(
             self.layout,
@@ -122,32 +135,91 @@ class Engine:
             self.device.device,
             opt_device,
             reduce_per_micro_batch=config.zero.stage >= 2,
+            budget=self.budget,
+            shards_on_device=tier == "device",
             pin_memory=self.device.pin_memory and opt_device.type == "cpu",
             after_reduce=self.params.release_after_backward,
         )
+        if isinstance(self.params, ShardedParams):
+            self.params.hook(modules, unit_needs(model, units, owned))
+            self.params.check_fits({u.name: bucket_bytes(u) for u in self.layout.units}, MAX_IN_FLIGHT)
         self.adam = ShardAdamW(config.optim)
         self._step_counters = {u.name: self.adam.new_step_counter(opt_device) for u in self.layout.units}
         self.scaler = LossScaler(config.precision)
         self.global_step = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.last_step_stats = StepStats()
+        """What the last optimizer step cost (see ``engine.stats``)."""
         self.client_state: dict[str, Any] = {}
         """Saved with every committed step and restored on resume (e.g. the data position)."""
         self._micro_batches = 0
+        self._update: Update | None = None
+        self._step_started: float | None = None
+        self._overlap = (
+            config.optim.overlap
+            and config.optim.grad_clip == 0
+            and config.zero.stage >= 2
+            and config.precision.loss_scaling == "none"
+        )
+        """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
         if resume:
             self._restore(self.optimizer_state.resumed_from)
         else:
             self.optimizer_state.seal()
         logger.info(
-            "engine: stage %d, %d units, %.1fM params, compute %s, optimizer on %s, rank %d of %d",
+            "engine: stage %d, %d units, %.1fM params, compute %s, optimizer on %s, parameters on %s, rank %d of %d",
             config.zero.stage,
             len(self.layout.units),
             self.layout.numel / 1e6,
             config.precision.compute_dtype,
             config.offload.optimizer,
+            config.offload.param,
             self.comm.rank,
             self.comm.world_size,
         )
+
+    def _params(self) -> ReplicatedParams | ShardedParams:
+        """The compute-dtype parameters, sharded on their tier at stage 3."""
+        zero, offload = self.config.zero, self.config.offload
+        if zero.stage < 3:
+            return ReplicatedParams(self.layout, self.comm, self.budget)
+        tier: ParamTier
+        if offload.param == "nvme":
+            tier = StoreParamTier(
+                Path(offload.nvme_path) / PARAM_STORE,
+                self.layout,
+                self.comm.rank,
+                self.dtype,
+                buffer_bytes=int(zero.prefetch_mb * MIB) // max(self.comm.world_size, 1),
+                io_threads=offload.io_threads,
+                checksum=offload.checksum,
+                direct_io=offload.direct_io,
+                barrier=self.comm.barrier,
+            )
+        else:
+            tier = MemoryParamTier(
+                offload.param == "device", self.device.device, self.dtype, self.budget, pin=self.device.pin_memory
+            )
+        return ShardedParams(
+            self.layout,
+            self.comm,
+            tier,
+            self.budget,
+            prefetch_bytes=int(zero.prefetch_mb * MIB),
+            persistence_threshold=zero.persistence_threshold,
+            reserve_bytes=self._required_headroom(),
+        )
+
+    def _required_headroom(self) -> int:
+        """Device bytes that gathering ahead must leave free at stage 3: what a step may still
+        have to allocate before anything optional is released (a unit gathered on demand, the
+        root's gradient bucket, which lives through all of backward, and the buckets in flight)."""
+        units = self.layout.units
+        largest_unit = max(u.padded_numel for u in units) * self.dtype.itemsize
+        largest_bucket = max(bucket_bytes(u) for u in units)
+        root_bucket = sum(bucket_bytes(u) for u in units if u.name == ROOT_UNIT)
+        return largest_unit + root_bucket + MAX_IN_FLIGHT * largest_bucket
 
     @classmethod
     def resume(
@@ -162,8 +234,7 @@ class Engine:
     def _restore(self, record: dict[str, Any]) -> None:
         """Parameters from the committed masters, and the counters the record holds."""
         for unit, master in self.optimizer_state.read_masters():
-            self.params.shard(unit).copy_(master)
-            self.params.updated(unit)
+            self.params.update(unit, master)
         self.params.finish_update()
         self.global_step = record["step"]
         self.skipped_steps = record.get("skipped_steps", 0)
@@ -203,13 +274,14 @@ class Engine:
             Path(offload.nvme_path),
             self.layout,
             self.comm.rank,
-            buffer_bytes=offload.buffer_mb * BYTES_PER_MIB,
+            buffer_bytes=offload.buffer_mb * MIB,
             io_threads=offload.io_threads,
             checksum=offload.checksum,
             direct_io=offload.direct_io,
             barrier=self.comm.barrier,
             resume=resume,
             checkpoint=checkpoint,
+            mode=self.config.store.mode,
         )
 
     def _memory_checkpoints(self, create: bool) -> MemoryCheckpoints:
@@ -231,16 +303,38 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward, with tensor arguments moved to the compute device."""
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+            self.budget.start_step()
+        self.params.begin_iteration()
         move = lambda v: v.to(self.device.device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
         return self.module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss (scaled for fp16, divided over accumulation)."""
+        """Backward of one micro-batch's loss (scaled for fp16, divided over accumulation).
+
+        On the last micro-batch of a step the optimizer state starts streaming in now, and
+        without clipping or loss scaling each unit is updated as soon as its gradient is
+        reduced (``engine.update``)."""
         accum = self.config.zero.grad_accum_steps
+        last = self._micro_batches + 1 >= accum
+        if last:
+            lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
+            self._update = Update(self._update_order(), self.optimizer_state, lambda u, s: self._apply(u, s, lr))
+            self.grads.on_ready = self._update.ready if self._overlap else None
+        self.grads.start_backward(last)
         scaled = self.scaler.scale_loss(loss)
         (scaled / accum if accum > 1 else scaled).backward()
         self.grads.end_backward()
+        self.grads.on_ready = None
         self._micro_batches += 1
+
+    def _update_order(self) -> list[UnitLayout]:
+        """The units in the order their gradients completed last step (layout order before that)."""
+        recorded = self.grads.order.recorded
+        if sorted(recorded) != sorted(u.name for u in self.layout.units):
+            return list(self.layout.units)
+        return [self.layout.unit(name) for name in recorded]
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -254,30 +348,52 @@ class Engine:
         """
         if not self.is_accumulation_boundary:
             return False
+        update, self._update = self._update, None
+        assert update is not None, "backward() of the step's last micro-batch opens its update"
         grads = self.grads.finalize()
         overflow = self.scaler.unscale_and_check(grads, self.comm)
         self.scaler.update(overflow)
         if overflow:
+            update.abandon()
             self.skipped_steps += 1
             logger.warning("step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale)
         else:
             if self.config.optim.grad_clip > 0:
                 self.last_grad_norm = clip_grad_norm_(grads, self.config.optim.grad_clip, self.comm)
-            self._update(self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps))
+            update.finish()
+            self.params.finish_update()
+            start = time.perf_counter()
+            self.optimizer_state.finish(self._commit_record(self.global_step + 1))
+            update.wait_s += time.perf_counter() - start
         self.global_step += 1
         self.zero_grad()
+        self._record_stats(update)
         return not overflow
 
-    def _update(self, lr: float) -> None:
-        """AdamW on every unit's shard, then hand the new compute-dtype shards to the parameters."""
-        for unit, state in self.optimizer_state.stream(self.layout.units):
-            grad = self.grads.shards[unit.name]
-            self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._step_counters[unit.name], lr)
-            self.params.shard(unit).copy_(state.master)
-            self.optimizer_state.done(unit, state)
-            self.params.updated(unit)
-        self.params.finish_update()
-        self.optimizer_state.finish(self._commit_record(self.global_step + 1))
+    def _apply(self, unit: UnitLayout, state: ShardState, lr: float) -> None:
+        """AdamW on one unit's shard, then hand the new master to the parameters."""
+        grad = self.grads.shards[unit.name]
+        self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._step_counters[unit.name], lr)
+        self.params.update(unit, state.master)
+        self.grads.release_shard(unit.name)
+
+    def _record_stats(self, update: Update) -> None:
+        now = time.perf_counter()
+        io = self.optimizer_state.last_stats if isinstance(self.optimizer_state, StoreOptimizerState) else None
+        param_reads, param_writes = self.params.io_bytes()
+        hits, misses = self.params.prefetch_counts()
+        self.last_step_stats = StepStats(
+            seconds=now - (self._step_started or now),
+            param_wait_s=self.params.take_wait_s(),
+            optimizer_wait_s=update.wait_s,
+            optimizer_s=update.compute_s,
+            bytes_read=(io.bytes_read if io else 0) + param_reads,
+            bytes_written=(io.bytes_written if io else 0) + param_writes,
+            prefetch_hits=hits,
+            prefetch_misses=misses,
+            device_high_water=self.budget.high_water,
+        )
+        self._step_started = None
 
     def gathered(self):
         """A context in which every parameter holds its full values, also at stage 3 (to read,
@@ -305,9 +421,11 @@ class Engine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes the engine holds on each tier for model and optimizer state."""
-        tiers = {"device": self.params.nbytes(), "cpu": 0, "nvme": 0}
-        tiers[self.config.offload.optimizer] += self.optimizer_state.nbytes()
-        tiers["device" if self.config.offload.optimizer == "device" else "cpu"] += self.grads.nbytes()
+        tiers = {"device": self.budget.used, "cpu": self.params.host_bytes(), "nvme": 0}
+        optimizer = self.config.offload.optimizer
+        if optimizer != "device":
+            tiers[optimizer] += self.optimizer_state.nbytes()
+            tiers["cpu"] += self.grads.nbytes()
         return tiers
 
     def close(self) -> None:

@@ -46,6 +46,9 @@ def main(n_layer: int, tier: str, budget_mb: int, store: str) -> dict:
         "added_peak": high_water_bytes() - before,
         "held_device": held["device"],
         "held_cpu": held["cpu"],
+        # With clipping every fp32 gradient shard exists at once before the update, which
+        # frees each as it goes, so the report after the step no longer shows them.
+        "held_grads": 4 * sum(u.shard_numel for u in eng.layout.units),
         "pool_peak": getattr(eng.optimizer_state, "pool", None) and eng.optimizer_state.pool.peak_bytes,
     }
 

@@ -2,7 +2,7 @@
 
 Each measurement runs in a fresh process (``tests.engine.rss_probe``). On a CPU-only
 machine the "device" is host memory too, so the engine's own report of what it keeps
-resident (compute-dtype parameters, fp32 gradient shards) is subtracted: what remains
+resident (compute-dtype parameters, fp32 gradient shards at their peak) is subtracted: what remains
 is the staging of optimizer state, which must stay within the budget plus a constant.
 """
 
@@ -30,7 +30,7 @@ def probe(n_layer: int, tier: str, folder) -> dict:
         check=True,
     )
     result = json.loads(out.stdout)
-    result["excess"] = result["added_peak"] - result["held_device"] - result["held_cpu"]
+    result["excess"] = result["added_peak"] - result["held_device"] - result["held_cpu"] - result["held_grads"]
     return result
 
 
