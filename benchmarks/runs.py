@@ -1,0 +1,184 @@
+"""Train the built-in model for a few steps and keep what each step cost, in this process or a fresh one.
+
+Both benchmarks that time whole steps (`benchmarks.step`, `benchmarks.scale`) run the
+model and data of `python -m engine train` under a given config, skip a few warm-up
+steps (first-touch allocations, the store's first generations) and keep the engine's
+own per-step statistics (`Engine.last_step_stats`) of the rest.
+
+Memory has to be measured in a fresh process: the kernel's high-water mark never
+goes down, so a process that already ran a larger model would report that one.
+`run_isolated` therefore runs `python -m benchmarks.runs` with the config on stdin
+and reads the result back from the last line of its stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from benchmarks.optimizer import threads_restored
+from engine.config import Config
+from engine.data import TokenBatches, load_tokens
+from engine.engine import Engine
+from engine.models.gpt import GPT
+from engine.partition import ModelLayout, build_layout, find_units, unit_parameters
+from engine.train import build_model, peak_rss_bytes
+
+MIB = 1 << 20
+DEFAULT_THREADS = os.cpu_count() or 1
+"""What `python -m engine train` gives one rank: every core."""
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""Put on the child's path: `benchmarks` is not an installed package, only a folder of the repo."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a run steps: ``warmup`` untimed steps, then ``steps`` timed ones, on ``threads`` torch threads."""
+
+    warmup: int
+    steps: int
+    threads: int = DEFAULT_THREADS
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser, full: Schedule, quick: Schedule) -> None:
+    """``--steps``, ``--warmup`` and ``--threads``, whose defaults depend on ``--quick``."""
+    parser.add_argument(
+        "--steps", type=int, help=f"timed steps per run, median (default {full.steps}, --quick {quick.steps})"
+    )
+    parser.add_argument(
+        "--warmup", type=int, help=f"untimed steps first (default {full.warmup}, --quick {quick.warmup})"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help=f"torch threads (default {DEFAULT_THREADS}: every core, as `python -m engine train` gives one rank)",
+    )
+
+
+def schedule_from(args: argparse.Namespace, full: Schedule, quick: Schedule) -> Schedule:
+    """The schedule the parsed arguments ask for."""
+    default = quick if args.quick else full
+    return Schedule(
+        warmup=default.warmup if args.warmup is None else args.warmup,
+        steps=args.steps or default.steps,
+        threads=args.threads,
+    )
+
+
+@dataclass
+class RunResult:
+    """What a run of a few steps cost; plain data, so it crosses a process boundary as JSON."""
+
+    params: int
+    steps: list[dict[str, float]]
+    """`StepStats.to_dict()` of every timed step (warm-up steps excluded)."""
+    rss_before_bytes: int
+    """Resident memory once the model and the data are built, before the engine exists."""
+    peak_rss_bytes: int
+    """The process's resident high-water mark over everything it did (the kernel's, not sampled)."""
+    store_bytes: int
+    """Disk allocated under `offload.nvme_path` after the last step (0 when nothing is stored)."""
+
+    def median(self, key: str) -> float:
+        """Median over the timed steps of one `StepStats` field."""
+        return statistics.median(float(step[key]) for step in self.steps)
+
+
+def model_and_data(config: Config) -> tuple[GPT, TokenBatches]:
+    """The model and the batches `python -m engine train` builds from ``config``, on one rank."""
+    tokens, vocab_size = load_tokens(
+        config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size
+    )
+    batches = TokenBatches(
+        tokens, seq_len=config.data.seq_len, micro_batch=config.data.micro_batch, seed=config.data.seed
+    )
+    return build_model(config, vocab_size), batches
+
+
+def model_layout(config: Config) -> ModelLayout:
+    """The units, shards and chunks the engine lays ``config``'s model out in, on one rank,
+    without building an engine (so without touching a store)."""
+    model, _ = model_and_data(config)
+    owned = unit_parameters(model, find_units(model, config.zero.unit_classes))
+    return build_layout(owned, world_size=1, max_chunk_numel=config.offload.chunk_mb * MIB // 4)
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes allocated on disk by the files under ``path`` (what `du` counts), 0 if it does not exist."""
+    return sum(entry.stat().st_blocks * 512 for entry in path.rglob("*") if entry.is_file())
+
+
+def run_engine(config: Config, schedule: Schedule) -> RunResult:
+    """Train ``schedule.warmup + schedule.steps`` optimizer steps in this process; keep the
+    statistics of the timed ones."""
+    model, batches = model_and_data(config)
+    rss_before = psutil.Process().memory_info().rss
+    timed = []
+    total = schedule.warmup + schedule.steps
+    with threads_restored():
+        torch.set_num_threads(schedule.threads)
+        engine = Engine(model, config, total_steps=total)
+        try:
+            for step in range(total):
+                for _ in range(config.zero.grad_accum_steps):
+                    engine.backward(engine(*batches.next()))
+                    engine.step()
+                if step >= schedule.warmup:
+                    timed.append(engine.last_step_stats.to_dict())
+        finally:
+            engine.close()
+    return RunResult(
+        params=sum(p.numel() for p in model.parameters()),
+        steps=timed,
+        rss_before_bytes=rss_before,
+        peak_rss_bytes=peak_rss_bytes(),
+        store_bytes=disk_usage(Path(config.offload.nvme_path)),
+    )
+
+
+def run_isolated(config: Config, schedule: Schedule) -> RunResult:
+    """`run_engine` in a fresh Python process, so that its peak memory is its own."""
+    spec = {"config": config.to_dict(), "schedule": asdict(schedule)}
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    }
+    child = subprocess.run(
+        [sys.executable, "-m", "benchmarks.runs"],
+        input=json.dumps(spec),
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if child.returncode:
+        model = (
+            f"{config.model.params / 1e6:g}M params"
+            if config.model.params
+            else f"preset {config.model.preset!r}"
+        )
+        raise RuntimeError(
+            f"the benchmark's child process (GPT of {model}) exited with code {child.returncode}; "
+            f"its output is above"
+        )
+    return RunResult(**json.loads(child.stdout.splitlines()[-1]))
+
+
+def main() -> None:
+    """The child side of `run_isolated`: a spec as JSON on stdin, the `RunResult` as one JSON line on stdout."""
+    spec = json.load(sys.stdin)
+    result = run_engine(Config.from_dict(spec["config"]), Schedule(**spec["schedule"]))
+    print(json.dumps(asdict(result)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The bytes one training step moves through the nvme store, moved with no compute at all.
+
+A step of a tier plan moves, per unit and on one rank:
+
+- optimizer state on ``nvme``: the fp32 master, exp_avg and exp_avg_sq shards, read from
+  the committed generation and written to the next one (or back to the same one, with
+  ``store.mode = "in-place"``);
+- parameter shards on ``nvme`` (stage 3): the compute-dtype shard, read before the unit's
+  forward and again before its backward, and the updated shard written once. They are
+  derived from the masters, so the engine keeps one copy, rewritten in place each step,
+  outside the generations.
+
+Tiers held in memory move nothing through the store (on a CPU-only build the ``cpu``
+tier is the device's own memory). The bytes go through the same offload parts as the
+engine's nvme tier, with the engine's settings: a `ShardStore` on an `IORunner` of
+``offload.io_threads`` threads, a `BufferPool` of ``offload.buffer_mb`` and a `Pipeline`
+whose window is half of it; in a step's order (forward reads, backward reads, then each
+unit's optimizer read and write-back), ending, as a committed step does, with a sync
+that makes every write durable. Its time is what the step's I/O costs alone:
+``max(compute, movement)`` is the step that overlapping them perfectly would give.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import torch
+
+from benchmarks.plans import TierPlan
+from engine.config import Config, OffloadConfig
+from engine.partition import ModelLayout, UnitLayout
+from engine.precision import compute_dtype
+from engine.store_state import KINDS as STATE_KINDS
+from engine.store_state import array_name
+from offload.buffers import BufferPool, HostBuffer
+from offload.generations import generation_prefix
+from offload.io import IORunner
+from offload.pipeline import Pipeline
+from offload.store import ShardStore
+
+MIB = 1 << 20
+PARAM_KIND = "param"
+PARAM_PREFIX = "params"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One array's shard of a unit, at ``offset`` bytes into the transfer's host buffer."""
+
+    kind: str
+    numel: int
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What one unit moves at one point of the step: ``reads`` into one host buffer, then ``writes`` out of it."""
+
+    unit: UnitLayout
+    phase: str
+    reads: tuple[Segment, ...]
+    writes: tuple[Segment, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return max(s.offset + s.nbytes for s in (*self.reads, *self.writes))
+
+    def describe(self) -> str:
+        """How an I/O error names the transfer."""
+        return f"{self.phase} of unit {self.unit.name}"
+
+
+def _packed(unit: UnitLayout, kinds: list[tuple[str, torch.dtype]]) -> tuple[Segment, ...]:
+    """The unit's shards of ``kinds``, laid end to end in one buffer (each stays 4 KiB-aligned:
+    a shard is a multiple of 2048 elements of at least 2 bytes)."""
+    segments, offset = [], 0
+    for kind, dtype in kinds:
+        segments.append(Segment(kind, unit.shard_numel, dtype, offset))
+        offset += unit.shard_numel * dtype.itemsize
+    return tuple(segments)
+
+
+def step_transfers(layout: ModelLayout, plan: TierPlan, param_dtype: torch.dtype) -> list[Transfer]:
+    """Every transfer of one step of ``plan``, in the order the step makes them; empty when
+    nothing is on nvme."""
+    param = [(PARAM_KIND, param_dtype)] if plan.param == "nvme" else []
+    state = [(kind, torch.float32) for kind in STATE_KINDS] if plan.optimizer == "nvme" else []
+    transfers: list[Transfer] = []
+    if param:
+        fetch = {u.name: _packed(u, param) for u in layout.units}
+        transfers += [Transfer(u, "forward", fetch[u.name], ()) for u in layout.units]
+        transfers += [Transfer(u, "backward", fetch[u.name], ()) for u in reversed(layout.units)]
+    if param or state:
+        for unit in layout.units:
+            segments = _packed(unit, state + param)
+            reads = tuple(s for s in segments if s.kind in STATE_KINDS)
+            transfers.append(Transfer(unit, "optimizer", reads, segments))
+    return transfers
+
+
+class StoreTraffic:
+    """A store holding every array a step touches, and that step's transfers over it. As the
+    engine's ``store.mode`` does, each step reads one generation and writes the other, or with
+    ``in_place`` rewrites the one it reads."""
+
+    def __init__(
+        self, path: Path, transfers: list[Transfer], offload: OffloadConfig, *, in_place: bool
+    ) -> None:
+        self.transfers = transfers
+        self.in_place = in_place
+        self.runner = IORunner(threads=offload.io_threads)
+        self.store = ShardStore.create(
+            path, {}, runner=self.runner, checksum=offload.checksum, direct_io=offload.direct_io
+        )
+        budget = offload.buffer_mb * MIB
+        self.pool = BufferPool(budget)
+        self.pipeline: Pipeline[Transfer] = Pipeline(self.pool, self.runner, window_bytes=budget // 2)
+        self._read_generation = 0
+        arrays = {(t.unit.name, s.kind): (t.unit, s) for t in transfers for s in (*t.reads, *t.writes)}
+        for unit, segment in arrays.values():
+            for name in {self._array(generation, unit, segment) for generation in {0, self._written()}}:
+                self.store.create_array(name, unit.padded_numel, unit.chunk_numel, segment.dtype)
+        for unit, segment in arrays.values():  # the first step reads generation 0: give it chunks
+            with self.pool.acquire(segment.nbytes) as buf:
+                self.store.write_from(
+                    self._array(0, unit, segment), 0, buf.view(segment.dtype, segment.numel)
+                )
+        self.store.sync()
+
+    def _written(self) -> int:
+        """The generation the next step writes."""
+        return self._read_generation if self.in_place else 1 - self._read_generation
+
+    @staticmethod
+    def _array(generation: int, unit: UnitLayout, segment: Segment) -> str:
+        """Where a segment lives: optimizer state in a generation, parameter shards in their one copy."""
+        if segment.kind == PARAM_KIND:
+            return f"{PARAM_PREFIX}/{unit.name}"
+        return array_name(generation_prefix(generation), unit.name, segment.kind)
+
+    def _move(self, generation: int, write: bool, transfer: Transfer, buf: HostBuffer) -> None:
+        """Read or write the transfer's segments (one rank: a shard is its whole array)."""
+        for segment in transfer.writes if write else transfer.reads:
+            name = self._array(generation, transfer.unit, segment)
+            view = buf.view(segment.dtype, segment.numel, segment.offset)
+            if write:
+                self.store.write_from(name, 0, view)
+            else:
+                self.store.read_into(name, 0, view)
+
+    def step(self) -> float:
+        """Move one step's bytes and make the writes durable; the seconds it took."""
+        start = time.perf_counter()
+        load = functools.partial(self._move, self._read_generation, False)
+        save = functools.partial(self._move, self._written(), True)
+        for transfer, buf in self.pipeline.stream(
+            self.transfers, nbytes=lambda t: t.nbytes, load=load, describe=Transfer.describe
+        ):
+            if transfer.writes:
+                self.pipeline.write_back(transfer, buf, save, describe=Transfer.describe)
+            else:
+                self.pipeline.release(buf)
+        self.pipeline.drain()
+        self.store.sync()
+        self._read_generation = self._written()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Stop the I/O threads and delete the store."""
+        self.runner.close()
+        shutil.rmtree(self.store.path)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Movement:
+    """The data-movement-only time of one plan's step: median and every timed step, and its bytes."""
+
+    seconds: float
+    runs: list[float]
+    bytes_read: int
+    bytes_written: int
+
+
+def measure_movement(path: Path, layout: ModelLayout, config: Config, plan: TierPlan, reps: int) -> Movement:
+    """``reps`` timed steps of ``plan``'s store traffic after an untimed one (which also writes the
+    second generation's files for the first time), with ``config``'s ``[offload]`` settings and
+    ``store.mode``, in a store at ``path`` deleted afterwards."""
+    transfers = step_transfers(layout, plan, compute_dtype(config.precision.compute_dtype))
+    if not transfers:
+        return Movement(0.0, [], 0, 0)
+    bytes_read = sum(s.nbytes for t in transfers for s in t.reads)
+    bytes_written = sum(s.nbytes for t in transfers for s in t.writes)
+    with StoreTraffic(path, transfers, config.offload, in_place=config.store.mode == "in-place") as traffic:
+        traffic.step()
+        runs = [traffic.step() for _ in range(reps)]
+    return Movement(statistics.median(runs), runs, bytes_read, bytes_written)

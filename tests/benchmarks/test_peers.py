@@ -1,0 +1,107 @@
+"""The peers benchmark end to end at its tiny size, and the launcher that runs each contestant's ranks.
+
+Not a performance check: the numbers only have to exist and be finite, the ratios to be
+there, the contestants to have trained the same model on the same data (equal first
+losses), a missing or failing contestant to be reported rather than to stop the run,
+and the benchmark's files to be gone afterwards. DeepSpeed is an optional extra and slow
+to start, so its contestants run only in the slow test, where it is installed.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.peers import compare, launch
+from benchmarks.peers.workload import Contestant
+
+
+def run_quick(tmp_path: Path, *systems: str) -> tuple[dict[str, Any], Path]:
+    disk = tmp_path / "disk"
+    compare.main(["--quick", "--systems", *systems, "--out", str(tmp_path), "--dir", str(disk)])
+    record = json.loads((tmp_path / "peers.json").read_text())
+    assert record["benchmark"] == "peers"
+    return record, disk
+
+
+def check_ran(contestants: list[dict[str, Any]]) -> None:
+    """Each ran, with finite positive step times and memory, and all from the same start."""
+    for c in contestants:
+        assert c["status"] == "ok", f"{c['label']}: {c.get('reason')}\n" + "\n".join(c.get("log_tail", []))
+        assert math.isfinite(c["step_s"]) and c["step_s"] > 0
+        assert all(math.isfinite(s) and s > 0 for s in c["steps_s"])
+        assert c["peak_rss_bytes"] > 0 and all(b > 0 for b in c["rank_max_rss_bytes"])
+        assert ("disk_bytes" in c) == (c["placement"] == "nvme")
+    first = [c["losses"][0] for c in contestants]
+    assert max(first) - min(first) < 1e-2 * max(first), first  # bf16 rounding differs, the weights do not
+
+
+def test_plain_fsdp2_and_ours(tmp_path: Path) -> None:
+    record, disk = run_quick(tmp_path, "plain", "fsdp2", "ours")
+    contestants = record["contestants"]
+    assert [(c["system"], c["placement"]) for c in contestants] == [
+        ("plain", "device"),
+        ("fsdp2", "cpu"),
+        ("ours", "cpu"),
+        ("ours", "nvme"),
+    ]
+    check_ran(contestants)
+    by_name = {(c["system"], c["placement"]): c for c in contestants}
+    assert by_name["ours", "nvme"]["disk_bytes"] > 0  # the store, sampled while the ranks ran
+    for key in [("fsdp2", "cpu"), ("ours", "cpu"), ("ours", "nvme")]:
+        assert by_name[key]["x_plain"] > 0
+    assert by_name["fsdp2", "cpu"]["peer_over_ours"] > 0
+    assert len(record["rows"]) == 4 and record["skipped"] == []
+    assert record["params"] == contestants[0]["params"]
+    assert list(disk.iterdir()) == []  # every contestant's folder was removed
+
+
+def test_missing_or_failing_contestants_are_skipped_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(compare.REQUIRES, "plain", "no_such_module_for_peers")
+    impossible = Contestant("fsdp2", "nvme", "nvme")  # FSDP2 offloads to cpu only: its ranks raise
+    monkeypatch.setattr(compare, "CONTESTANTS", (Contestant("plain", "device", "device"), impossible))
+    record, disk = run_quick(tmp_path, "plain", "fsdp2")
+    assert record["rows"] == []
+    missing, failed = record["skipped"]
+    assert "no_such_module_for_peers is not installed" in missing["reason"]
+    assert failed["reason"].startswith("ValueError: FSDP2, nvme: FSDP2 offloads")
+    assert any("Traceback" in line for line in record["contestants"][1]["log_tail"])
+    assert list(disk.iterdir()) == []
+
+
+def test_launch_ends_the_group_at_the_first_failure_or_the_timeout(tmp_path: Path) -> None:
+    fail_fast = "import os, sys, time; sys.exit(3) if os.environ['RANK'] == '1' else time.sleep(60)"
+    group = launch.run_ranks(
+        [sys.executable, "-c", fail_fast], 2, cwd=tmp_path, env=os.environ, timeout_s=30, log_dir=tmp_path
+    )
+    assert group.returncodes == [None, 3] and group.first_failure() == 1 and not group.timed_out
+    assert group.peak_rss_bytes > 0 and group.wall_s < 30
+
+    hang = [sys.executable, "-c", "import time; time.sleep(60)"]
+    group = launch.run_ranks(hang, 2, cwd=tmp_path, env=os.environ, timeout_s=1, log_dir=tmp_path)
+    assert group.timed_out and group.returncodes == [None, None] and group.first_failure() is None
+
+
+def test_disk_usage_counts_allocated_blocks(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "data").write_bytes(b"x" * 100_000)
+    with open(tmp_path / "sparse", "wb") as sparse:
+        sparse.truncate(1 << 30)  # a size, no blocks
+    assert 100_000 <= launch.allocated_bytes(tmp_path) < 200_000
+    assert launch.allocated_bytes(tmp_path / "missing") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="the peers extra is not installed")
+def test_deepspeed(tmp_path: Path) -> None:
+    record, _ = run_quick(tmp_path, "deepspeed")
+    contestants = record["contestants"]
+    assert [(c["system"], c["placement"]) for c in contestants] == [("deepspeed", "cpu"), ("deepspeed", "nvme")]
+    check_ran(contestants)

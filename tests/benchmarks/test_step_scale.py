@@ -1,0 +1,89 @@
+"""Smoke tests of the step and scale benchmarks: each runs end to end on tiny models and saves a
+complete JSON record of finite numbers, one row per plan or size.
+
+Not performance checks: the numbers only have to exist, be finite and be positive where
+something was measured. One torch thread, so that a busy machine does not slow them tenfold.
+"""
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import scale, step
+from benchmarks.optimizer import synthetic_layout
+from benchmarks.plans import PLANS
+from benchmarks.plots import line_panels
+from benchmarks.traffic import step_transfers
+from tests.benchmarks.test_benchmarks_quick import load_record
+
+ONE_THREAD = ["--threads", "1"]
+
+
+def assert_finite_non_negative(row: dict[str, Any]) -> None:
+    for key, value in row.items():
+        if isinstance(value, (int, float)):
+            assert math.isfinite(value) and value >= 0, (key, value)
+
+
+def test_step_quick(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    step.main(["--quick", "--out", str(tmp_path), "--dir", str(disk), "--reps", "1", *ONE_THREAD])
+    record = load_record(tmp_path, "step")
+    rows = record["rows"]
+    assert [row["plan"] for row in rows] == [plan.label for plan in PLANS.values()]
+    for plan, row in zip(PLANS.values(), rows, strict=True):
+        assert_finite_non_negative(row)
+        for key in ("step s", "compute s", "overlap", "engine compute s"):
+            assert row[key] > 0, (plan.key, key)
+        for key in ("movement s", "movement MB", "engine MB"):
+            assert (row[key] > 0) == plan.uses_store, (plan.key, key)
+    # With only the optimizer state on nvme, the traffic moved alone is exactly what the engine moves.
+    optimizer_only = rows[list(PLANS).index("s2-nvme")]
+    assert optimizer_only["movement MB"] == optimizer_only["engine MB"]
+    assert set(record["computes"]) == {"s2-device", "s3-device"}
+    assert list(disk.iterdir()) == []  # every store was removed
+
+
+def test_step_traffic_moves_what_the_plan_offloads() -> None:
+    """Per parameter: 3 fp32 states read and written when the optimizer is on nvme; a bf16
+    shard read twice (forward, backward) and written once when the parameters are."""
+    layout = synthetic_layout([4096, 8192], chunk_mb=1)
+    numel = sum(unit.shard_numel for unit in layout.units)
+    expected = {  # (read, written) bytes per element
+        "s2-cpu": (0, 0),
+        "s2-nvme": (12, 12),
+        "s3-nvme-cpu": (12, 12),
+        "s3-nvme-nvme": (12 + 2 * 2, 12 + 2),
+    }
+    for key, (read, written) in expected.items():
+        transfers = step_transfers(layout, PLANS[key], torch.bfloat16)
+        assert sum(s.nbytes for t in transfers for s in t.reads) == read * numel, key
+        assert sum(s.nbytes for t in transfers for s in t.writes) == written * numel, key
+
+
+def test_scale_quick(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    scale.main(["--quick", "--out", str(tmp_path), "--dir", str(disk), "--steps", "1", *ONE_THREAD])
+    record = load_record(tmp_path, "scale")
+    rows = record["rows"]
+    assert len(rows) == len(scale.QUICK_SIZES)
+    params = [row["params M"] for row in rows]
+    assert params == sorted(params) and params[-1] / params[0] > 7  # about 8x, as for_params fits
+    for row in rows:
+        assert_finite_non_negative(row)
+        assert all(value > 0 for value in row.values()), row
+    for fit in ("step_fit", "rss_fit"):
+        assert all(math.isfinite(value) for value in record[fit].values()), fit
+    assert list(disk.iterdir()) == []
+
+
+def test_line_plot_is_skipped_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    path = tmp_path / "plot.png"
+    panels = {"y": {"measured": [1.0, 2.0], "model": lambda x: x}}
+    assert line_panels(path, [1.0, 2.0], panels, xlabel="x", title="t") is None
+    assert not path.exists()
