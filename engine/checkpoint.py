@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from engine.store_state import (
     create_arrays,
     first_difference,
     read_shard,
-    write_shard,
+    write_shard_async,
 )
 from offload.generations import Generations, generation_prefix
 from offload.io import IORunner
@@ -29,13 +30,36 @@ from offload.store import ShardStore
 logger = logging.getLogger(__name__)
 
 
+class PendingCheckpoint:
+    """A memory tier's checkpoint being written: each unit's state must stay as it is until its
+    writes are done (``wait_unit``), and ``finish``, on every rank, makes it durable and keeps it."""
+
+    def __init__(self, tag: str, writes: dict[str, tuple[ShardState, list[Future]]], keep: Callable[[], None]):
+        self.tag = tag
+        self._writes = writes  # the state is held too: the writes read from it
+        self._keep = keep
+
+    def wait_unit(self, name: str) -> None:
+        """Block until the unit's state is written, so it may change."""
+        _, futures = self._writes.pop(name, (None, []))
+        for future in futures:
+            future.result()
+
+    def finish(self) -> None:
+        """Wait for every write, fsync, and keep the checkpoint (collective: every rank calls it)."""
+        for name in list(self._writes):
+            self.wait_unit(name)
+        self._keep()
+
+
 class MemoryCheckpoints:
     """Checkpoints of the memory tiers (``device``, ``cpu``) in a store at ``offload.nvme_path``.
 
     Their state has no generation on disk to keep by rename, so ``save`` writes each rank's
     shards to a fresh generation and keeps it as ``checkpoints/<tag>`` as the nvme tier keeps
     a superseded one: the same arrays and record, so every tier resumes from either's
-    checkpoints. The write is synchronous, so the step after ``save`` cannot change what it keeps.
+    checkpoints. The writes run in the background (``PendingCheckpoint``), overlapped with
+    the next step's forward and backward; that step updates a unit only once its writes are done.
     """
 
     def __init__(
@@ -79,9 +103,9 @@ class MemoryCheckpoints:
 
         return record, shards()
 
-    def save(self, tag: str, record: dict, states: Iterator[tuple[UnitLayout, ShardState]], keep: int) -> None:
-        """Write every unit's state as checkpoint ``tag`` with ``record``, then delete the oldest
-        checkpoints beyond ``keep`` (0 keeps all)."""
+    def save(self, tag: str, record: dict, states: Iterator[tuple[UnitLayout, ShardState]], keep: int) -> PendingCheckpoint:
+        """Start writing every unit's state as checkpoint ``tag`` with ``record``; the returned
+        checkpoint is kept, and the oldest beyond ``keep`` (0 keeps all) deleted, by its ``finish``."""
         self.generations.check_free_tag(tag)  # on every rank, so that all of them raise or none
         generation = self.generations.next_free()
         prefix = generation_prefix(generation)
@@ -90,13 +114,19 @@ class MemoryCheckpoints:
             self.generations.drop_uncommitted()
             create_arrays(self.store, prefix, self.layout)
         self._barrier()
+        writes = {}
         for unit, state in states:
-            write_shard(self.store, prefix, unit, self.rank, ShardState(*(t.cpu() for t in state.tensors())))
-        self.store.sync()
-        self._barrier()
-        if self._leader:
-            self.generations.keep_generation(tag, {**record, "generation": generation}, retain=keep)
-        self._barrier()
+            host = ShardState(*(t.cpu() for t in state.tensors()))  # a copy only from an accelerator
+            writes[unit.name] = (host, write_shard_async(self.store, prefix, unit, self.rank, host))
+
+        def keep_it() -> None:
+            self.store.sync()
+            self._barrier()
+            if self._leader:
+                self.generations.keep_generation(tag, {**record, "generation": generation}, retain=keep)
+            self._barrier()
+
+        return PendingCheckpoint(tag, writes, keep_it)
 
     def close(self) -> None:
         self.runner.close()

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine import rng
-from engine.checkpoint import MemoryCheckpoints
+from engine.checkpoint import MemoryCheckpoints, PendingCheckpoint
 from engine.comm import Comm
 from engine.config import Config
 from engine.device import Device
@@ -104,6 +104,8 @@ class Engine:
             )
         self._checkpoints: MemoryCheckpoints | None = None
         """Where a memory tier's checkpoints are written, opened by the first that needs it."""
+        self._saving: PendingCheckpoint | None = None
+        """A memory tier's checkpoint still being written, finished by the next step."""
         if not on_meta:
             model.to(self.device.device)
         self.optimizer_state = self._optimizer_state(opt_device, resume, checkpoint)
@@ -367,12 +369,15 @@ class Engine:
             update.wait_s += time.perf_counter() - start
         self.global_step += 1
         self.zero_grad()
+        self._finish_saving()
         self._record_stats(update)
         return not overflow
 
     def _apply(self, unit: UnitLayout, state: ShardState, lr: float) -> None:
         """AdamW on one unit's shard, then hand the new master to the parameters."""
         grad = self.grads.shards[unit.name]
+        if self._saving is not None:
+            self._saving.wait_unit(unit.name)
         self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._step_counters[unit.name], lr)
         self.params.update(unit, state.master)
         self.grads.release_shard(unit.name)
@@ -410,14 +415,24 @@ class Engine:
         ``offload.nvme_path``), to resume from with ``Engine.resume(..., checkpoint=tag)`` on any
         tier. On the nvme tier the step's generation is still the live state, so it is kept by a
         rename, not a copy, when the next step supersedes it; the request is committed, so a
-        crash or a resume loses nothing. The memory tiers write their state there now. Once it
-        is kept, the oldest checkpoints beyond ``checkpoint.keep`` are deleted."""
+        crash or a resume loses nothing. The memory tiers start writing their state there now,
+        in the background: it is kept once the next step (or ``close``) finishes, and that step
+        updates each unit only after its state is written. Once a checkpoint is kept, the oldest
+        beyond ``checkpoint.keep`` are deleted."""
         keep = self.config.checkpoint.keep
         if isinstance(self.optimizer_state, StoreOptimizerState):
             self.optimizer_state.save(tag, keep=keep)
             return
         states = self.optimizer_state.stream(self.layout.units)
-        self._memory_checkpoints(create=True).save(tag, self._commit_record(self.global_step), states, keep=keep)
+        self._finish_saving()
+        self._saving = self._memory_checkpoints(create=True).save(tag, self._commit_record(self.global_step), states, keep=keep)
+
+    def _finish_saving(self) -> None:
+        """Make a memory tier's checkpoint in progress durable and keep it."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.finish()
+            logger.info("kept checkpoint %s", saving.tag)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes the engine holds on each tier for model and optimizer state."""
@@ -429,7 +444,8 @@ class Engine:
         return tiers
 
     def close(self) -> None:
-        """Release hooks and the process group this engine created."""
+        """Finish a checkpoint in progress; release hooks and the process group this engine created."""
+        self._finish_saving()
         self.grads.close()
         self.params.close()
         self.optimizer_state.close()

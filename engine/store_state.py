@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -189,6 +190,12 @@ def write_shard(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, sta
     start = unit.shard_slice(rank).start
     for kind, view in zip(KINDS, state.tensors()):
         store.write_from(array_name(prefix, unit.name, kind), start, view)
+
+
+def write_shard_async(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, state: ShardState) -> list[Future]:
+    """Start writing ``write_shard``'s bytes; ``state`` must not change until the futures complete."""
+    start = unit.shard_slice(rank).start
+    return [store.write_async(array_name(prefix, unit.name, kind), start, view) for kind, view in zip(KINDS, state.tensors())]
 
 
 class StoreOptimizerState:

@@ -62,6 +62,8 @@ def test_retention_and_errors_name_the_tags(tmp_path) -> None:
     for tag in ("z-first", "m-second", "a-third"):
         run(eng, 1)
         eng.save(tag)
+    assert kept(store) == ["m-second", "z-first"], "a-third is written in the background, kept by the next step"
+    run(eng, 1)
     assert kept(store) == ["a-third", "m-second"]
     with pytest.raises(CheckpointExistsError, match=r"checkpoint 'a-third' already exists"):
         eng.save("a-third")
@@ -85,3 +87,13 @@ def test_cli_keeps_every_interval_and_resumes_on_the_cpu_tier(tmp_path) -> None:
     assert "resumed at step 2" in again.stderr
     steps, _, resumed_last = cli_losses(again)
     assert (steps, resumed_last) == (5, last), "steps 3..5 again, on the same data, to the same loss"
+
+
+def test_a_checkpoint_saved_last_is_kept_by_close(tmp_path) -> None:
+    cfg, store = cpu(tmp_path), tmp_path / "store"
+    eng = Engine(tiny_gpt(), cfg, total_steps=6)
+    run(eng, 2)
+    eng.save("last")
+    assert "last" not in kept(store), "written in the background until the next step or close"
+    eng.close()
+    assert kept(store) == ["last"] and read_committed(store / "checkpoints" / "last")["step"] == 2
