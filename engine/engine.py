@@ -51,7 +51,7 @@ from engine.recompute import checkpoint_forward
 from engine.state import MemoryOptimizerState, OptimizerState, ShardState
 from engine.stats import StepStats
 from engine.store_state import StoreOptimizerState
-from engine.update import Update
+from engine.update import Update, overlaps_backward
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Engine:
                 f"offload.optimizer = \"nvme\" to resume from its store's last step"
             )
         on_meta = any(p.is_meta for p in model.parameters())
-        if on_meta and init_unit is None:
+        if on_meta and init_unit is None and not resume:
             raise ValueError(
                 "the model's parameters are on the meta device: pass init_unit=, a function that "
                 "initialises named parameters in place, so the engine can build the model unit by unit"
@@ -113,10 +113,12 @@ class Engine:
             self.budget.charge(self.optimizer_state.nbytes(), "the optimizer state (offload.optimizer = \"device\")")
         self.params = self._params()
         modules = dict(units)
-        for unit in self.layout.units:
+        built, started, every = 0, time.perf_counter(), max(1, len(self.layout.units) // 10)
+        for index, unit in enumerate(self.layout.units, 1):
             if on_meta:
                 materialize_(owned[unit.name], self.device.device)
-                init_unit(dict(owned[unit.name]))
+                if not resume:  # a resume overwrites the values with the committed masters
+                    init_unit(dict(owned[unit.name]))
             full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device.device)
             flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
             if not resume:
@@ -128,6 +130,9 @@ class Engine:
                 param.data = views[name]
             self.params.add(unit, flat)
             del flat, views
+            built += unit.numel
+            if index % every == 0 and self.comm.rank == 0:  # a giant model takes minutes to build
+                logger.info("built %d of %d units, %.0fM params, in %.0f s", index, len(self.layout.units), built / 1e6, time.perf_counter() - started)
         self.params.finish_update()  # the initial shards are stored before anything fetches them
 
         self.grads = GradientShards(
@@ -158,12 +163,7 @@ class Engine:
         self._micro_batches = 0
         self._update: Update | None = None
         self._step_started: float | None = None
-        self._overlap = (
-            config.optim.overlap
-            and config.optim.grad_clip == 0
-            and config.zero.stage >= 2
-            and config.precision.loss_scaling == "none"
-        )
+        self._overlap = overlaps_backward(config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
         if resume:
             self._restore(self.optimizer_state.resumed_from)
@@ -320,11 +320,11 @@ class Engine:
         reduced (``engine.update``)."""
         accum = self.config.zero.grad_accum_steps
         last = self._micro_batches + 1 >= accum
+        self.grads.start_backward(last)  # first: it makes the last step's order the record
         if last:
             lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
             self._update = Update(self._update_order(), self.optimizer_state, lambda u, s: self._apply(u, s, lr))
             self.grads.on_ready = self._update.ready if self._overlap else None
-        self.grads.start_backward(last)
         scaled = self.scaler.scale_loss(loss)
         (scaled / accum if accum > 1 else scaled).backward()
         self.grads.end_backward()
@@ -332,11 +332,14 @@ class Engine:
         self._micro_batches += 1
 
     def _update_order(self) -> list[UnitLayout]:
-        """The units in the order their gradients completed last step (layout order before that)."""
+        """The units in the order their gradients completed last step. Before one is recorded,
+        the order backward usually takes: the last unit first, the root (embeddings, head) last.
+        A wrong guess costs memory, not correctness: shards wait for the units due before them."""
         recorded = self.grads.order.recorded
-        if sorted(recorded) != sorted(u.name for u in self.layout.units):
-            return list(self.layout.units)
-        return [self.layout.unit(name) for name in recorded]
+        if sorted(recorded) == sorted(u.name for u in self.layout.units):
+            return [self.layout.unit(name) for name in recorded]
+        units = self.layout.units
+        return [u for u in reversed(units) if u.name != ROOT_UNIT] + [u for u in units if u.name == ROOT_UNIT]
 
     @property
     def is_accumulation_boundary(self) -> bool:

@@ -8,9 +8,9 @@ least offload that fits this machine with headroom.
 
 The prediction follows the engine's life cycle, one phase at a time, and takes the largest:
 
-- build: ``python -m engine train`` builds the model in fp32 on the CPU;
-- construction: ``Engine`` flattens it unit by unit; fp32 originals are freed as each unit's
-  compute-dtype flat, its optimizer shard and (stage 3) its parameter shard are made;
+- construction: ``python -m engine train`` builds the model on the ``meta`` device, and
+  ``Engine`` materialises, initialises and flattens it unit by unit, the fp32 values freed as
+  each unit's compute-dtype flat, its optimizer shard and (stage 3) its parameter shard are made;
 - training: what stays resident (parameters, optimizer state, staging pools), plus what a
   step holds at the start of backward (activations, units gathered ahead), at its end
   (every gradient shard, buckets in flight) or at the optimizer step.
@@ -53,6 +53,7 @@ from engine.partition import (
 from engine.precision import compute_dtype
 from engine.store_state import unit_state_bytes
 from engine.train import build_model
+from engine.update import overlaps_backward
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -219,11 +220,6 @@ def run_shape(config: Config, world_size: int, gpt: GPTConfig | None = None) -> 
 # ---------------------------------------------------------------- the terms, bytes per rank
 
 
-def fp32_model_bytes(run: RunShape) -> int:
-    """The model as ``build_model`` makes it, fp32, before the engine takes it over."""
-    return FP32 * run.layout.numel
-
-
 def construction_transient_bytes(run: RunShape) -> int:
     """The unit being flattened: its fp32 flat and the compute-dtype copy cast from it
     (the same buffer in fp32)."""
@@ -278,10 +274,12 @@ def optimizer_staging_bytes(run: RunShape) -> int:
 
 
 def grad_shard_bytes(run: RunShape) -> int:
-    """The rank's fp32 gradient shards, each made when its unit's gradient is first reduced and
-    freed once the optimizer has used it. They all exist when backward ends: with clipping or
-    accumulation every one waits for the step, and without, the first step still updates in
-    layout order, which is the order backward completes last."""
+    """The rank's fp32 gradient shards at their peak, each made when its unit's gradient is first
+    reduced and freed once the optimizer has used it. With clipping, loss scaling or accumulation
+    every one waits for the step; when one micro-batch's update overlaps backward
+    (``engine.update``), each is used as it is reduced, so only those in flight wait."""
+    if overlaps_backward(run.config) and run.config.zero.grad_accum_steps == 1:
+        return MAX_IN_FLIGHT * FP32 * run.largest_shard
     return FP32 * run.shard
 
 
@@ -455,7 +453,7 @@ class PlanEstimate:
     disk_bytes: int
     """The store under ``offload.nvme_path``, all ranks."""
     peak_phase: str
-    """When the peak RSS comes: build, construction, backward start or end, optimizer step."""
+    """When the peak RSS comes: construction, backward start or end, optimizer step."""
     terms: dict[str, int] = field(default_factory=dict)
     """What is held at the peak of training, by term (device and host bytes together)."""
 
@@ -482,10 +480,9 @@ def estimate(
     def size(footprint: Footprint) -> int:
         return footprint.rss(device_is_host)
 
-    # Construction frees the fp32 model (moved to the device) as it builds the state, so its
-    # high point is at one end, each with the unit being flattened.
-    start, end = Footprint(device=fp32_model_bytes(run)), _total(_construction_end(run, plan).values())
-    construction = max(start, end, key=size) if device_is_host else Footprint(max(start.device, end.device), end.host)
+    # The model comes on the meta device; construction materialises it unit by unit, so its
+    # high point is at its end, with the last unit being flattened.
+    construction = _total(_construction_end(run, plan).values())
     held = _held_state(run, plan) | {"heap retention": _heap_retention(run, plan, device_is_host)}
     moments = {
         "backward start": _backward_start(run, plan),
@@ -493,7 +490,6 @@ def estimate(
         "optimizer step": _optimizer_step(run, plan),
     }
     phases = {
-        "build": Footprint(host=fp32_model_bytes(run)),  # by build_model, on the CPU
         "construction": construction + Footprint(device=construction_transient_bytes(run)),
     } | {name: _total([*held.values(), *terms.values()]) for name, terms in moments.items()}
     peak = max(phases, key=lambda name: size(phases[name]))

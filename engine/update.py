@@ -15,8 +15,21 @@ import collections
 import time
 from collections.abc import Callable, Sequence
 
+from engine.config import Config
 from engine.partition import UnitLayout
 from engine.state import OptimizerState, ShardState
+
+
+def overlaps_backward(config: Config) -> bool:
+    """Whether each unit is updated as its gradient is reduced on the step's last micro-batch:
+    asked for, and nothing (clipping, loss scaling) needs every gradient first. Stage 1 reduces
+    at the step, so it has nothing to overlap."""
+    return (
+        config.optim.overlap
+        and config.optim.grad_clip == 0
+        and config.zero.stage >= 2
+        and config.precision.loss_scaling == "none"
+    )
 
 
 class Update:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from engine.engine import Engine
+from engine.models.gpt import GPT, init_parameters_
 from engine.params import ShardedParams, UnitState
 from engine.partition import ROOT_UNIT
 from tests.training import batches, config, tiny_gpt, train_engine, train_reference
@@ -68,3 +71,20 @@ def test_activation_checkpointing_keeps_fewer_activations() -> None:
         return total
 
     assert saved_bytes(True) < 0.5 * saved_bytes(False)
+
+
+@pytest.mark.parametrize(("stage", "tie"), [(2, False), (3, False), (3, True)])
+def test_a_meta_model_built_unit_by_unit_by_the_engine_equals_an_eager_one(tmp_path, stage: int, tie: bool) -> None:
+    """What ``python -m engine train`` does: the model never exists whole in memory."""
+    cfg = config(zero={"stage": stage}, offload={"optimizer": "nvme", "nvme_path": str(tmp_path / "store")})
+    eager = tiny_gpt(tie=tie)
+    with torch.device("meta"):
+        meta = GPT(eager.config)
+    eng = Engine(meta, cfg, init_unit=functools.partial(init_parameters_, config=meta.config, seed=0))
+    with eng.gathered():
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(eager.named_parameters(), meta.named_parameters()))
+    eng.close()
+    with torch.device("meta"):
+        uninitialised = GPT(eager.config)
+    with pytest.raises(ValueError, match="meta device: pass init_unit="):
+        Engine(uninitialised, config(offload={"nvme_path": str(tmp_path / "other")}))
