@@ -160,6 +160,10 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     """Seed of the model initialisation."""
+    metrics: str = ""
+    """A JSON-lines file that rank 0 appends one record to per step (loss, seconds, exposed
+    parameter and optimizer waits, bytes read and written, prefetch hit rate, device high-water,
+    peak RSS); empty: none."""
 
 
 @dataclass

@@ -2,12 +2,15 @@
 
 The loop is the one a user writes by hand (forward, ``backward``, ``step``); this file
 only adds what a long run wants around it: a progress bar, a log line every few steps
-(loss, tokens/s, peak host RSS, bytes per tier), a checkpoint every ``checkpoint.interval``
+(loss, tokens/s, peak host RSS, bytes per tier), per-step records in ``train.metrics``
+for whoever tunes the tiers, a checkpoint every ``checkpoint.interval``
 steps and a clean stop on SIGINT/SIGTERM that finishes the step in flight.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
 import resource
@@ -16,13 +19,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from engine.config import Config
 from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine
-from engine.models.gpt import GPT, GPTConfig
+from engine.models.gpt import GPT, GPTConfig, init_parameters_
 from offload.generations import CheckpointExistsError
 
 logger = logging.getLogger(__name__)
@@ -97,11 +101,13 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
     """Train the built-in model on the built-in (or configured) data for ``train.steps`` steps,
     from the store's last committed step if it has one, or from its checkpoint ``checkpoint``."""
     tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
-    model = build_model(config, vocab_size)
+    with torch.device("meta"):  # built unit by unit by the engine: never the whole model in memory
+        model = build_model(config, vocab_size)
     if checkpoint is not None or resumable(config):
         engine = Engine.resume(model, config, checkpoint=checkpoint)
     else:
-        engine = Engine(model, config)
+        init = functools.partial(init_parameters_, config=model.config, seed=config.train.seed)
+        engine = Engine(model, config, init_unit=init)
     rank, world = engine.comm.rank, engine.comm.world_size
     data = TokenBatches(
         tokens,
@@ -130,6 +136,10 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
             loss_value = engine.comm.all_reduce_value(loss_sum / config.zero.grad_accum_steps) / world
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss is {loss_value} at step {step}: lower optim.lr or use loss scaling")
+            if rank == 0 and config.train.metrics:
+                record = {"step": engine.global_step, "loss": loss_value, "peak_rss_bytes": peak_rss_bytes()}
+                with open(config.train.metrics, "a") as metrics:
+                    metrics.write(json.dumps(record | engine.last_step_stats.to_dict()) + "\n")
             result.losses.append(loss_value)
             result.steps_done = step + 1
             window_steps += 1
