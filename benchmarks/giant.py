@@ -1,0 +1,295 @@
+"""The headline: train a model whose training state is larger than this machine's RAM, stop
+it mid-run, resume it from the store, and finish.
+
+    python -m benchmarks.giant [--params 3e9] [--steps 3] [--mode in-place|generations]
+                               [--store PATH] [--quick]
+
+The run is ``python -m engine train`` itself (a subprocess, as a user runs it): the built-in
+GPT at ``--params``, built on the ``meta`` device and materialised unit by unit into the
+store, stage 3 with the parameter shards, masters and AdamW moments on nvme, no clipping, so
+that each unit's gradient shard is consumed by its update as soon as it is reduced (the
+gradients never exist for the whole model at once). After step ``--stop-after`` the run is
+stopped once: with ``store.mode = "generations"`` by ``kill -9`` half-way into the next step
+(a crash: the store resumes at the last committed step), ``"in-place"`` by SIGTERM (a
+scheduler's preemption: the step in flight finishes, commits, and the process exits). The
+same command then resumes from the store and finishes the steps.
+
+Per step it prints the engine's own statistics (``train.metrics``): loss; seconds split into
+compute, exposed parameter I/O and exposed optimizer I/O; bytes read and written; disk GB/s
+achieved; peak RSS of the process tree (polled with psutil, and the kernel's high-water mark);
+the device budget's high-water mark. And the bound it is held against, measured in this run:
+max(compute-only time, read bytes / raw read bandwidth + written bytes / raw write
+bandwidth), the raw bandwidths from ``benchmarks.bandwidth.raw_disk_gbps`` on the store's
+disk, the compute-only time from one block's forward and backward (and the root's) at this
+width, timed and multiplied out, with no I/O at all. The estimator's predictions of peak RSS
+and store size (``engine.estimate``) are printed beside the measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bandwidth import raw_disk_gbps
+from benchmarks.report import Row, base_parser, print_table, save_json, setup_logging
+from benchmarks.runs import disk_usage
+from engine.config import Config
+from engine.estimate import estimate, gpt_of, measured_baseline_bytes, plan_of, run_shape
+from engine.models.gpt import Block, GPTConfig
+from offload.manifest import read_committed
+
+GB = 1e9
+GIB = 2**30
+POLL_S = 0.25
+
+
+def run_config(args: argparse.Namespace, store: Path, metrics: Path) -> list[str]:
+    """The ``--section.key value`` overrides of the run (the same for the first run and the resume)."""
+    overrides = {
+        "zero.stage": 3,
+        "offload.optimizer": "nvme",
+        "offload.param": "nvme",
+        "offload.nvme_path": store,
+        "store.mode": args.mode,
+        "model.params": args.params,
+        "data.micro_batch": args.micro_batch,
+        "data.seq_len": args.seq_len,
+        "optim.grad_clip": 0.0,
+        "optim.lr": args.lr,
+        "optim.warmup_steps": 0,
+        "optim.schedule": "constant",
+        "train.steps": args.steps,
+        "train.log_every": 1,
+        "train.metrics": metrics,
+    }
+    return [part for key, value in overrides.items() for part in (f"--{key}", str(value))]
+
+
+def compute_only_seconds(gpt: GPTConfig, micro_batch: int, reps: int) -> float:
+    """A step's forward and backward with nothing to fetch: one block timed and multiplied by
+    the depth, plus the root's embedding, final norm and head, in the engine's bf16."""
+    torch.manual_seed(0)
+    block = Block(gpt).to(torch.bfloat16)
+    emb = torch.nn.Embedding(gpt.vocab_size, gpt.d_model, dtype=torch.bfloat16)
+    head = torch.nn.Linear(gpt.d_model, gpt.vocab_size, bias=False, dtype=torch.bfloat16)
+    idx = torch.randint(0, gpt.vocab_size, (micro_batch, gpt.seq_len))
+
+    def timed(fn) -> float:
+        fn()  # warm-up: kernels and allocations
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def run_block() -> None:
+        x = torch.randn(micro_batch, gpt.seq_len, gpt.d_model, dtype=torch.bfloat16, requires_grad=True)
+        block(x).float().sum().backward()
+        block.zero_grad(set_to_none=True)
+
+    def run_root() -> None:
+        logits = head(F.layer_norm(emb(idx), (gpt.d_model,)))
+        F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
+        emb.zero_grad(set_to_none=True)
+        head.zero_grad(set_to_none=True)
+
+    return gpt.n_layer * timed(run_block) + timed(run_root)
+
+
+class TreeRSS:
+    """The peak resident memory of a process and its children, polled in the background."""
+
+    def __init__(self, pid: int):
+        self.peak = 0
+        self._root = psutil.Process(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                procs = [self._root, *self._root.children(recursive=True)]
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
+            except psutil.Error:  # the process ended between two looks
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def steps_recorded(metrics: Path) -> list[dict[str, Any]]:
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def launch(train_args: list[str], log: Path) -> subprocess.Popen:
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    with open(log, "a") as out:
+        return subprocess.Popen([sys.executable, "-m", "engine", "train", *train_args], stdout=out, stderr=out, env=env)
+
+
+def first_run(train_args: list[str], mode: str, stop_after: int, metrics: Path, log: Path) -> dict[str, Any]:
+    """Train until step ``stop_after`` is recorded, then stop the run once: kill -9 half-way into
+    the next step (generations) or SIGTERM (in place). Returns how it ended."""
+    proc = launch(train_args, log)
+    rss = TreeRSS(proc.pid)
+    sent = None
+    while proc.poll() is None:
+        records = steps_recorded(metrics)
+        if sent is None and records and records[-1]["step"] >= stop_after:
+            if mode == "generations":
+                time.sleep(records[-1]["seconds"] / 2)  # mid-step: reads, updates and writes in flight
+                proc.kill()
+                sent = "SIGKILL"
+            else:
+                proc.send_signal(signal.SIGTERM)
+                sent = "SIGTERM"
+        time.sleep(POLL_S)
+    code = proc.wait()
+    return {"signal": sent, "exit_code": code, "peak_rss_bytes": rss.stop()}
+
+
+def resumed_run(train_args: list[str], log: Path) -> dict[str, Any]:
+    proc = launch(train_args, log)
+    rss = TreeRSS(proc.pid)
+    code = proc.wait()
+    return {"exit_code": code, "peak_rss_bytes": rss.stop()}
+
+
+def step_rows(records: list[dict[str, Any]], runs: list[str], bound: dict[str, float]) -> list[Row]:
+    rows = []
+    for record, run in zip(records, runs, strict=True):
+        moved_s = record["bytes_read"] / GB / bound["read_gbps"] + record["bytes_written"] / GB / bound["write_gbps"]
+        step_bound = max(bound["compute_s"], moved_s)
+        rows.append(
+            {
+                "run": run,
+                "step": record["step"],
+                "loss": record["loss"],
+                "step s": record["seconds"],
+                "compute s": record["compute_s"],
+                "param wait s": record["param_wait_s"],
+                "opt wait s": record["optimizer_wait_s"],
+                "read GB": record["bytes_read"] / GB,
+                "written GB": record["bytes_written"] / GB,
+                "disk GB/s": (record["bytes_read"] + record["bytes_written"]) / GB / record["seconds"],
+                "hit rate": record["prefetch_hit_rate"],
+                "RSS GiB": record["peak_rss_bytes"] / GIB,
+                "device hw MiB": record["device_high_water"] / 2**20,
+                "bound s": step_bound,
+                "step/bound": record["seconds"] / step_bound,
+            }
+        )
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = base_parser("Train a model larger than RAM from an nvme store, stop it once, resume it.")
+    parser.add_argument("--params", type=float, help="model parameters (default 3e9; --quick 5e7)")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps in all (default 3)")
+    parser.add_argument("--stop-after", type=int, default=1, help="step after which the run is stopped once (default 1)")
+    parser.add_argument("--mode", choices=("in-place", "generations"), default="in-place", help="store.mode")
+    parser.add_argument("--store", type=Path, default=Path("giant_store"), help="store folder (default ./giant_store)")
+    parser.add_argument("--keep-store", action="store_true", help="leave the store on disk afterwards")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per step (default 1)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4, constant)")
+    args = parser.parse_args(argv)
+    args.params = args.params or (5e7 if args.quick else 3e9)
+    if not 1 <= args.stop_after < args.steps:
+        parser.error(f"--stop-after must be in [1, --steps - 1] = [1, {args.steps - 1}]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    setup_logging(args.verbose)
+    store = args.store.resolve()
+    if store.exists():
+        raise SystemExit(f"{store} exists: remove it or pass another --store (the run starts a new store)")
+    work = store.parent / f"{store.name}-run"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    metrics, log = work / "metrics.jsonl", work / "train.log"
+    train_args = run_config(args, store, metrics)
+    config = Config.from_dict({}, [f"{k[2:]}={v}" for k, v in zip(train_args[::2], train_args[1::2])])
+    gpt = gpt_of(config)
+    predicted = estimate(run_shape(config, 1, gpt), plan_of(config), baseline_bytes=measured_baseline_bytes())
+    n_params = gpt.num_params()
+    print(
+        f"model: {n_params / 1e9:.2f}B params ({gpt.n_layer} layers, d_model {gpt.d_model}), "
+        f"state {16 * n_params / GIB:.1f} GiB (fp32 master + 2 moments + bf16 params + fp32 grads) vs "
+        f"RAM {psutil.virtual_memory().total / GIB:.1f} GiB; predicted peak RSS {predicted.peak_rss_bytes / GIB:.2f} GiB, "
+        f"store {predicted.disk_bytes / GIB:.1f} GiB"
+    )
+    disk = raw_disk_gbps(work, (64 if args.quick else 1024) * 2**20, threads=config.offload.io_threads, reps=1 if args.quick else 3)
+    bound = {
+        "read_gbps": disk["read"],
+        "write_gbps": disk["write"],
+        "compute_s": compute_only_seconds(gpt, args.micro_batch, reps=1 if args.quick else 3),
+    }
+    print(f"raw disk: write {disk['write']:.2f} GB/s, read {disk['read']:.2f} GB/s; compute-only step {bound['compute_s']:.2f} s")
+    started = time.perf_counter()
+    try:
+        first = first_run(train_args, args.mode, args.stop_after, metrics, log)
+        if first["signal"] is None:
+            raise SystemExit(f"the run ended (exit code {first['exit_code']}) before it could be stopped:\n{_tail(log)}")
+        committed = read_committed(store)["step"]
+        first_steps = len(steps_recorded(metrics))
+        resumed = resumed_run(train_args, log)
+        if resumed["exit_code"] != 0:
+            raise SystemExit(f"the resumed run failed (exit code {resumed['exit_code']}):\n{_tail(log)}")
+        records = steps_recorded(metrics)
+        store_size = disk_usage(store)
+    finally:
+        if not args.keep_store:
+            shutil.rmtree(store, ignore_errors=True)
+    runs = ["first"] * first_steps + ["resumed"] * (len(records) - first_steps)
+    rows = step_rows(records, runs, bound)
+    print_table(f"giant: {n_params / 1e9:.2f}B params, store.mode = {args.mode!r}", rows)
+    peak_rss = max(first["peak_rss_bytes"], resumed["peak_rss_bytes"], *(r["peak_rss_bytes"] for r in records))
+    summary = {
+        "params": n_params,
+        "mode": args.mode,
+        "stopped_by": first["signal"],
+        "first_exit_code": first["exit_code"],
+        "committed_at_stop": committed,
+        "resumed_exit_code": resumed["exit_code"],
+        "steps_done": records[-1]["step"] if records else 0,
+        "peak_rss_bytes": peak_rss,
+        "predicted_peak_rss_bytes": predicted.peak_rss_bytes,
+        "store_bytes": store_size,
+        "predicted_store_bytes": predicted.disk_bytes,
+        "wall_s": time.perf_counter() - started,
+        **{f"raw_{k}": v for k, v in bound.items()},
+    }
+    print_table("summary", [summary])
+    save_json(args.out, "giant", {"summary": summary, "steps": rows, "train_log_tail": _tail(log).splitlines()})
+    shutil.rmtree(work, ignore_errors=True)
+    return {"summary": summary, "steps": rows}
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+if __name__ == "__main__":
+    main()
