@@ -194,8 +194,8 @@ class GPT(nn.Module):
 
     Built normally it is initialised from ``seed``; built under
     ``torch.device("meta")`` it holds no memory and is left for the caller to
-    materialise and initialise unit by unit with :func:`init_module_` and
-    :func:`unit_generator`, which gives the same weights.
+    materialise and initialise unit by unit with :func:`init_parameters_`, which
+    gives the same weights.
     """
 
     def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
