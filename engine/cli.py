@@ -112,8 +112,10 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from engine.heap import return_freed_buffers
     from engine.train import train
 
+    return_freed_buffers()  # before any model memory: host RSS is what is live, not what was
     config = _load_config(args.config, extra)
     group = None
     if args.plan == "auto":

@@ -42,6 +42,7 @@ import torch
 from engine.config import Config, ConfigError, Tier
 from engine.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.grads import MAX_IN_FLIGHT
+from engine.heap import MMAP_THRESHOLD
 from engine.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.partition import (
     ROOT_UNIT,
@@ -70,11 +71,10 @@ buckets, gathered units) that glibc's heap keeps resident besides the live ones.
 dynamic mmap threshold has risen past a unit's size such buffers come from the heap, whose
 holes are reused but seldom returned. Measured on 20-40M-parameter GPTs after 2-3 steps:
 0.2-0.6x on one rank, 1-2x on two; growing to 1.7x after 20 steps of the nvme tier (whose
-peak this then under-predicts by 15%). Activations (many smaller tensors) add little. With
-the threshold pinned (``MALLOC_MMAP_THRESHOLD_``) it is near 0."""
-HEAP_BUFFER_LIMIT = 32 * MIB
-"""glibc's largest dynamic mmap threshold on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``): a buffer at
-least this large is always mapped on its own and returned to the system when freed."""
+peak this then under-predicts by 15%). Activations (many smaller tensors) add little."""
+HEAP_BUFFER_LIMIT = MMAP_THRESHOLD
+"""``python -m engine train`` pins glibc's mmap threshold (``engine.heap``): a buffer at least this
+large is mapped on its own and returned to the system when freed; only smaller ones stay in the heap."""
 
 TIER_ORDER: tuple[tuple[Tier, Tier], ...] = (
     ("device", "device"),
