@@ -169,6 +169,7 @@ class Engine:
             self._restore(self.optimizer_state.resumed_from)
         else:
             self.optimizer_state.seal()
+        self.params.io_bytes()  # what building wrote is not the first step's traffic
         logger.info(
             "engine: stage %d, %d units, %.1fM params, compute %s, optimizer on %s, parameters on %s, rank %d of %d",
             config.zero.stage,

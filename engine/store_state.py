@@ -392,6 +392,7 @@ class StoreOptimizerState:
                 yield unit, self._views(unit, buf).master
             finally:
                 self.pipeline.release(buf)
+        self.pipeline.drain()  # its reads are the resume's, not the next step's
 
     def stream(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
         """The units' state in order; the first reads are issued now, not at the first ``next``."""
