@@ -6,7 +6,7 @@ it mid-run, resume it from the store, and finish.
 
 The run is ``python -m engine train`` itself (a subprocess, as a user runs it): the built-in
 GPT at ``--params``, built on the ``meta`` device and materialised unit by unit into the
-store, stage 3 with the parameter shards, masters and AdamW moments on nvme, no clipping, so
+store (a unit per ``nn.Linear``, so that one unit's optimizer state fits the staging buffer), stage 3 with the parameter shards, masters and AdamW moments on nvme, no clipping, so
 that each unit's gradient shard is consumed by its update as soon as it is reduced (the
 gradients never exist for the whole model at once). After step ``--stop-after`` the run is
 stopped once: with ``store.mode = "generations"`` by ``kill -9`` half-way into the next step
@@ -63,6 +63,8 @@ def run_config(args: argparse.Namespace, store: Path, metrics: Path) -> list[str
         "offload.optimizer": "nvme",
         "offload.param": "nvme",
         "offload.nvme_path": store,
+        "offload.buffer_mb": args.buffer_mb,
+        "zero.unit_classes": '["Linear"]',  # finer than blocks: a unit's state must fit half the buffer
         "store.mode": args.mode,
         "model.params": args.params,
         "data.micro_batch": args.micro_batch,
@@ -211,7 +213,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep-store", action="store_true", help="leave the store on disk afterwards")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per step (default 1)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    parser.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4, constant)")
+    parser.add_argument("--buffer-mb", type=int, default=1024, help="offload.buffer_mb (default 1024)")
+    # Adam's first steps move every weight by about lr: at d_model 2560, 3e-5 already overshoots.
+    parser.add_argument("--lr", type=float, default=3e-6, help="learning rate (default 3e-6, constant)")
     args = parser.parse_args(argv)
     args.params = args.params or (5e7 if args.quick else 3e9)
     if not 1 <= args.stop_after < args.steps:
