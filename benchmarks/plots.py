@@ -13,6 +13,8 @@ from types import ModuleType
 
 import numpy as np
 
+from benchmarks.report import save_figure
+
 log = logging.getLogger(__name__)
 
 
@@ -66,9 +68,4 @@ def line_panels(
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"saved {path}")
-    return path
+    return save_figure(fig, path)

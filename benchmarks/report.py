@@ -144,6 +144,13 @@ def bar_chart(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize="small")
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write and close a matplotlib figure; print where it went."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

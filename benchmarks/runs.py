@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,9 +30,10 @@ from benchmarks.optimizer import threads_restored
 from engine.config import Config
 from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine
+from engine.heap import return_freed_buffers
 from engine.models.gpt import GPT
 from engine.partition import ModelLayout, build_layout, find_units, unit_parameters
-from engine.train import build_model, peak_rss_bytes
+from engine.train import meta_model, peak_rss_bytes
 
 MIB = 1 << 20
 DEFAULT_THREADS = os.cpu_count() or 1
@@ -94,21 +96,22 @@ class RunResult:
         return statistics.median(float(step[key]) for step in self.steps)
 
 
-def model_and_data(config: Config) -> tuple[GPT, TokenBatches]:
-    """The model and the batches `python -m engine train` builds from ``config``, on one rank."""
+def model_and_data(config: Config) -> tuple[GPT, Callable[[dict[str, torch.Tensor]], None], TokenBatches]:
+    """The model (on the meta device), its unit initialiser and the batches `python -m engine
+    train` builds from ``config``, on one rank."""
     tokens, vocab_size = load_tokens(
         config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size
     )
     batches = TokenBatches(
         tokens, seq_len=config.data.seq_len, micro_batch=config.data.micro_batch, seed=config.data.seed
     )
-    return build_model(config, vocab_size), batches
+    return *meta_model(config, vocab_size), batches
 
 
 def model_layout(config: Config) -> ModelLayout:
     """The units, shards and chunks the engine lays ``config``'s model out in, on one rank,
     without building an engine (so without touching a store)."""
-    model, _ = model_and_data(config)
+    model, _, _ = model_and_data(config)
     owned = unit_parameters(model, find_units(model, config.zero.unit_classes))
     return build_layout(owned, world_size=1, max_chunk_numel=config.offload.chunk_mb * MIB // 4)
 
@@ -121,13 +124,13 @@ def disk_usage(path: Path) -> int:
 def run_engine(config: Config, schedule: Schedule) -> RunResult:
     """Train ``schedule.warmup + schedule.steps`` optimizer steps in this process; keep the
     statistics of the timed ones."""
-    model, batches = model_and_data(config)
+    model, init, batches = model_and_data(config)
     rss_before = psutil.Process().memory_info().rss
     timed = []
     total = schedule.warmup + schedule.steps
     with threads_restored():
         torch.set_num_threads(schedule.threads)
-        engine = Engine(model, config, total_steps=total)
+        engine = Engine(model, config, total_steps=total, init_unit=init)
         try:
             for step in range(total):
                 for _ in range(config.zero.grad_accum_steps):
@@ -176,6 +179,7 @@ def run_isolated(config: Config, schedule: Schedule) -> RunResult:
 def main() -> None:
     """The child side of `run_isolated`: a spec as JSON on stdin, the `RunResult` as one JSON line on stdout."""
     spec = json.load(sys.stdin)
+    return_freed_buffers()  # as `python -m engine train` does
     result = run_engine(Config.from_dict(spec["config"]), Schedule(**spec["schedule"]))
     print(json.dumps(asdict(result)))
 

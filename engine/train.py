@@ -16,6 +16,7 @@ import math
 import resource
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,14 @@ def build_model(config: Config, vocab_size: int) -> GPT:
         else GPTConfig.preset(config.model.preset, **shape)
     )
     return GPT(gpt_config, seed=config.train.seed)
+
+
+def meta_model(config: Config, vocab_size: int) -> tuple[GPT, Callable[[dict[str, torch.Tensor]], None]]:
+    """``build_model`` on the ``meta`` device, and the ``init_unit`` with which ``Engine``
+    materialises and initialises it unit by unit: the model never exists whole in memory."""
+    with torch.device("meta"):
+        model = build_model(config, vocab_size)
+    return model, functools.partial(init_parameters_, config=model.config, seed=config.train.seed)
 
 
 def resumable(config: Config) -> bool:
@@ -101,12 +110,10 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
     """Train the built-in model on the built-in (or configured) data for ``train.steps`` steps,
     from the store's last committed step if it has one, or from its checkpoint ``checkpoint``."""
     tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
-    with torch.device("meta"):  # built unit by unit by the engine: never the whole model in memory
-        model = build_model(config, vocab_size)
+    model, init = meta_model(config, vocab_size)
     if checkpoint is not None or resumable(config):
         engine = Engine.resume(model, config, checkpoint=checkpoint)
     else:
-        init = functools.partial(init_parameters_, config=model.config, seed=config.train.seed)
         engine = Engine(model, config, init_unit=init)
     rank, world = engine.comm.rank, engine.comm.world_size
     data = TokenBatches(
