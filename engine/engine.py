@@ -113,27 +113,7 @@ class Engine:
             self.budget.charge(self.optimizer_state.nbytes(), "the optimizer state (offload.optimizer = \"device\")")
         self.params = self._params()
         modules = dict(units)
-        built, started, every = 0, time.perf_counter(), max(1, len(self.layout.units) // 10)
-        for index, unit in enumerate(self.layout.units, 1):
-            if on_meta:
-                materialize_(owned[unit.name], self.device.device)
-                if not resume:  # a resume overwrites the values with the committed masters
-                    init_unit(dict(owned[unit.name]))
-            full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device.device)
-            flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
-            if not resume:
-                self.optimizer_state.add_unit(unit, full[unit.shard_slice(self.comm.rank)])
-            flat = full.to(self.dtype) if self.dtype != torch.float32 else full
-            del full
-            views = param_views(flat, unit)
-            for name, param in owned[unit.name]:
-                param.data = views[name]
-            self.params.add(unit, flat)
-            del flat, views
-            built += unit.numel
-            if index % every == 0 and self.comm.rank == 0:  # a giant model takes minutes to build
-                logger.info("built %d of %d units, %.0fM params, in %.0f s", index, len(self.layout.units), built / 1e6, time.perf_counter() - started)
-        self.params.finish_update()  # the initial shards are stored before anything fetches them
+        self._build_units(owned, init_unit if on_meta and not resume else None, materialize=on_meta, resume=resume)
 
         self.grads = GradientShards(
             self.layout,
@@ -181,6 +161,41 @@ class Engine:
             self.comm.rank,
             self.comm.world_size,
         )
+
+    def _build_units(
+        self,
+        owned: dict[str, list[tuple[str, nn.Parameter]]],
+        init_unit: Callable[[dict[str, torch.Tensor]], None] | None,
+        *,
+        materialize: bool,
+        resume: bool,
+    ) -> None:
+        """Unit by unit: give a meta model's parameters memory (and ``init_unit`` values), flatten
+        them, hand the fp32 shard to the optimizer tier (a resume reads it from the store instead)
+        and the compute-dtype flat to the parameters, whose views the module's parameters become.
+        At most one unit's fp32 values exist at a time, so a model larger than memory builds."""
+        units = self.layout.units
+        built, started, every = 0, time.perf_counter(), max(1, len(units) // 10)
+        for index, unit in enumerate(units, 1):
+            if materialize:
+                materialize_(owned[unit.name], self.device.device)
+            if init_unit is not None:
+                init_unit(dict(owned[unit.name]))
+            full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device.device)
+            flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
+            if not resume:
+                self.optimizer_state.add_unit(unit, full[unit.shard_slice(self.comm.rank)])
+            flat = full.to(self.dtype) if self.dtype != torch.float32 else full
+            del full
+            views = param_views(flat, unit)
+            for name, param in owned[unit.name]:
+                param.data = views[name]
+            self.params.add(unit, flat)
+            del flat, views
+            built += unit.numel
+            if index % every == 0 and self.comm.rank == 0:  # a giant model takes minutes to build
+                logger.info("built %d of %d units, %.0fM params, in %.0f s", index, len(units), built / 1e6, time.perf_counter() - started)
+        self.params.finish_update()  # the initial shards are stored before anything fetches them
 
     def _params(self) -> ReplicatedParams | ShardedParams:
         """The compute-dtype parameters, sharded on their tier at stage 3."""
@@ -427,8 +442,8 @@ class Engine:
         if isinstance(self.optimizer_state, StoreOptimizerState):
             self.optimizer_state.save(tag, keep=keep)
             return
-        states = self.optimizer_state.stream(self.layout.units)
         self._finish_saving()
+        states = self.optimizer_state.stream(self.layout.units)
         self._saving = self._memory_checkpoints(create=True).save(tag, self._commit_record(self.global_step), states, keep=keep)
 
     def _finish_saving(self) -> None:

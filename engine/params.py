@@ -201,8 +201,7 @@ class ShardedParams:
 
     def _pre_forward(self, units: list[str]):
         def hook(module: nn.Module, args) -> None:
-            for name in units:
-                self.gather(name)
+            self._gather_all(units)
 
         return hook
 

@@ -21,7 +21,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
