@@ -10,7 +10,8 @@ store (a unit per ``nn.Linear``, so that one unit's optimizer state fits the sta
 that each unit's gradient shard is consumed by its update as soon as it is reduced (the
 gradients never exist for the whole model at once). After step ``--stop-after`` the run is
 stopped once: with ``store.mode = "generations"`` by ``kill -9`` half-way into the next step
-(a crash: the store resumes at the last committed step), ``"in-place"`` by SIGTERM (a
+(a crash: the store resumes at its last commit, the last finished step or, if the kill came
+before that step's deferred commit, the one before), ``"in-place"`` by SIGTERM (a
 scheduler's preemption: the step in flight finishes, commits, and the process exits). The
 same command then resumes from the store and finishes the steps.
 

@@ -82,6 +82,11 @@ class StoreConfig:
     at any instant resumes from the last step (about twice the disk). ``in-place``: one
     generation rewritten each step (half the disk); a crash mid-step leaves it unusable and
     resuming falls back to the last explicit checkpoint."""
+    defer_commit: bool = True
+    """Let a step's last writes, fsync and commit finish behind the next step's forward, which
+    hides them; the commit then comes when the next step's optimizer state is first read (or
+    at ``save``/``close``), so a crash in between resumes from the step before. ``false``
+    commits every step before ``step()`` returns."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ compute-dtype shards back to the parameters.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -275,7 +276,7 @@ class Engine:
             "skipped_steps": self.skipped_steps,
             "optimizer_steps": int(next(iter(self._step_counters.values())).item()),
             "loss_scale": self.scaler.state_dict(),
-            "client_state": self.client_state,
+            "client_state": copy.deepcopy(self.client_state),  # a deferred commit writes it later
             "rng": self.comm.all_gather_object(rng.capture()),
             "world_size": self.comm.world_size,
         }
@@ -384,7 +385,7 @@ class Engine:
             update.finish()
             self.params.finish_update()
             start = time.perf_counter()
-            self.optimizer_state.finish(self._commit_record(self.global_step + 1))
+            self.optimizer_state.finish(self._commit_record(self.global_step + 1), defer=self.config.store.defer_commit)
             update.wait_s += time.perf_counter() - start
         self.global_step += 1
         self.zero_grad()
@@ -403,7 +404,8 @@ class Engine:
 
     def _record_stats(self, update: Update) -> None:
         now = time.perf_counter()
-        io = self.optimizer_state.last_stats if isinstance(self.optimizer_state, StoreOptimizerState) else None
+        store = self.optimizer_state
+        reads, writes = store.take_io_bytes() if isinstance(store, StoreOptimizerState) else (0, 0)
         param_reads, param_writes = self.params.io_bytes()
         hits, misses = self.params.prefetch_counts()
         self.last_step_stats = StepStats(
@@ -411,8 +413,8 @@ class Engine:
             param_wait_s=self.params.take_wait_s(),
             optimizer_wait_s=update.wait_s,
             optimizer_s=update.compute_s,
-            bytes_read=(io.bytes_read if io else 0) + param_reads,
-            bytes_written=(io.bytes_written if io else 0) + param_writes,
+            bytes_read=reads + param_reads,
+            bytes_written=writes + param_writes,
             prefetch_hits=hits,
             prefetch_misses=misses,
             device_high_water=self.budget.high_water,
@@ -446,6 +448,13 @@ class Engine:
         states = self.optimizer_state.stream(self.layout.units)
         self._saving = self._memory_checkpoints(create=True).save(tag, self._commit_record(self.global_step), states, keep=keep)
 
+    def flush(self) -> None:
+        """Commit the last step now if its commit was deferred (``store.defer_commit``), so that
+        the store on disk holds it (e.g. before copying the store); otherwise it lands during
+        the next step's forward. Every rank calls it at the same point: it synchronises them."""
+        if isinstance(self.optimizer_state, StoreOptimizerState):
+            self.optimizer_state.settle()
+
     def _finish_saving(self) -> None:
         """Make a memory tier's checkpoint in progress durable and keep it."""
         saving, self._saving = self._saving, None
@@ -463,11 +472,14 @@ class Engine:
         return tiers
 
     def close(self) -> None:
-        """Finish a checkpoint in progress; release hooks and the process group this engine created."""
-        self._finish_saving()
-        self.grads.close()
-        self.params.close()
-        self.optimizer_state.close()
-        if self._checkpoints is not None:
-            self._checkpoints.close()
-        self.comm.close()
+        """Finish a checkpoint in progress and commit a deferred step; release hooks and the
+        process group this engine created, also when that commit fails (its error is raised)."""
+        try:
+            self._finish_saving()
+            self.optimizer_state.close()
+        finally:
+            self.grads.close()
+            self.params.close()
+            if self._checkpoints is not None:
+                self._checkpoints.close()
+            self.comm.close()

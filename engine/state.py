@@ -48,9 +48,10 @@ class OptimizerState(Protocol):
         """The unit's state has been updated: persist it (or not, in memory)."""
         ...
 
-    def finish(self, record: dict) -> None:
+    def finish(self, record: dict, *, defer: bool = False) -> None:
         """Every unit is done: wait until the whole step's state is stored, with ``record``
-        (step count and the like) describing it."""
+        (step count and the like) describing it; with ``defer``, a tier that stores it in the
+        background may return first, and stores it before its next ``stream`` or ``close``."""
         ...
 
     def nbytes(self) -> int:
@@ -104,7 +105,7 @@ class MemoryOptimizerState:
     def done(self, unit: UnitLayout, state: ShardState) -> None:
         return None
 
-    def finish(self, record: dict) -> None:
+    def finish(self, record: dict, *, defer: bool = False) -> None:
         return None
 
     def nbytes(self) -> int:

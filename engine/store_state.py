@@ -253,6 +253,8 @@ class StoreOptimizerState:
         self._read_prefix = generation_prefix(0)  # where the next step reads: it, or a checkpoint
         self._generation_zero_ready = False
         self._layout_adopted = True  # the store's attributes and committed arrays are this layout
+        self._deferred: dict | None = None  # the record of a step whose commit waits for ``settle``
+        self._bytes_read = self._bytes_written = 0  # by the steps since ``take_io_bytes``
         self.resumed_from: dict | None = self._check_resumable(path, layout, checkpoint) if resume else None
 
     def _check_resumable(self, path: Path, layout: ModelLayout, checkpoint: str | None) -> dict:
@@ -395,7 +397,9 @@ class StoreOptimizerState:
         self.pipeline.drain()  # its reads are the resume's, not the next step's
 
     def stream(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
-        """The units' state in order; the first reads are issued now, not at the first ``next``."""
+        """The units' state in order; the first reads are issued now, not at the first ``next``.
+        They read the last step's generation, so a deferred commit of it is made first."""
+        self.settle()
         stream = self.pipeline.stream(
             units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"optimizer state of unit {u.name}"
         )
@@ -405,6 +409,7 @@ class StoreOptimizerState:
         with stream:
             for unit, buf in stream:
                 self._held[unit.name] = buf
+                self._bytes_read += buf.nbytes
                 yield unit, self._views(unit, buf)
 
     def done(self, unit: UnitLayout, state: ShardState) -> None:
@@ -413,14 +418,28 @@ class StoreOptimizerState:
             # crash leaves it mixing two steps, which the durable mark lets every reader see.
             self.generations.mark_dirty()
             self._marked = True
+        buf = self._held.pop(unit.name)
+        self._bytes_written += buf.nbytes
         self.pipeline.write_back(
-            unit, self._held.pop(unit.name), self._save, describe=lambda u: f"optimizer state of unit {u.name}"
+            unit, buf, self._save, describe=lambda u: f"optimizer state of unit {u.name}"
         )
 
-    def finish(self, record: dict) -> None:
-        """Wait for the step's writes, make them durable on every rank, then commit."""
+    def finish(self, record: dict, *, defer: bool = False) -> None:
+        """Wait for the step's writes, make them durable on every rank, then commit. With
+        ``defer`` the writes go on in the background and the commit waits for ``settle``
+        (called by the next ``stream``, ``save`` and ``close``): the next step's forward then
+        hides them. Until then the store's last commit is the step before this one."""
+        if defer:
+            self._deferred = record
+            return
         self.last_stats = self.pipeline.drain()
         self._commit(self._target, record)
+
+    def settle(self) -> None:
+        """Commit a deferred step now (every rank calls this at the same point: it synchronises)."""
+        record, self._deferred = self._deferred, None
+        if record is not None:
+            self.finish(record)
 
     def _commit(self, generation: int, record: dict) -> None:
         self.store.sync()
@@ -446,6 +465,7 @@ class StoreOptimizerState:
         supersedes it (the request is in ``COMMITTED``, so it survives a crash), or in place,
         where nothing supersedes it, by a copy now; then delete the oldest checkpoints beyond
         ``keep`` (0 keeps all)."""
+        self.settle()
         if self._read_prefix != generation_prefix(self._committed):
             raise ValueError(
                 f"cannot keep checkpoint {tag!r} yet: this run resumed from {self._read_prefix} and has not "
@@ -488,9 +508,20 @@ class StoreOptimizerState:
         self._drop_other_layouts(committed)
         self.store.sync()
 
+    def take_io_bytes(self) -> tuple[int, int]:
+        """Bytes the steps since the last call read and handed to write-back: a step's own
+        traffic even while its writes are still landing (``finish(defer=True)``)."""
+        counts = self._bytes_read, self._bytes_written
+        self._bytes_read = self._bytes_written = 0
+        return counts
+
     def nbytes(self) -> int:
         """This rank's share of the store's live generations on disk (checkpoints aside)."""
         return GENERATIONS_ON_DISK[self.mode] * sum(unit_state_bytes(u) for u in self.layout.units)
 
     def close(self) -> None:
-        self.runner.close()
+        """Commit a deferred step, then stop the I/O threads."""
+        try:
+            self.settle()
+        finally:
+            self.runner.close()

@@ -22,10 +22,12 @@ def test_stop_resume_and_finish_within_the_predicted_memory(tmp_path, mode: str,
     assert summary["first_exit_code"] == (0 if signal == "SIGTERM" else -9)
     first = [row["step"] for row in steps if row["run"] == "first"]
     resumed = [row["step"] for row in steps if row["run"] == "resumed"]
-    assert summary["committed_at_stop"] == first[-1], "the store resumes at the last step the first run finished"
+    committed = summary["committed_at_stop"]
     if signal == "SIGTERM":
-        assert first[-1] == 2, "SIGTERM after step 1 finishes the step in flight, then stops"
-    assert resumed == list(range(first[-1] + 1, 4)) and summary["resumed_exit_code"] == 0
+        assert first[-1] == committed == 2, "SIGTERM after step 1 finishes the step in flight, commits it, then stops"
+    else:  # a kill before the last finished step's deferred commit landed loses that step too
+        assert committed in (first[-1] - 1, first[-1]), "the store resumes at one of the last two finished steps"
+    assert resumed == list(range(committed + 1, 4)) and summary["resumed_exit_code"] == 0
     assert all(math.isfinite(row["loss"]) for row in steps)
     assert summary["peak_rss_bytes"] <= RSS_TOLERANCE * summary["predicted_peak_rss_bytes"], summary
     assert summary["store_bytes"] == pytest.approx(summary["predicted_store_bytes"], rel=0.15)

@@ -76,7 +76,7 @@ def test_a_pending_checkpoint_survives_a_crash_and_the_next_step_keeps_it(tmp_pa
 
 
 def test_a_crash_between_the_commit_and_the_rename_loses_nothing(tmp_path, monkeypatch) -> None:
-    cfg, store = nvme(tmp_path), tmp_path / "store"
+    cfg, store = nvme(tmp_path, store={"defer_commit": False}), tmp_path / "store"  # the commit inside step()
     eng = Engine(tiny_gpt(), cfg, total_steps=6)
     run(eng, 2)
     eng.save("step-2")
@@ -104,10 +104,12 @@ def test_retention_deletes_the_oldest_whatever_their_names(tmp_path) -> None:
     for tag in ("z-first", "m-second", "a-third"):
         run(eng, 1)
         eng.save(tag)
-    run(eng, 1)  # keeps a-third: z-first is the oldest beyond 2
+    run(eng, 1)  # its commit keeps a-third: z-first is the oldest beyond 2
+    eng.flush()
     assert kept(store) == ["a-third", "m-second"]
     eng.save("b-fourth")
     run(eng, 1)
+    eng.flush()
     assert kept(store) == ["a-third", "b-fourth"]
     eng.close()
 

@@ -160,6 +160,7 @@ def test_a_failed_step_leaves_the_store_dirty_and_refused(tmp_path) -> None:
     cfg, store = in_place(tmp_path), tmp_path / "store"
     eng = Engine(tiny_gpt(), cfg, total_steps=4)
     run(eng, 2)
+    eng.flush()  # step 2 committed: step 3 is the one that fails
     ops = FailingOps("write", errno.ENOSPC)
     eng.optimizer_state.store._ops = ops
     ops.armed = True
@@ -218,8 +219,10 @@ def test_another_chunk_size_writes_a_fresh_generation_then_rewrites_it(tmp_path)
     # Shards cut for other chunks cannot be rewritten where they lie: the first step writes a new generation.
     eng = Engine.resume(wide_gpt(), in_place_chunks(tmp_path / "b", 2), total_steps=4)
     losses += run(eng, 1)
+    eng.flush()
     assert live_generations(store) == ["gen-1"], "the old one is dropped once the new one is committed"
     losses += run(eng, 1)
+    eng.flush()
     assert live_generations(store) == ["gen-1"]
     assert losses == expected_losses and same_params(params(eng), expected)
     eng.close()

@@ -42,6 +42,7 @@ def train_steps(eng: Engine, steps: int) -> None:
 def test_store_is_plain_zarr_holding_the_engine_masters(tmp_path) -> None:
     eng = Engine(tiny_gpt(), nvme_config(tmp_path), total_steps=3)
     train_steps(eng, 3)
+    eng.flush()
     committed = json.loads((tmp_path / "store" / "COMMITTED").read_text())
     assert committed["step"] == 3
     group = zarr.open_group(str(tmp_path / "store"), mode="r")
@@ -75,6 +76,7 @@ class FailingOps(FileOps):
 def test_io_error_names_unit_kind_range_and_keeps_last_commit(tmp_path, fail: str, err: int) -> None:
     eng = Engine(tiny_gpt(), nvme_config(tmp_path), total_steps=3)
     train_steps(eng, 1)
+    eng.flush()
     committed_params = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
     ops = FailingOps(fail, err)
     eng.optimizer_state.store._ops = ops
