@@ -5,6 +5,9 @@ model and data of `python -m engine train` under a given config, skip a few warm
 steps (first-touch allocations, the store's first generations) and keep the engine's
 own per-step statistics (`Engine.last_step_stats`) of the rest.
 
+`run_alternating` runs several configs side by side in one process, taking turns, so that
+their ratios (an offloaded step against its compute alone) survive the machine's drift.
+
 Memory has to be measured in a fresh process: the kernel's high-water mark never
 goes down, so a process that already ran a larger model would report that one.
 `run_isolated` therefore runs `python -m benchmarks.runs` with the config on stdin
@@ -121,32 +124,96 @@ def disk_usage(path: Path) -> int:
     return sum(entry.stat().st_blocks * 512 for entry in path.rglob("*") if entry.is_file())
 
 
+class _TrainingRun:
+    """One engine over the model and data of ``config``, stepped on demand."""
+
+    def __init__(self, config: Config, total_steps: int):
+        self.model, init, self._batches = model_and_data(config)
+        self._accum = config.zero.grad_accum_steps
+        self.engine = Engine(self.model, config, total_steps=total_steps, init_unit=init)
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step; the engine's statistics of it."""
+        for _ in range(self._accum):
+            self.engine.backward(self.engine(*self._batches.next()))
+            self.engine.step()
+        return self.engine.last_step_stats.to_dict()
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
 def run_engine(config: Config, schedule: Schedule) -> RunResult:
     """Train ``schedule.warmup + schedule.steps`` optimizer steps in this process; keep the
     statistics of the timed ones."""
-    model, init, batches = model_and_data(config)
     rss_before = psutil.Process().memory_info().rss
-    timed = []
     total = schedule.warmup + schedule.steps
     with threads_restored():
         torch.set_num_threads(schedule.threads)
-        engine = Engine(model, config, total_steps=total, init_unit=init)
+        run = _TrainingRun(config, total)
+        timed = []
         try:
             for step in range(total):
-                for _ in range(config.zero.grad_accum_steps):
-                    engine.backward(engine(*batches.next()))
-                    engine.step()
+                stats = run.step()
                 if step >= schedule.warmup:
-                    timed.append(engine.last_step_stats.to_dict())
+                    timed.append(stats)
         finally:
-            engine.close()
+            run.engine.close()
     return RunResult(
-        params=sum(p.numel() for p in model.parameters()),
+        params=run.params,
         steps=timed,
         rss_before_bytes=rss_before,
         peak_rss_bytes=peak_rss_bytes(),
         store_bytes=disk_usage(Path(config.offload.nvme_path)),
     )
+
+
+ALTERNATION_BLOCK = 4
+"""Steps each run takes in a row when runs alternate; the first of each block is not timed."""
+
+
+def run_alternating(configs: list[Config], schedule: Schedule) -> list[RunResult]:
+    """Train one engine per config in this process, taking turns in blocks of steps, so that a
+    slow spell of the machine (a shared host's speed drifts by tens of percent within minutes)
+    hits every run alike and their ratios hold where their absolute times do not.
+
+    A run's I/O must not spill into another's turn: each block ends with ``Engine.flush``
+    (its last commit, untimed), and the block's first step, whose predecessor's write-back was
+    thereby taken out of it, is not timed either. Every timed step thus pays for exactly its
+    predecessor's deferred commit, as in an uninterrupted run. Memory is the process's, shared
+    by all runs: ``peak_rss_bytes`` is not any one run's."""
+    timed_per_block = ALTERNATION_BLOCK - 1
+    blocks = -(-schedule.steps // timed_per_block)
+    total = schedule.warmup + blocks * ALTERNATION_BLOCK
+    timed: list[list[dict[str, float]]] = [[] for _ in configs]
+    runs: list[_TrainingRun] = []
+    with threads_restored():
+        torch.set_num_threads(schedule.threads)
+        try:
+            for config in configs:
+                runs.append(_TrainingRun(config, total))
+            for run in runs:
+                for _ in range(schedule.warmup):
+                    run.step()
+                run.engine.flush()
+            for _ in range(blocks):
+                for run, kept in zip(runs, timed):
+                    kept.extend([run.step() for _ in range(ALTERNATION_BLOCK)][1:])
+                    run.engine.flush()
+        finally:
+            for run in runs:
+                run.engine.close()
+    return [
+        RunResult(
+            params=run.params,
+            steps=kept[: schedule.steps],
+            rss_before_bytes=0,
+            peak_rss_bytes=peak_rss_bytes(),
+            store_bytes=disk_usage(Path(config.offload.nvme_path)),
+        )
+        for run, kept, config in zip(runs, timed, configs)
+    ]
 
 
 def run_isolated(config: Config, schedule: Schedule) -> RunResult:

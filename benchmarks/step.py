@@ -7,13 +7,18 @@ The model is the one `python -m engine train` trains by default: the config defa
 of 8); `--quick` takes the "tiny" preset so that the run lasts seconds. For each tier
 plan (`benchmarks.plans.PLANS`) it measures:
 
-- compute: the same stage with every tier on `device`, so nothing moves (median step);
+- compute: the same stage with every tier on `device`, so nothing moves (median step), run in
+  the same process taking turns with the plan's run (`benchmarks.runs.run_alternating`);
 - movement: the bytes the plan's step moves through the store, moved with no compute
   (`benchmarks.traffic`, with the plan's own `[offload]` settings);
 - step: the offloaded step itself (median), with the engine's own per-step statistics.
 
 overlap = max(compute, movement) / step: 1 when the step hides the smaller of the two
-entirely behind the larger, max / (compute + movement) when it overlaps nothing. The engine's statistics then say where
+entirely behind the larger, max / (compute + movement) when it overlaps nothing. Moving
+bytes is not free of CPU (system calls, checksums: "movement CPU s", measured), and a
+compute that keeps every core busy has no idle core to give it, so "CPU bound s" =
+max(movement, compute + movement CPU / cores) is the best step this machine allows, and
+"of CPU bound" the step's efficiency against it. The engine's statistics then say where
 the rest went: exposed parameter I/O ("param wait"), exposed optimizer I/O ("opt wait":
 reads not ready in time, the last writes, fsync and commit), the AdamW update, and
 "engine compute": the step less its exposed waits.
@@ -22,6 +27,7 @@ reads not ready in time, the last writes, fsync and commit), the AdamW update, a
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,20 +39,21 @@ from benchmarks.runs import (
     Schedule,
     add_schedule_arguments,
     model_layout,
-    run_engine,
+    run_alternating,
     schedule_from,
 )
 from benchmarks.traffic import Movement, measure_movement
 from engine.config import Config
 
+CORES = os.cpu_count() or 1
 FULL = Schedule(warmup=2, steps=8)
 QUICK = Schedule(warmup=1, steps=2)
 
 
 @dataclasses.dataclass
 class Measurements:
-    """Every run of one benchmark, by plan key: the compute-only runs (one per stage), the
-    offloaded runs and their data movement alone."""
+    """Every run of one benchmark, by plan key: each plan's compute-only partner, its offloaded
+    run and its data movement alone."""
 
     computes: dict[str, RunResult]
     runs: dict[str, RunResult]
@@ -56,30 +63,34 @@ class Measurements:
 def measure(
     plans: list[TierPlan], sections: dict[str, dict[str, Any]], schedule: Schedule, reps: int, work: Path
 ) -> Measurements:
-    """Each plan's offloaded run and its movement, back to back so that a slow spell of the machine
-    hits both alike, after its stage's compute-only run (once per stage); the stores go under ``work``."""
+    """Each plan's offloaded run alternating with its compute-only partner in one process, then
+    its movement, so that the machine's drift hits all three alike; the stores go under ``work``."""
     m = Measurements({}, {}, {})
     for plan in plans:
-        baseline = plan.compute_only()
-        if baseline.key not in m.computes:
-            m.computes[baseline.key] = run_engine(baseline.config(work / baseline.key, sections), schedule)
+        baseline = plan.compute_only().config(work / f"{plan.key}-compute", sections)
         config = plan.config(work / plan.key, sections)
-        m.runs[plan.key] = run_engine(config, schedule)
+        m.computes[plan.key], m.runs[plan.key] = run_alternating([baseline, config], schedule)
         m.movements[plan.key] = measure_movement(
             work / f"{plan.key}-traffic", model_layout(config), config, plan, reps
         )
     return m
 
 
-def plan_row(plan: TierPlan, run: RunResult, compute: RunResult, movement: Movement) -> Row:
+def plan_row(plan: TierPlan, run: RunResult, compute: RunResult, movement: Movement, threads: int) -> Row:
     """One line of the table: the step against its ideal, and where the engine says it went."""
     step_s, compute_s = run.median("seconds"), compute.median("seconds")
+    # A compute on every core gives the I/O's own CPU time no idle core to run on.
+    shared_cpu_s = movement.cpu_s / CORES if threads >= CORES else 0.0
+    cpu_bound_s = max(movement.seconds, compute_s + shared_cpu_s)
     return {
         "plan": plan.label,
         "step s": step_s,
         "compute s": compute_s,
         "movement s": movement.seconds,
         "overlap": max(compute_s, movement.seconds) / step_s,
+        "movement CPU s": movement.cpu_s,
+        "CPU bound s": cpu_bound_s,
+        "of CPU bound": cpu_bound_s / step_s,
         "param wait s": run.median("param_wait_s"),
         "opt wait s": run.median("optimizer_wait_s"),
         "AdamW s": run.median("optimizer_s"),
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-step-", dir=args.dir) as work:
         m = measure(plans, sections, schedule, reps, Path(work))
-    rows = [plan_row(p, m.runs[p.key], m.computes[p.compute_only().key], m.movements[p.key]) for p in plans]
+    rows = [plan_row(p, m.runs[p.key], m.computes[p.key], m.movements[p.key], schedule.threads) for p in plans]
 
     # Every plan runs the same model and data: describe them from any plan's config.
     config = plans[0].config(args.dir, sections)
@@ -135,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         "compute s: the same stage with every tier on device; movement s: the step's store traffic alone; "
         "overlap: max(compute, movement) / step.\n"
+        "CPU bound s: max(movement, compute + movement CPU s / cores), the I/O's CPU taken from a compute on "
+        "every core; of CPU bound: that bound / step.\n"
         "param wait s, opt wait s: exposed I/O (the engine's per-step statistics); engine compute s: the step "
         "less its exposed waits; AdamW s: the update (on the step's thread or hidden in backward)."
     )

@@ -23,6 +23,7 @@ that makes every write durable. Its time is what the step's I/O costs alone:
 from __future__ import annotations
 
 import functools
+import resource
 import shutil
 import statistics
 import time
@@ -160,9 +161,10 @@ class StoreTraffic:
             else:
                 self.store.read_into(name, 0, view)
 
-    def step(self) -> float:
-        """Move one step's bytes and make the writes durable; the seconds it took."""
-        start = time.perf_counter()
+    def step(self) -> tuple[float, float]:
+        """Move one step's bytes and make the writes durable; the seconds it took, and the CPU
+        seconds this process spent on it (I/O threads included: system calls, checksums)."""
+        start, cpu_start = time.perf_counter(), process_cpu_s()
         load = functools.partial(self._move, self._read_generation, False)
         save = functools.partial(self._move, self._written(), True)
         for transfer, buf in self.pipeline.stream(
@@ -175,7 +177,7 @@ class StoreTraffic:
         self.pipeline.drain()
         self.store.sync()
         self._read_generation = self._written()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, process_cpu_s() - cpu_start
 
     def close(self) -> None:
         """Stop the I/O threads and delete the store."""
@@ -191,14 +193,22 @@ class StoreTraffic:
         self.close()
 
 
+def process_cpu_s() -> float:
+    """User and system CPU seconds of this process so far, every thread counted."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 @dataclass(frozen=True)
 class Movement:
-    """The data-movement-only time of one plan's step: median and every timed step, and its bytes."""
+    """The data-movement-only time of one plan's step: median and every timed step, its bytes,
+    and the CPU seconds moving them takes (median): cores a compute-bound step must share."""
 
     seconds: float
     runs: list[float]
     bytes_read: int
     bytes_written: int
+    cpu_s: float = 0.0
 
 
 def measure_movement(path: Path, layout: ModelLayout, config: Config, plan: TierPlan, reps: int) -> Movement:
@@ -212,5 +222,5 @@ def measure_movement(path: Path, layout: ModelLayout, config: Config, plan: Tier
     bytes_written = sum(s.nbytes for t in transfers for s in t.writes)
     with StoreTraffic(path, transfers, config.offload, in_place=config.store.mode == "in-place") as traffic:
         traffic.step()
-        runs = [traffic.step() for _ in range(reps)]
-    return Movement(statistics.median(runs), runs, bytes_read, bytes_written)
+        runs, cpu = zip(*(traffic.step() for _ in range(reps)))
+    return Movement(statistics.median(runs), list(runs), bytes_read, bytes_written, statistics.median(cpu))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
+import crc32c
 import numpy as np
 import torch
 import zarr
@@ -123,10 +123,9 @@ def _byte_view(t: torch.Tensor) -> np.ndarray:
 
 
 def _crc32c(buf: np.ndarray) -> int:
-    # google_crc32c only takes read-only buffers; a read-only view costs nothing.
-    view = buf.view()
-    view.flags.writeable = False
-    return google_crc32c.value(view)
+    # The `crc32c` package releases the GIL on large buffers: the I/O threads checksum chunks
+    # while the training thread keeps running Python (google-crc32c holds the GIL throughout).
+    return crc32c.crc32c(buf)
 
 
 def _check_name(name: str, what: str) -> None:
