@@ -1,6 +1,6 @@
 """Our engine beside plain PyTorch, FSDP2 and DeepSpeed: the same training, side by side, in one run.
 
-    python -m benchmarks.peers [--quick] [--systems plain fsdp2 deepspeed ours] [--dir PATH] [--out PATH]
+    python -m benchmarks.peers [--quick] [--systems plain fsdp2 deepspeed ours] [--rounds N] [--dir PATH] [--out PATH]
 
 Every contestant trains the same workload (`benchmarks.peers.workload`): the built-in
 GPT, untied (21.1M parameters: 4 layers, d_model 512, 8 heads, a BPE vocabulary of
@@ -17,7 +17,9 @@ Each contestant runs in a process group of its own (`benchmarks.peers.launch`), 
 peak RSS is that of its ranks (and their children) only, sampled from outside; the
 NVMe runs also report the disk their files occupy at the peak. A step is timed from
 the batch to the finished update; a contestant's step time is the median over the
-timed steps (after `warmup`) of the slowest rank's. Ratios pair contestants that keep
+timed steps (after `warmup`) of the slowest rank's, over `--rounds` rounds in which every
+contestant runs in turn (a shared machine's speed drifts by tens of percent within minutes:
+rounds spread that over all contestants instead of whichever ran in a slow spell). Ratios pair contestants that keep
 their state on the same tiers: "peer/ours" above 1 means ours is faster; "x plain" is
 the price of offloading against the floor. A contestant that is not installed or fails
 is listed as skipped, with the reason. `--quick` runs a 0.14M-parameter model on byte
@@ -176,6 +178,28 @@ def run_contestant(
     return record
 
 
+def merge_rounds(rounds: Sequence[dict[str, Any]], workload: Workload) -> dict[str, Any]:
+    """One contestant's records from several rounds as one: its step time the median of every
+    round's timed steps, its memory and disk the largest any round saw. A round that failed
+    stands for all of them."""
+    failed = next((r for r in rounds if r["status"] != "ok"), None)
+    if failed is not None or len(rounds) == 1:
+        return failed or rounds[0]
+    step_s = statistics.median(s for r in rounds for s in r["steps_s"][workload.warmup :])
+    merged = dict(rounds[0])
+    merged.update(
+        step_s=step_s,
+        round_step_s=[r["step_s"] for r in rounds],
+        tokens_per_s=workload.tokens_per_step / step_s,
+        setup_s=statistics.median(r["setup_s"] for r in rounds),
+        peak_rss_bytes=max(r["peak_rss_bytes"] for r in rounds),
+        wall_s=sum(r["wall_s"] for r in rounds),
+    )
+    if "disk_bytes" in merged:
+        merged["disk_bytes"] = max(r["disk_bytes"] for r in rounds)
+    return merged
+
+
 def add_ratios(records: Sequence[dict[str, Any]]) -> None:
     """`x_plain`: step time over the floor's; `peer_over_ours`: a peer's step time over ours
     on the same tiers. Only between contestants that ran."""
@@ -238,6 +262,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--warmup", type=int, help=f"untimed first steps (default {FULL.warmup}, --quick {QUICK.warmup})"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="times every contestant runs, in turn, so that the machine's drift hits all alike (default 2, --quick 1)",
+    )
     parser.add_argument("--dir", type=Path, default=Path("."), help="where the NVMe contestants write (default .)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one contestant may run")
     parser.add_argument(
@@ -257,20 +286,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = workload.gpt_config(vocab_size).num_params()
     contestants = [c for c in CONTESTANTS if c.system in args.systems]
 
-    records = []
+    rounds = args.rounds or (1 if args.quick else 2)
+    if rounds < 1:
+        parser.error("--rounds must be >= 1")
+    runs: list[list[dict[str, Any]]] = [[] for _ in contestants]
     args.dir.mkdir(parents=True, exist_ok=True)
-    for contestant in contestants:
-        print(f"running {contestant.label} ...", flush=True)
-        with tempfile.TemporaryDirectory(prefix="bench-peers-", dir=args.dir) as work:
-            record = run_contestant(contestant, workload, Path(work), args.timeout, args.prepare_timeout)
-        records.append(record)
-        ran = record["status"] == "ok"
-        print(f"  {1000 * record['step_s']:.0f} ms/step" if ran else f"  skipped: {record['reason']}", flush=True)
+    for round_index in range(rounds):
+        for contestant, kept in zip(contestants, runs):
+            print(f"round {round_index + 1} of {rounds}: running {contestant.label} ...", flush=True)
+            with tempfile.TemporaryDirectory(prefix="bench-peers-", dir=args.dir) as work:
+                record = run_contestant(contestant, workload, Path(work), args.timeout, args.prepare_timeout)
+            kept.append(record)
+            ran = record["status"] == "ok"
+            print(f"  {1000 * record['step_s']:.0f} ms/step" if ran else f"  skipped: {record['reason']}", flush=True)
+    records = [merge_rounds(kept, workload) for kept in runs]
     add_ratios(records)
     ran, skipped = table_rows(records)
     model = f"{params / 1e6:.2f}M params, {workload.micro_batch} x {workload.seq_len} tokens per rank, bf16"
     ranks = f"{workload.world_size} gloo ranks x 1 thread"
-    print_table(f"Peers side by side: {model}, {ranks}; median of {workload.steps} steps after {workload.warmup}", ran)
+    print_table(
+        f"Peers side by side: {model}, {ranks}; median of {workload.steps} steps after {workload.warmup}, "
+        f"in each of {rounds} round(s)",
+        ran,
+    )
     if skipped:
         print_table("Skipped", skipped)
     plot(args.out / "peers.png", records, f"Step time: {model}\n{ranks}")

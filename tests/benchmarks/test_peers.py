@@ -105,3 +105,21 @@ def test_deepspeed(tmp_path: Path) -> None:
     contestants = record["contestants"]
     assert [(c["system"], c["placement"]) for c in contestants] == [("deepspeed", "cpu"), ("deepspeed", "nvme")]
     check_ran(contestants)
+
+
+def test_rounds_merge_into_the_median_of_every_timed_step_and_a_failure_stands() -> None:
+    from benchmarks.peers.workload import QUICK
+
+    def record(steps: list[float], rss: int, status: str = "ok") -> dict[str, Any]:
+        timed = sorted(steps[QUICK.warmup :]) or [0.0]
+        return {"status": status, "steps_s": steps, "step_s": timed[len(timed) // 2], "setup_s": 1.0,
+                "tokens_per_s": 0.0, "peak_rss_bytes": rss, "wall_s": 2.0, "disk_bytes": rss}
+
+    warm = [9.0] * QUICK.warmup
+    merged = compare.merge_rounds([record(warm + [1.0, 2.0, 3.0], 10), record(warm + [4.0, 5.0, 6.0], 30)], QUICK)
+    assert merged["step_s"] == 3.5  # the median of all six timed steps, warm-up steps left out
+    assert merged["round_step_s"] == [2.0, 5.0]
+    assert merged["peak_rss_bytes"] == merged["disk_bytes"] == 30 and merged["wall_s"] == 4.0
+    assert merged["tokens_per_s"] == QUICK.tokens_per_step / 3.5
+    failed = record([], 0, status="skipped")
+    assert compare.merge_rounds([record(warm + [1.0], 10), failed], QUICK) is failed
