@@ -152,8 +152,10 @@ def build_layout(
 ) -> ModelLayout:
     """Flat-buffer offsets, padded shard sizes and chunk sizes for ``world_size`` ranks.
 
-    A shard is padded to ``ALIGN_ELEMS``; a shard larger than ``max_chunk_numel`` is padded
-    to a multiple of it and stored in chunks of that size, a smaller one is one chunk.
+    A shard is cut into the fewest chunks of at most ``max_chunk_numel`` elements, all of one
+    size, a multiple of ``ALIGN_ELEMS``: padding stays under ``ALIGN_ELEMS`` per chunk (chunks
+    of exactly the maximum would pad a shard just over it to twice its size, and every step
+    would read and write the zeros).
     """
     if max_chunk_numel % ALIGN_ELEMS:
         raise ValueError(f"chunk size {max_chunk_numel} elements must be a multiple of {ALIGN_ELEMS}")
@@ -165,9 +167,10 @@ def build_layout(
             offset += param.numel()
         if offset == 0:
             continue
-        shard = _round_up(math.ceil(offset / world_size), ALIGN_ELEMS)
-        chunk = min(shard, max_chunk_numel)
-        shard = _round_up(shard, chunk)
+        shard = math.ceil(offset / world_size)
+        chunks = math.ceil(shard / max_chunk_numel)
+        chunk = _round_up(math.ceil(shard / chunks), ALIGN_ELEMS)
+        shard = chunk * chunks
         units.append(UnitLayout(unit_name, tuple(slots), offset, shard, chunk, shard * world_size))
     return ModelLayout(tuple(units), world_size)
 

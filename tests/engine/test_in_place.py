@@ -166,6 +166,7 @@ def test_a_failed_step_leaves_the_store_dirty_and_refused(tmp_path) -> None:
     ops.armed = True
     with pytest.raises(OffloadIOError):
         run(eng, 1)
+        eng.flush()  # a write that fails behind the step surfaces here at the latest
     ops.armed = False
     with pytest.raises(DirtyStoreError, match="stopped while rewriting generation 0, committed at step 2"):
         eng.save("torn")

@@ -84,6 +84,7 @@ def test_io_error_names_unit_kind_range_and_keeps_last_commit(tmp_path, fail: st
     before = (tmp_path / "store" / "COMMITTED").read_text()
     with pytest.raises(OffloadIOError) as info:
         train_steps(eng, 1)
+        eng.flush()  # a write that fails behind the step surfaces here at the latest
     message = str(info.value)
     assert info.value.errno == err
     assert "gen-" in message and "elements [" in message, message
