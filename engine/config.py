@@ -64,7 +64,8 @@ class OffloadConfig:
     buffer_mb: int = 256
     """Host staging budget for the ``nvme`` tier in MiB: peak host memory for streamed state."""
     chunk_mb: int = 16
-    """Largest zarr chunk in MiB of fp32; shards are padded to a multiple of it."""
+    """Largest zarr chunk in MiB of fp32; a shard is cut into the fewest chunks within it, all of
+    one 4 KiB-aligned size, so padding (read and written every step) stays under 4 KiB a chunk."""
     io_threads: int = 4
     """Threads doing positional reads and writes."""
     checksum: bool = True
