@@ -208,9 +208,17 @@ class ShardedParams:
     def _post_forward(self, units: list[str]):
         def hook(module: nn.Module, args, output):
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            waiting = True
+
+            def before_backward(grad: torch.Tensor) -> None:
+                # The first of the unit's output gradients is ready: its backward is next.
+                nonlocal waiting
+                if waiting:
+                    waiting = False
+                    self._gather_all(units)
+
             for tensor in tensors:
-                # Fires when the gradient of the unit's output is ready: its backward is next.
-                tensor.register_hook(lambda grad: self._gather_all(units))
+                tensor.register_hook(before_backward)
             for name in units:
                 self._release_unless_next(name)
 
