@@ -130,6 +130,8 @@ class _TrainingRun:
     def __init__(self, config: Config, total_steps: int):
         self.model, init, self._batches = model_and_data(config)
         self._accum = config.zero.grad_accum_steps
+        self.rss_before_bytes = psutil.Process().memory_info().rss
+        """Resident memory once the model and the data are built, before the engine exists."""
         self.engine = Engine(self.model, config, total_steps=total_steps, init_unit=init)
 
     def step(self) -> dict[str, float]:
@@ -147,7 +149,6 @@ class _TrainingRun:
 def run_engine(config: Config, schedule: Schedule) -> RunResult:
     """Train ``schedule.warmup + schedule.steps`` optimizer steps in this process; keep the
     statistics of the timed ones."""
-    rss_before = psutil.Process().memory_info().rss
     total = schedule.warmup + schedule.steps
     with threads_restored():
         torch.set_num_threads(schedule.threads)
@@ -163,7 +164,7 @@ def run_engine(config: Config, schedule: Schedule) -> RunResult:
     return RunResult(
         params=run.params,
         steps=timed,
-        rss_before_bytes=rss_before,
+        rss_before_bytes=run.rss_before_bytes,
         peak_rss_bytes=peak_rss_bytes(),
         store_bytes=disk_usage(Path(config.offload.nvme_path)),
     )
@@ -208,7 +209,7 @@ def run_alternating(configs: list[Config], schedule: Schedule) -> list[RunResult
         RunResult(
             params=run.params,
             steps=kept[: schedule.steps],
-            rss_before_bytes=0,
+            rss_before_bytes=run.rss_before_bytes,
             peak_rss_bytes=peak_rss_bytes(),
             store_bytes=disk_usage(Path(config.offload.nvme_path)),
         )
