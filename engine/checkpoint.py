@@ -16,10 +16,12 @@ import torch
 
 from engine.partition import ModelLayout, UnitLayout
 from engine.state import ShardState
+from engine.step_record import check_step_record
 from engine.store_state import (
     KINDS,
     create_arrays,
     first_difference,
+    naming_way_out,
     read_shard,
     write_shard_async,
 )
@@ -86,13 +88,16 @@ class MemoryCheckpoints:
         first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)
         self.generations = Generations(self.store)
         if self._leader:  # a checkpoint a crash left pending in a live store is kept before it is looked for
+            self.generations.tidy()
             self.generations.keep_superseded()
         barrier()
 
     def read(self, tag: str) -> tuple[dict, Iterator[tuple[UnitLayout, ShardState]]]:
         """Checkpoint ``tag``'s record, and this rank's shard of each unit's state (host tensors,
         read as they are consumed), cut for this layout whatever world size wrote it."""
-        prefix, record = self.generations.checkpoint(tag)
+        with naming_way_out(self.generations):
+            prefix, record = self.generations.checkpoint(tag)
+            check_step_record(record, str(self.store.path / prefix / "COMMITTED"))
         logger.info("resuming from checkpoint %s (step %s) of %s", tag, record.get("step"), self.store.path)
 
         def shards() -> Iterator[tuple[UnitLayout, ShardState]]:
@@ -112,7 +117,7 @@ class MemoryCheckpoints:
         self._barrier()
         if self._leader:
             self.generations.drop_uncommitted()
-            create_arrays(self.store, prefix, self.layout)
+            self.store.build(prefix, lambda staging: create_arrays(self.store, staging, self.layout))
         self._barrier()
         writes = {}
         for unit, state in states:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -105,6 +108,20 @@ class Comm:
         out: list[object] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+    def on_leader(self, fn: Callable[[], T]) -> T | None:
+        """``fn()`` on rank 0 only (its result there, None elsewhere); its error is raised on
+        every rank, so that none waits in a later collective for a leader that failed."""
+        result, error = None, None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as err:  # every rank must hear of it
+                error = err
+        error = self.all_gather_object(error)[0]
+        if error is not None:
+            raise error
+        return result
 
     def barrier(self) -> None:
         if self.world_size > 1:

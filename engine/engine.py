@@ -53,6 +53,7 @@ from engine.state import MemoryOptimizerState, OptimizerState, ShardState
 from engine.stats import StepStats
 from engine.store_state import StoreOptimizerState
 from engine.update import Update, overlaps_backward
+from offload.lock import StoreLock
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,11 @@ class Engine:
         """A memory tier's checkpoint still being written, finished by the next step."""
         if not on_meta:
             model.to(self.device.device)
+        self._store_lock: StoreLock | None = None
+        """The writer lock of the store at ``offload.nvme_path``, taken before its first write (rank 0's)."""
+        self._store_locked = False  # on every rank: taking the lock is collective
+        if tier == "nvme" or (config.zero.stage == 3 and config.offload.param == "nvme") or checkpoint is not None:
+            self._lock_store(create=not resume)
         self.optimizer_state = self._optimizer_state(opt_device, resume, checkpoint)
         if tier == "device":
             self.budget.charge(self.optimizer_state.nbytes(), "the optimizer state (offload.optimizer = \"device\")")
@@ -303,10 +309,21 @@ class Engine:
             mode=self.config.store.mode,
         )
 
+    def _lock_store(self, create: bool) -> None:
+        """Take the writer lock of the store at ``offload.nvme_path`` (rank 0 holds it for the
+        run), once, before anything writes there, making its folder if ``create``; every rank
+        hears if it is refused. A run that fails before writing leaves the folder as it found
+        it (see ``StoreLock``)."""
+        if not self._store_locked:
+            path = self.config.offload.nvme_path
+            self._store_lock = self.comm.on_leader(lambda: StoreLock.acquire(path, create=create))
+            self._store_locked = True
+
     def _memory_checkpoints(self, create: bool) -> MemoryCheckpoints:
         """The store at ``offload.nvme_path`` a memory tier keeps its checkpoints in (created
         by the first ``save`` if ``create``)."""
         if self._checkpoints is None:
+            self._lock_store(create)
             offload = self.config.offload
             self._checkpoints = MemoryCheckpoints(
                 Path(offload.nvme_path),
@@ -482,4 +499,6 @@ class Engine:
             self.params.close()
             if self._checkpoints is not None:
                 self._checkpoints.close()
+            if self._store_lock is not None:
+                self._store_lock.release()
             self.comm.close()

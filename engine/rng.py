@@ -44,3 +44,15 @@ def restore(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss_next))
     if "accelerator" in state and torch.accelerator.is_available():
         torch.get_device_module().set_rng_state(_decode(state["accelerator"]))
+
+
+def check(state: Any) -> None:
+    """Refuse (ValueError) a state ``restore`` could not apply, without changing any generator:
+    the state is tried, and the current one put back whatever happens."""
+    current = capture()
+    try:
+        restore(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, OverflowError) as err:
+        raise ValueError(f"not a random-generator state ({type(err).__name__}: {err})") from None
+    finally:
+        restore(current)

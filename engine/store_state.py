@@ -30,6 +30,7 @@ size is replaced, never rewritten (its shards fall elsewhere), by writing a fres
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -41,11 +42,13 @@ import torch
 
 from engine.partition import ModelLayout, UnitLayout
 from engine.state import ShardState
+from engine.step_record import check_step_record
 from offload.buffers import BufferPool, HostBuffer
 from offload.generations import KEEP, Generations, generation_prefix
 from offload.io import IORunner
+from offload.manifest import ManifestError
 from offload.pipeline import Pipeline, PipelineStats
-from offload.store import ShardStore
+from offload.store import ChecksumError, ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -104,24 +107,43 @@ def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS) ->
         )
 
 
+def way_out(generations: Generations) -> str:
+    """What a user does with a store whose live state cannot be read: resume from its last
+    checkpoint (named, with the command), or, without one, start afresh."""
+    try:
+        latest = generations.latest_checkpoint()
+    except ValueError:  # the checkpoints' own records are damaged too
+        latest = None
+    if latest:
+        return (
+            f"resume from its last checkpoint, {latest!r}: `python -m engine train --from-checkpoint {latest}` "
+            f"(in Python: Engine.resume(model, config, checkpoint={latest!r}))"
+        )
+    return (
+        f"it holds no checkpoint to resume from, so remove {generations.store.path} and start afresh, or restore it "
+        f"from a backup (checkpoint.interval keeps checkpoints to fall back to)"
+    )
+
+
+@contextlib.contextmanager
+def naming_way_out(generations: Generations) -> Iterator[None]:
+    """Add ``way_out`` to a damaged-store error (a bad record, a bad chunk) raised inside."""
+    try:
+        yield
+    except (ManifestError, ChecksumError) as err:
+        raise type(err)(f"{err}; {way_out(generations)}") from None
+
+
 def check_clean(generations: Generations) -> None:
     """Refuse a dirty store (its committed generation mixes two steps), naming the way out:
     its last checkpoint, or removing it."""
     mark = generations.dirty()
     if mark is None:
         return
-    path, latest = generations.store.path, generations.latest_checkpoint()
-    way_out = (
-        f"resume from its last checkpoint, {latest!r}: Engine.resume(model, config, checkpoint={latest!r}) or "
-        f"`python -m engine train --from-checkpoint {latest}`"
-        if latest
-        else f"it holds no checkpoint to resume from, so remove {path} and start afresh (checkpoint.interval "
-        f"keeps checkpoints to fall back to)"
-    )
     raise DirtyStoreError(
-        f"store {path} is dirty: its run (store.mode = \"in-place\") stopped while rewriting generation "
+        f"store {generations.store.path} is dirty: its run (store.mode = \"in-place\") stopped while rewriting generation "
         f"{mark['generation']}, committed at step {mark['step']}, so that generation mixes two steps and cannot be "
-        f"read; {way_out}"
+        f"read; {way_out(generations)}"
     )
 
 
@@ -236,17 +258,15 @@ class StoreOptimizerState:
         self._copy_bytes = buffer_bytes // 2  # a checkpoint copy's buffer: room for it beside a stream's window
         if self._leader and not resume:
             check_nvme_path(path, layout, mode)
-            if (path / "zarr.json").exists():
-                raise FileExistsError(
-                    f"offload.nvme_path = {str(path)!r} already holds a store: resume from it "
-                    f"(Engine.resume, or `python -m engine train` with the same nvme_path), "
-                    f"or remove it, or choose another nvme_path"
-                )
             attrs = {"layout": layout.to_dict(), MODE_ATTR: mode}
-            ShardStore.create(path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io)
+            abandoned = self._check_new(path)
+            ShardStore.create(path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=abandoned)
         barrier()
         self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
         self.generations = Generations(self.store)
+        if self._leader and resume:
+            with naming_way_out(self.generations):
+                self.generations.tidy()
         self._committed = 0  # the live committed generation
         self._target = 0  # the generation the next step writes: the one after it, or itself in place
         self._marked = False  # this step has marked the store dirty
@@ -255,7 +275,30 @@ class StoreOptimizerState:
         self._layout_adopted = True  # the store's attributes and committed arrays are this layout
         self._deferred: dict | None = None  # the record of a step whose commit waits for ``settle``
         self._bytes_read = self._bytes_written = 0  # by the steps since ``take_io_bytes``
-        self.resumed_from: dict | None = self._check_resumable(path, layout, checkpoint) if resume else None
+        self.resumed_from: dict | None = None
+        if resume:
+            with naming_way_out(self.generations):
+                self.resumed_from = self._check_resumable(path, layout, checkpoint)
+
+    def _check_new(self, path: Path) -> bool:
+        """Whether a new store may be made at ``path``: nothing there (False), or a store whose
+        first step was never committed and that keeps no checkpoint, abandoned by a run that
+        stopped while creating it (True: nothing in it can be resumed, so it is replaced)."""
+        if not (path / "zarr.json").exists():
+            return False
+        existing = ShardStore.open(path, runner=self.runner)
+        generations = Generations(existing)
+        with naming_way_out(generations):
+            live, kept = generations.committed(), generations.checkpoints()
+        if live is None and not kept:
+            logger.warning("%s holds a store whose first step was never committed: nothing to resume, starting afresh", path)
+            return True
+        how = (
+            "resume from it (run the same command again: `python -m engine train` continues a store), "
+            if live
+            else f"it holds only checkpoints ({', '.join(kept)}): resume from one with --from-checkpoint TAG, "
+        )
+        raise FileExistsError(f"offload.nvme_path = {str(path)!r} already holds a store: {how}or remove it, or choose another nvme_path")
 
     def _check_resumable(self, path: Path, layout: ModelLayout, checkpoint: str | None) -> dict:
         """The record to resume from (the committed one, or checkpoint ``checkpoint``'s) of an
@@ -292,8 +335,10 @@ class StoreOptimizerState:
         self._read_prefix = generation_prefix(self._committed)
         if checkpoint is None:
             record = self.generations.own_record()  # the step's own, not the store's bookkeeping
+            check_step_record(record, str(path / "COMMITTED"))
         else:
             self._read_prefix, record = self.generations.checkpoint(checkpoint)
+            check_step_record(record, str(path / self._read_prefix / "COMMITTED"))
             logger.info("resuming from checkpoint %s (step %s) of %s", checkpoint, record.get("step"), path)
         self._layout_adopted = stored == layout and self._in_layout(self._read_prefix)
         if not self._layout_adopted:
@@ -379,7 +424,8 @@ class StoreOptimizerState:
         return ShardState(*(buf.view(torch.float32, n, i * n * FP32) for i in range(len(KINDS))))
 
     def _load(self, unit: UnitLayout, buf: HostBuffer) -> None:
-        read_shard(self.store, self._read_prefix, unit, self.rank, self._views(unit, buf))
+        with naming_way_out(self.generations):
+            read_shard(self.store, self._read_prefix, unit, self.rank, self._views(unit, buf))
 
     def _save(self, unit: UnitLayout, buf: HostBuffer, generation: int | None = None) -> None:
         prefix = generation_prefix(self._target if generation is None else generation)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from offload.manifest import commit, read_committed
+from offload.manifest import ManifestError, commit, read_committed
 from offload.store import ShardStore
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,43 @@ class CheckpointExistsError(FileExistsError):
 
 
 def generation_prefix(generation: int) -> str:
+    if not _is_count(generation):
+        raise ValueError(f"a generation is a non-negative integer, not {generation!r}")
     return f"gen-{generation}"
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_fields(path: Any, record: dict[str, Any], counts: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """Refuse a record read from the store whose fields are not what the engine writes: each
+    name in ``counts`` a non-negative integer (those in ``optional`` may be absent)."""
+    for key in counts:
+        if key in optional and key not in record:
+            continue
+        if not _is_count(record.get(key)):
+            found = f"holds {record[key]!r}" if key in record else "is missing"
+            raise ManifestError(
+                f"{path}: field {key!r} {found}, where a non-negative integer belongs; the file was changed outside "
+                f"the engine: restore it from a backup, or resume from a checkpoint"
+            )
+
+
+def _check_request(path: Any, field: str, request: Any, with_record: bool) -> None:
+    """Refuse a checkpoint request (``keep``/``superseded``) that is not a valid tag and count."""
+    if not isinstance(request, dict):
+        raise ManifestError(f"{path}: field {field!r} holds {request!r}, not a checkpoint request; restore it from a backup")
+    try:
+        check_tag(request.get("tag"))
+    except ValueError as err:
+        raise ManifestError(f"{path}: field {field!r}: {err}; restore it from a backup") from None
+    _check_fields(f"{path} field {field!r}", request, ("retain",))
+    if with_record:
+        kept = request.get("record")
+        if not isinstance(kept, dict):
+            raise ManifestError(f"{path}: field {field!r} has no record of the generation to keep; restore it from a backup")
+        _check_fields(f"{path} field {field!r}", kept, ("generation",))
 
 
 def checkpoint_prefix(tag: str) -> str:
@@ -93,18 +129,48 @@ class Generations:
         self.store = store
 
     def committed(self) -> dict[str, Any] | None:
-        """The last committed record (``generation``, ``step``, ...), or None for a new store."""
-        return read_committed(self.store.path)
+        """The last committed record (``generation``, ``step``, ...), or None for a new store;
+        a record whose bookkeeping is malformed, or that names a generation the store does not
+        hold, is refused (``ManifestError``) before any of it is used."""
+        path = self.store.path / "COMMITTED"
+        record = read_committed(self.store.path)
+        if record is None:
+            return None
+        _check_fields(path, record, ("generation", SERIAL), optional=(SERIAL,))
+        for field, with_record in ((KEEP, False), (SUPERSEDED, True)):
+            if field in record:
+                _check_request(path, field, record[field], with_record)
+        if not (self.store.path / generation_prefix(record["generation"]) / "zarr.json").is_file():
+            held = ", ".join(generation_prefix(g) for g in self.on_disk()) or "none"
+            raise ManifestError(
+                f"{path} names generation {record['generation']}, which the store does not hold (generations on disk: "
+                f"{held}); the file was changed outside the engine: restore it from a backup, or resume from a checkpoint"
+            )
+        return record
 
     def on_disk(self) -> list[int]:
         """Every generation directory present, committed or not, in order."""
         found = (_GENERATION.match(p.name) for p in self.store.path.iterdir() if p.is_dir())
         return sorted(int(m[1]) for m in found if m)
 
+    def tidy(self) -> None:
+        """Remove what an interrupted run left: half-built or half-removed groups, and any
+        generation folder without its metadata (from a version that created generations in
+        place). For the store's one writer, before its first write."""
+        self.store.sweep()
+        record = self.committed()
+        for generation in self.on_disk():
+            prefix = generation_prefix(generation)
+            if not (self.store.path / prefix / "zarr.json").is_file() and (not record or generation != record["generation"]):
+                self.store.delete(prefix)
+                logger.info("removed %s, an incomplete generation left by an interrupted run", prefix)
+
     def prepare(self, generation: int, create: Callable[[str], None]) -> None:
         """Make ``gen-<generation>`` ready to be written: recycle a superseded generation's
-        directory by renaming it, or, if there is none, ``create(prefix)`` its arrays.
-        A superseded generation still to be kept as a checkpoint is kept first, never recycled."""
+        directory by renaming it, or, if there is none, ``create(prefix)`` its arrays under a
+        staging name and rename them into place (a crash meanwhile leaves no half-made
+        generation). A superseded generation still to be kept as a checkpoint is kept first,
+        never recycled."""
         self.keep_superseded()
         target = generation_prefix(generation)
         present = self.on_disk()
@@ -116,7 +182,7 @@ class Generations:
             self.store.move(generation_prefix(stale[0]), target)
             logger.debug("recycled %s as %s", generation_prefix(stale[0]), target)
         else:
-            create(target)
+            self.store.build(target, create)
 
     def commit(self, generation: int, record: dict[str, Any]) -> None:
         """Name ``generation`` as the committed one, atomically (after ``store.sync()``), with the
@@ -158,9 +224,10 @@ class Generations:
         has followed), else None: a mark a later commit voided is ignored."""
         mark = read_committed(self.store.path, DIRTY)
         record = self.committed()
-        if mark is None or record is None or mark.get("over") != record.get(SERIAL, 0):
+        if mark is None or record is None:
             return None
-        return mark
+        _check_fields(self.store.path / DIRTY, mark, ("generation", "over"))
+        return mark if mark["over"] == record.get(SERIAL, 0) else None
 
     def drop_keep_request(self) -> None:
         """Withdraw the committed generation's pending ``keep``: for a store that will rewrite
@@ -171,10 +238,14 @@ class Generations:
 
     def create_like(self, source: str, target: str) -> None:
         """Create under ``target`` an empty array like each array under ``source`` (same size,
-        chunks and dtype): the destination of ``copy``."""
-        for name in self._arrays(source):
-            info = self.store.array_info(name)
-            self.store.create_array(target + name[len(source) :], info.numel, info.chunk_elems, info.dtype)
+        chunks and dtype), whole or not at all: the destination of ``copy``."""
+
+        def create(staging: str) -> None:
+            for name in self._arrays(source):
+                info = self.store.array_info(name)
+                self.store.create_array(staging + name[len(source) :], info.numel, info.chunk_elems, info.dtype)
+
+        self.store.build(target, create)
 
     def copy(self, source: str, target: str, buffer: torch.Tensor, part: tuple[int, int] = (0, 1)) -> None:
         """Copy the chunks of every array under ``source`` into the array of the same name under
@@ -325,7 +396,10 @@ class Generations:
         if not root.is_dir():
             return {}
         records = {p.name: read_committed(p) for p in sorted(root.iterdir()) if p.is_dir()}
-        return {tag: record for tag, record in records.items() if record is not None}
+        kept = {tag: record for tag, record in records.items() if record is not None}
+        for tag, record in kept.items():
+            _check_fields(root / tag / "COMMITTED", record, ("generation",))
+        return kept
 
     def checkpoint(self, tag: str) -> tuple[str, dict[str, Any]]:
         """Where checkpoint ``tag``'s arrays are and the record it was committed with: its own
@@ -337,6 +411,7 @@ class Generations:
             return generation_prefix(record["generation"]), _own_record(record)
         kept = read_committed(self.store.path / checkpoint_prefix(tag))
         if kept is not None:
+            _check_fields(self.store.path / checkpoint_prefix(tag) / "COMMITTED", kept, ("generation",))
             return checkpoint_prefix(tag), kept
         present = [*self.checkpoints(), *([f"{request['tag']} (pending)"] if request else [])]
         raise FileNotFoundError(

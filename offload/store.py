@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import threading
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from zarr.codecs import BytesCodec, Crc32cCodec
 from zarr.storage import LocalStore
 
 from offload.io import IORunner, OffloadIOError
+from offload.lock import LOCK_FILE
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ TORCH_DTYPE_ATTR = "torch_dtype"
 _DIRECT_ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CRC_BYTES = 4
+# Top-level names of groups being built or removed: never a valid node name, swept by the writer.
+_STAGING = ".staging-"
+_TRASH = ".trash-"
 
 # torch dtype -> zarr data type of the stored elements. bfloat16 has no zarr
 # dtype; its bits round-trip exactly as uint16.
@@ -98,7 +103,9 @@ class FileOps:
     """
 
     def open(self, path: str, flags: int) -> int:
-        return os.open(path, flags, 0o644)
+        # Never through a link: a chunk that is one would read or write a file outside the store.
+        nofollow = 0 if flags & os.O_DIRECTORY else os.O_NOFOLLOW
+        return os.open(path, flags | nofollow | os.O_CLOEXEC, 0o644)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -142,8 +149,34 @@ def _under(name: str, prefix: str) -> bool:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        return json.load(f)
+    """A metadata file's object; damage is reported naming the file (it is never followed if a link)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read()
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(
+            f"{path} is not valid JSON ({exc}): the store's metadata was damaged outside the engine; "
+            f"restore the store from a backup, or resume from a checkpoint"
+        ) from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} holds a JSON {type(meta).__name__}, not zarr metadata; restore the store from a backup")
+    return meta
+
+
+def _check_no_links(root: Path) -> None:
+    """Refuse a store holding a symbolic link: the engine never makes one, and writing through
+    one would change a file outside the store."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for entry in (*dirnames, *filenames):
+            path = os.path.join(dirpath, entry)
+            if os.path.islink(path):
+                raise ValueError(
+                    f"offload store {root} holds a symbolic link, {path} -> {os.readlink(path)}: the engine never "
+                    f"makes one, so the store was changed by hand; replace the link by the data it points to "
+                    f"(cp -L) or restore the store, then run again"
+                )
 
 
 def _store_marker(root: Path) -> dict[str, Any] | None:
@@ -262,19 +295,21 @@ class ShardStore:
         if FORMAT_KEY in attrs:
             raise ValueError(f"group attribute {FORMAT_KEY!r} is reserved for the store's format marker")
         if root.exists():
-            if not overwrite:
+            contents = [p for p in root.iterdir() if p.name != LOCK_FILE] if root.is_dir() else [root]
+            if contents and not overwrite:
                 raise FileExistsError(
-                    f"cannot create an offload store at {root}: the path exists; open it with "
-                    f"ShardStore.open(path, runner=...) or pass overwrite=True to replace it"
+                    f"cannot create an offload store at {root}: the path exists and is not empty; "
+                    f"open the store there, or remove it, or choose another path"
                 )
-            if _store_marker(root) is None and (not root.is_dir() or any(root.iterdir())):
+            if contents and _store_marker(root) is None:
                 raise FileExistsError(
                     f"refusing to overwrite {root}: it is not an offload store nor an empty directory; "
                     f"remove it yourself or choose another path"
                 )
-            shutil.rmtree(root)
+            for entry in contents:  # the writer lock, if any, stays held and in place
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         marker = {"version": FORMAT_VERSION, "checksum": checksum}
-        zarr.open_group(LocalStore(root), mode="w", attributes={**attrs, FORMAT_KEY: marker})
+        zarr.create_group(LocalStore(root), attributes={**attrs, FORMAT_KEY: marker})
         store = cls(
             root, dict(attrs), runner=runner, checksum=checksum, direct_io=direct_io, file_ops=file_ops
         )
@@ -297,21 +332,21 @@ class ShardStore:
         if not root.exists():
             raise FileNotFoundError(
                 errno.ENOENT,
-                f"no offload store at {root}: the path does not exist; "
-                f"create one with ShardStore.create(path, attrs, runner=...)",
+                f"no offload store at {root}: the path does not exist; pass the folder a run trained into",
                 str(root),
             )
         marker = _store_marker(root)
         if marker is None:
             raise ValueError(
                 f"{root} is not an offload store: it has no zarr v3 group metadata (zarr.json) with the "
-                f"{FORMAT_KEY!r} attribute; create one with ShardStore.create(path, attrs, runner=...)"
+                f"{FORMAT_KEY!r} attribute; pass the folder a run trained into (its offload.nvme_path)"
             )
         if marker.get("version") != FORMAT_VERSION:
             raise ValueError(
                 f"offload store {root} has format version {marker.get('version')}, "
                 f"this code reads version {FORMAT_VERSION}"
             )
+        _check_no_links(root)
         attrs = _read_json(root / "zarr.json").get("attributes", {})
         attrs.pop(FORMAT_KEY)
         log.debug("opened offload store %s", root)
@@ -420,8 +455,8 @@ class ShardStore:
             meta = _read_json(meta_path)
         except FileNotFoundError:
             raise KeyError(
-                f"no array {name!r} in offload store {self.path} ({meta_path} is missing); "
-                f"create it with ShardStore.create_array"
+                f"no array {name!r} in offload store {self.path} ({meta_path} is missing): the store is "
+                f"incomplete; resume from a checkpoint or restore the store"
             ) from None
         if meta.get("node_type") != "array":
             raise KeyError(
@@ -471,12 +506,37 @@ class ShardStore:
         if inner_start < inner_end:
             futures.append(self.read_async(name, inner_start, out[inner_start - start : inner_end - start]))
         partial = {index for index, cut in ((start // size, start % size), (end // size, end % size)) if cut}
+        for index in partial:
+            self.check_chunk_file(name, index)
         scratch = {index: torch.empty(size, dtype=info.dtype) for index in partial}
         futures += [self.read_async(name, index * size, chunk) for index, chunk in scratch.items()]
         IORunner.gather(futures).result()
         for index, chunk in scratch.items():
             lo, hi = max(start, index * size), min(end, (index + 1) * size)
             out[lo - start : hi - start].copy_(chunk[lo - index * size : hi - index * size])
+
+    def chunk_path(self, name: str, index: int) -> Path:
+        return self.path / name / "c" / str(index)
+
+    def check_chunk_file(self, name: str, index: int) -> None:
+        """Refuse a chunk whose file does not hold the bytes its array's metadata promises,
+        before a buffer is allocated for it: metadata claiming a huge chunk must not make a
+        reader allocate what no file holds."""
+        info = self.array_info(name)
+        path = self.chunk_path(name, index)
+        expected = info.chunk_bytes + (_CRC_BYTES if info.checksum else 0)
+        try:
+            found = os.lstat(path).st_size
+        except FileNotFoundError:
+            raise ChecksumError(
+                f"array {name!r} chunk {index}: {path} is missing; restore the store from a checkpoint"
+            ) from None
+        if found != expected:
+            raise ChecksumError(
+                f"array {name!r} chunk {index}: {path} holds {found} bytes where its metadata "
+                f"({self.path / name / 'zarr.json'}) promises {expected}; the store is damaged, restore it "
+                f"from a checkpoint"
+            )
 
     def _check_request(self, kind: str, name: str, start: int, t: torch.Tensor) -> ArrayInfo:
         """Validate the buffer and that the range is non-empty and inside the array; return the array's info."""
@@ -720,19 +780,34 @@ class ShardStore:
                 )
         return made
 
+    def build(self, prefix: str, fill: Callable[[str], None]) -> None:
+        """Create the group `prefix` whole or not at all: `fill(staging)` creates its arrays
+        under a staging name, which is made durable and then renamed to `prefix`. A crash
+        before the rename leaves only a leftover that `sweep` removes, never a half-made
+        `prefix`."""
+        _check_name(prefix, "prefix")
+        staging = f"{_STAGING}{uuid.uuid4().hex}"
+        fill(staging)
+        self.move(staging, prefix)
+
     def delete(self, prefix: str) -> None:
         """Delete the group or array `prefix` and everything under it; durable at the next `sync()`.
 
-        Writes still in flight under `prefix` are waited for first, so none
-        lands in a directory being removed.
+        The node is first renamed out of the way (durably), then removed: a crash mid-removal
+        leaves no partial node under its name, only a leftover that `sweep` removes. A node
+        without metadata (a leftover itself) is deleted too. Writes still in flight under
+        `prefix` are waited for first, so none lands in a directory being removed.
         """
-        node = self._node_dir(prefix, "prefix")
+        _check_name(prefix, "prefix")
+        node = self.path / prefix
+        if not node.is_dir() or node.is_symlink():
+            raise FileNotFoundError(errno.ENOENT, f"no group or array {prefix!r} in offload store {self.path}", str(node))
         with self._lock:
             doomed = [w for w in self._pending_writes if _under(w[0], prefix)]
             self._pending_writes = [w for w in self._pending_writes if not _under(w[0], prefix)]
         for *_, future in doomed:
             future.exception()  # the data is being deleted: its errors no longer matter
-        shutil.rmtree(node)
+        self._discard(node)
         node_str = str(node)
         with self._lock:
             for name in [n for n in self._infos if _under(n, prefix)]:
@@ -741,3 +816,22 @@ class ShardStore:
             self._pending_dirs = {d for d in self._pending_dirs if not _under(d, node_str)}
             self._pending_dirs.add(str(node.parent))
         log.debug("deleted %s from %s", prefix, self.path)
+
+    def _discard(self, node: Path) -> None:
+        """Remove a directory tree: renamed to a leftover name first, durably, so that no crash
+        leaves it half-removed under its own name."""
+        trash = self.path / f"{_TRASH}{uuid.uuid4().hex}"
+        os.rename(node, trash)
+        self._fsync_all([], {str(node.parent), str(self.path)})
+        shutil.rmtree(trash)
+
+    def sweep(self) -> None:
+        """Remove what interrupted operations left behind: half-built groups (`build`),
+        half-removed ones (`delete`) and temporary metadata files. For the store's one writer,
+        before it writes: nothing else refers to them."""
+        for entry in self.path.iterdir():
+            if entry.name.startswith((_STAGING, _TRASH)) and entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+                log.info("removed %s, left by an interrupted run", entry)
+            elif entry.is_file() and (entry.name.startswith(".") and entry.name.endswith(".tmp") or entry.name.endswith(".partial")):
+                entry.unlink()  # an atomic metadata write's temporary: ours, or zarr's

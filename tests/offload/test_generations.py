@@ -34,12 +34,12 @@ def test_prepare_creates_then_recycles_the_superseded_generation(tmp_path) -> No
     store.sync()
     gens.commit(0, {"step": 0})
     gens.prepare(1, create)
-    assert created == ["gen-0", "gen-1"]
+    assert len(created) == 2 and gens.on_disk() == [0, 1], "each generation was created (under a staging name)"
     store.write_from("gen-1/u/master", 0, torch.full((4096,), 2.0))
     store.sync()
     gens.commit(1, {"step": 1})
     gens.prepare(2, create)  # gen-0 is superseded: renamed, not created
-    assert created == ["gen-0", "gen-1"]
+    assert len(created) == 2
     assert gens.on_disk() == [1, 2]
     assert gens.committed() == {"generation": 1, "step": 1, "serial": 2}
     out = torch.empty(4096)

@@ -371,7 +371,7 @@ def test_create_array_validates(tmp_path, runner):
 
 def test_open_missing_or_foreign_path(tmp_path, runner):
     missing = tmp_path / "nowhere"
-    with pytest.raises(FileNotFoundError, match=r"no offload store at .*nowhere.*ShardStore.create") as info:
+    with pytest.raises(FileNotFoundError, match=r"no offload store at .*nowhere.*pass the folder") as info:
         ShardStore.open(missing, runner=runner)
     assert info.value.errno == errno.ENOENT
     zarr.open_group(tmp_path / "plain", mode="w")
@@ -382,7 +382,7 @@ def test_open_missing_or_foreign_path(tmp_path, runner):
 def test_create_refuses_existing_paths_unless_overwrite(tmp_path, runner):
     store = make_store(tmp_path, runner)
     store.create_array("a", CHUNK, CHUNK, torch.float32)
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
         make_store(tmp_path, runner)
     fresh = make_store(tmp_path, runner, overwrite=True)
     assert fresh.array_names() == []
