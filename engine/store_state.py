@@ -147,6 +147,14 @@ def check_clean(generations: Generations) -> None:
     )
 
 
+def dirty_fallback(path: Path) -> str | None:
+    """The checkpoint a dirty store at ``path`` resumes from, its last one; None when the store
+    is clean (or holds no checkpoint: then resuming refuses it, saying why)."""
+    with IORunner(threads=1) as runner:
+        generations = Generations(ShardStore.open(path, runner=runner))
+        return generations.latest_checkpoint() if generations.dirty() else None
+
+
 def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> None:
     """Refuse a store written for another model, naming the first difference. Another world
     size (or chunk size) is no difference: only the shards are cut differently."""

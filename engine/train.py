@@ -28,6 +28,7 @@ from engine.config import Config
 from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine
 from engine.models.gpt import GPT, GPTConfig, init_parameters_
+from engine.store_state import dirty_fallback
 from offload.generations import CheckpointExistsError
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,15 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
     from the store's last committed step if it has one, or from its checkpoint ``checkpoint``."""
     tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
     model, init = meta_model(config, vocab_size)
+    if checkpoint is None and resumable(config):
+        checkpoint = dirty_fallback(Path(config.offload.nvme_path))
+        if checkpoint is not None:
+            logger.warning(
+                "%s was stopped mid-step while rewritten in place (store.mode = \"in-place\"): resuming from its last "
+                "checkpoint, %s; the steps after it are taken again",
+                config.offload.nvme_path,
+                checkpoint,
+            )
     if checkpoint is not None or resumable(config):
         engine = Engine.resume(model, config, checkpoint=checkpoint)
     else:

@@ -1,16 +1,18 @@
-"""kill -9 at random instants: the store always resumes, to exactly the committed step.
+"""kill -9 at random instants: the store always resumes, unaided, to exactly the committed step.
 
-A real ``python -m engine train`` is killed at random moments (forward, backward,
-write-back, fsync, commit, resume); after each kill the store is resumed in this process
-and its parameters must be bit-identical to an uninterrupted run's after the step that
-``COMMITTED`` names, and two more steps must stay on that run's trajectory (so the
-moments and counters were committed with them).
+A real ``python -m engine train`` with a checkpoint every 3 steps (so fresh generations are
+created every few steps) is killed at random moments (forward, backward, write-back, fsync,
+commit, generation creation, checkpoint copies, resume); after each kill the store is resumed
+in this process from where the same command would resume it (the committed step; in place, a
+store killed mid-step from its last checkpoint) and its parameters must be bit-identical to an
+uninterrupted run's after that step, and two more steps must stay on that run's trajectory
+(so the moments and counters were committed with them). No kill needs a hand repair, and the
+last run, left to finish, ends on the uninterrupted run's trajectory.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import signal
@@ -18,13 +20,17 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from engine.config import Config
 from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine
+from engine.store_state import dirty_fallback
 from engine.train import build_model
+from offload.manifest import read_committed
 
-KILLS = 10
-OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=64", "micro_batch=4", "steps=100000", "log_every=1"]
+# decay_steps fixes the schedule, so the last run may stop at any step and stay on the trajectory.
+OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=64", "micro_batch=4", "log_every=1", "checkpoint.interval=3", "optim.decay_steps=100000"]
 
 
 def fingerprint(eng: Engine) -> str:
@@ -52,23 +58,33 @@ def train(eng: Engine, data: TokenBatches, steps: int) -> list[str]:
     return prints
 
 
-def test_kill_nine_at_random_instants_always_resumes_to_the_committed_step(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "mode,kills",
+    [("generations", 6), ("in-place", 6), pytest.param("generations", 50, marks=pytest.mark.slow), pytest.param("in-place", 50, marks=pytest.mark.slow)],
+)
+def test_kill_nine_at_random_instants_always_resumes_unaided(tmp_path, monkeypatch, mode: str, kills: int) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     store = tmp_path / "store"
-    config = Config.from_dict({}, OVERRIDES + [f"nvme_path={store}"])
+    overrides = OVERRIDES + [f"store.mode={mode}"]
+    config = Config.from_dict({}, overrides + [f"nvme_path={store}"])
     _, vocab = load_tokens(config.data.source)
-    reference_config = Config.from_dict({}, OVERRIDES + ["offload.optimizer=cpu"])
+    reference_config = Config.from_dict({}, overrides + ["offload.optimizer=cpu"])
     reference = Engine(build_model(reference_config, vocab), reference_config)
     reference_data = batches_for(reference_config, reference)
     trajectory = [fingerprint(reference)]
 
+    def after(step: int) -> str:
+        while len(trajectory) <= step:
+            trajectory.extend(train(reference, reference_data, 1))
+        return trajectory[step]
+
     rng = random.Random(0)
     env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    command = [sys.executable, "-m", "engine", "train", *(f"--{o.replace('=', ' ', 1)}" for o in OVERRIDES)]
-    command = [part for arg in command for part in arg.split(" ", 1)] + ["--nvme_path", str(store)]
-    committed_steps = []
-    for kill in range(KILLS):
-        child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "engine", "train", "--nvme_path", str(store)]
+    command += [part for o in overrides for part in (f"--{o.split('=')[0]}", o.split("=")[1])]
+    resumed_steps = []
+    for kill in range(kills):
+        child = subprocess.Popen([*command, "--steps", "100000"], env=env, stderr=subprocess.PIPE, text=True)
         for line in child.stderr:  # wait until it trains: a kill before that only tests start-up
             if "train:" in line or "loss" in line:
                 break
@@ -77,16 +93,19 @@ def test_kill_nine_at_random_instants_always_resumes_to_the_committed_step(tmp_p
         child.wait(timeout=60)
         child.stderr.close()
 
-        record = json.loads((store / "COMMITTED").read_text())
-        step = record["step"]
-        committed_steps.append(step)
-        while len(trajectory) < step + 3:
-            trajectory += train(reference, reference_data, 1)
-        resumed = Engine.resume(build_model(config, vocab), config)
-        assert resumed.global_step == step
-        assert fingerprint(resumed) == trajectory[step], f"kill {kill}: state differs from step {step}"
-        after = train(resumed, batches_for(config, resumed), 2)
-        assert after == trajectory[step + 1 : step + 3], f"kill {kill}: diverged after resuming at step {step}"
+        resumed = Engine.resume(build_model(config, vocab), config, checkpoint=dirty_fallback(store))
+        step = resumed.global_step
+        resumed_steps.append(step)
+        assert fingerprint(resumed) == after(step), f"kill {kill}: state differs from step {step}"
+        assert train(resumed, batches_for(config, resumed), 2) == [after(step + 1), after(step + 2)], (
+            f"kill {kill}: diverged after resuming at step {step}"
+        )
         resumed.close()
-    assert len(set(committed_steps)) > KILLS // 2, f"the kills did not land at varied steps: {committed_steps}"
+    assert len(set(resumed_steps)) > kills // 2, f"the kills did not land at varied steps: {resumed_steps}"
+    final = read_committed(store)["step"] + 4
+    done = subprocess.run([*command, "--steps", str(final)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = Engine.resume(build_model(config, vocab), config)
+    assert resumed.global_step == final and fingerprint(resumed) == after(final)
+    resumed.close()
     reference.close()

@@ -307,8 +307,10 @@ def test_kill_nine_mid_step_leaves_a_dirty_store_that_names_its_checkpoint(tmp_p
     child = train_and_signal(tmp_path, store, "SIGKILL")
     assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
     assert read_committed(store)["step"] == 3 and kept(store) == ["step-2"]
-    again = train_and_signal(tmp_path, store, "SIGKILL")  # `python -m engine train` once more: refused
-    assert again.returncode == 1 and "is dirty" in again.stderr and "--from-checkpoint step-2" in again.stderr
+    again = train_and_signal(tmp_path, store, "SIGKILL")  # `python -m engine train` once more: from step-2
+    assert again.returncode == -signal.SIGKILL, again.stderr[-3000:]
+    assert "resuming from its last checkpoint, step-2" in again.stderr
+    assert read_committed(store)["step"] == 3 and kept(store) == ["step-2"]
     cfg = Config.from_dict({}, OVERRIDES + [f"nvme_path={store}", "store.mode=in-place"])
     reference = Reference()
     with pytest.raises(DirtyStoreError, match=r"`python -m engine train --from-checkpoint step-2` \(in Python: .*checkpoint='step-2'\)"):
