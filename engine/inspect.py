@@ -27,7 +27,6 @@ from engine.partition import ModelLayout
 from engine.store_state import GENERATIONS, IN_PLACE, KINDS, MODE_ATTR, DirtyStoreError, array_name, check_clean
 from offload.generations import CHECKPOINTS, Generations, generation_prefix
 from offload.io import IORunner
-from offload.manifest import ManifestError, read_committed
 from offload.store import FORMAT_VERSION, ChecksumError, ShardStore
 
 logger = logging.getLogger(__name__)
@@ -60,12 +59,7 @@ def committed_record(store: ShardStore, dirty_ok: bool = False) -> dict[str, Any
     """The committed record, or None if nothing was committed; a record that names no
     generation is as untrustworthy as a garbled one, and so, unless ``dirty_ok``, is the
     record of a dirty store (its generation mixes two steps)."""
-    record = read_committed(store.path)
-    if record is not None and not isinstance(record.get("generation"), int):
-        raise ManifestError(
-            f"{store.path / 'COMMITTED'} names no integer 'generation' (it holds {sorted(record)}); "
-            f"restore it from a backup or resume from a retained checkpoint"
-        )
+    record = Generations(store).committed()
     if not dirty_ok:
         check_clean(Generations(store))
     return record
@@ -86,24 +80,26 @@ def generation_array(generation: int, unit: str, kind: str) -> str:
 
 
 class ChunkReader:
-    """Reads single chunks into one reused buffer sized for the largest chunk of the arrays
-    it serves, so memory stays one chunk whatever the size of the arrays or the model."""
+    """Reads single chunks into one reused buffer, grown to the largest chunk read so far, so
+    memory stays one chunk whatever the size of the arrays or the model. A chunk's file is
+    checked against its metadata before the buffer grows for it: metadata claiming a huge
+    chunk allocates nothing."""
 
     def __init__(self, store: ShardStore, names: Iterable[str]):
         self.store = store
         self.infos = {name: store.array_info(name) for name in names}
-        largest = max((info.chunk_bytes for info in self.infos.values()), default=0)
-        self._buffer = torch.empty(largest, dtype=torch.uint8)
+        self._buffer = torch.empty(0, dtype=torch.uint8)
 
     def read(self, name: str, index: int) -> torch.Tensor:
         """Chunk ``index`` of array ``name``, checksum verified; valid until the next read."""
         info = self.infos[name]
+        if info.chunk_bytes > self._buffer.numel():
+            self.store.check_chunk_file(name, index)
+            self._buffer = torch.empty(info.chunk_bytes, dtype=torch.uint8)
         out = self._buffer[: info.chunk_bytes].view(info.dtype)
         self.store.read_into(name, index * info.chunk_elems, out)
         return out
 
-    def chunk_path(self, name: str, index: int) -> Path:
-        return self.store.path / name / "c" / str(index)
 
 
 def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[str, Any]:
@@ -218,7 +214,7 @@ def _verify(
                 try:
                     reader.read(name, index)
                 except (ChecksumError, OSError) as error:
-                    fail(unit_name, kind, index, reader.chunk_path(name, index), str(error))
+                    fail(unit_name, kind, index, reader.store.chunk_path(name, index), str(error))
                 bar.update()
     return {"chunks": total, "failures": failures}
 

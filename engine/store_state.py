@@ -113,7 +113,7 @@ def way_out(generations: Generations) -> str:
     try:
         latest = generations.latest_checkpoint()
     except ValueError:  # the checkpoints' own records are damaged too
-        latest = None
+        return "restore the damaged file from a backup"
     if latest:
         return (
             f"resume from its last checkpoint, {latest!r}: `python -m engine train --from-checkpoint {latest}` "
@@ -322,6 +322,7 @@ class StoreOptimizerState:
                 else f"store {path} has no COMMITTED record: its first step never finished, so there is nothing "
                 f"to resume; remove it and start afresh"
             )
+        self.generations.checkpoints()  # every kept record is checked before retention or a fallback relies on it
         stored = ModelLayout.from_dict(self.store.attrs["layout"])
         first_difference(stored, layout, path)
         if checkpoint is None:
