@@ -147,12 +147,21 @@ def check_clean(generations: Generations) -> None:
     )
 
 
-def dirty_fallback(path: Path) -> str | None:
-    """The checkpoint a dirty store at ``path`` resumes from, its last one; None when the store
-    is clean (or holds no checkpoint: then resuming refuses it, saying why)."""
+def resume_point(path: Path) -> tuple[bool, str | None]:
+    """Where a run continues the store at ``path`` unaided: ``(True, None)`` from its last
+    committed step; ``(True, tag)`` from its last checkpoint, when it was stopped mid-step
+    while rewritten in place; ``(False, None)`` when there is nothing to continue (no store,
+    no committed step, or a store stopped mid-step in place that keeps no checkpoint: its
+    state is lost, and a new run replaces it)."""
+    if not (path / "COMMITTED").is_file():
+        return False, None
     with IORunner(threads=1) as runner:
         generations = Generations(ShardStore.open(path, runner=runner))
-        return generations.latest_checkpoint() if generations.dirty() else None
+        with naming_way_out(generations):
+            if not generations.dirty():
+                return True, None
+            latest = generations.latest_checkpoint()
+    return latest is not None, latest
 
 
 def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> None:
@@ -289,17 +298,19 @@ class StoreOptimizerState:
                 self.resumed_from = self._check_resumable(path, layout, checkpoint)
 
     def _check_new(self, path: Path) -> bool:
-        """Whether a new store may be made at ``path``: nothing there (False), or a store whose
-        first step was never committed and that keeps no checkpoint, abandoned by a run that
-        stopped while creating it (True: nothing in it can be resumed, so it is replaced)."""
+        """Whether a new store may be made at ``path``: nothing there (False), or a store that
+        keeps no checkpoint and either never committed its first step or was stopped mid-step
+        while rewritten in place (True: nothing in it can be resumed, so it is replaced)."""
         if not (path / "zarr.json").exists():
             return False
         existing = ShardStore.open(path, runner=self.runner)
         generations = Generations(existing)
         with naming_way_out(generations):
             live, kept = generations.committed(), generations.checkpoints()
-        if live is None and not kept:
-            logger.warning("%s holds a store whose first step was never committed: nothing to resume, starting afresh", path)
+            lost = live is not None and not kept and generations.dirty() is not None
+        if (live is None or lost) and not kept:
+            why = "was stopped mid-step while rewritten in place and keeps no checkpoint" if lost else "never committed its first step"
+            logger.warning("%s holds a store that %s: nothing in it can be resumed, starting afresh", path, why)
             return True
         how = (
             "resume from it (run the same command again: `python -m engine train` continues a store), "

@@ -28,7 +28,7 @@ from engine.config import Config
 from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine
 from engine.models.gpt import GPT, GPTConfig, init_parameters_
-from engine.store_state import dirty_fallback
+from engine.store_state import resume_point
 from offload.generations import CheckpointExistsError
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def meta_model(config: Config, vocab_size: int) -> tuple[GPT, Callable[[dict[str
 def resumable(config: Config) -> bool:
     """A run continues where the store at ``offload.nvme_path`` last committed, if there is one
     (the memory tiers commit no steps there, only checkpoints, resumed from by tag)."""
-    return config.offload.optimizer == "nvme" and (Path(config.offload.nvme_path) / "COMMITTED").exists()
+    return config.offload.optimizer == "nvme" and resume_point(Path(config.offload.nvme_path))[0]
 
 
 def save_checkpoint(engine: Engine, tag: str) -> None:
@@ -112,8 +112,9 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
     from the store's last committed step if it has one, or from its checkpoint ``checkpoint``."""
     tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
     model, init = meta_model(config, vocab_size)
-    if checkpoint is None and resumable(config):
-        checkpoint = dirty_fallback(Path(config.offload.nvme_path))
+    resume = checkpoint is not None
+    if checkpoint is None and config.offload.optimizer == "nvme":
+        resume, checkpoint = resume_point(Path(config.offload.nvme_path))
         if checkpoint is not None:
             logger.warning(
                 "%s was stopped mid-step while rewritten in place (store.mode = \"in-place\"): resuming from its last "
@@ -121,7 +122,7 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
                 config.offload.nvme_path,
                 checkpoint,
             )
-    if checkpoint is not None or resumable(config):
+    if resume:
         engine = Engine.resume(model, config, checkpoint=checkpoint)
     else:
         engine = Engine(model, config, init_unit=init)

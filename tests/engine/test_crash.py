@@ -4,7 +4,7 @@ A real ``python -m engine train`` with a checkpoint every 3 steps (so fresh gene
 created every few steps) is killed at random moments (forward, backward, write-back, fsync,
 commit, generation creation, checkpoint copies, resume); after each kill the store is resumed
 in this process from where the same command would resume it (the committed step; in place, a
-store killed mid-step from its last checkpoint) and its parameters must be bit-identical to an
+store killed mid-step from its last checkpoint, or afresh when it keeps none) and its parameters must be bit-identical to an
 uninterrupted run's after that step, and two more steps must stay on that run's trajectory
 (so the moments and counters were committed with them). No kill needs a hand repair, and the
 last run, left to finish, ends on the uninterrupted run's trajectory.
@@ -25,8 +25,8 @@ import pytest
 from engine.config import Config
 from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine
-from engine.store_state import dirty_fallback
-from engine.train import build_model
+from engine.store_state import resume_point
+from engine.train import build_model, meta_model
 from offload.manifest import read_committed
 
 # decay_steps fixes the schedule, so the last run may stop at any step and stay on the trajectory.
@@ -93,7 +93,9 @@ def test_kill_nine_at_random_instants_always_resumes_unaided(tmp_path, monkeypat
         child.wait(timeout=60)
         child.stderr.close()
 
-        resumed = Engine.resume(build_model(config, vocab), config, checkpoint=dirty_fallback(store))
+        resume, checkpoint = resume_point(store)  # as `python -m engine train` continues it
+        model, init = meta_model(config, vocab)
+        resumed = Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
         step = resumed.global_step
         resumed_steps.append(step)
         assert fingerprint(resumed) == after(step), f"kill {kill}: state differs from step {step}"
