@@ -9,6 +9,7 @@ steps and a clean stop on SIGINT/SIGTERM that finishes the step in flight.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -30,6 +31,7 @@ from engine.engine import Engine
 from engine.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.store_state import resume_point
 from offload.generations import CheckpointExistsError
+from offload.manifest import read_committed
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +111,27 @@ class StopFlag:
 
 def train(config: Config, checkpoint: str | None = None) -> TrainResult:
     """Train the built-in model on the built-in (or configured) data for ``train.steps`` steps,
-    from the store's last committed step if it has one, or from its checkpoint ``checkpoint``."""
+    from the store's last committed step if it has one, or from its checkpoint ``checkpoint``.
+    A full disk stops the run naming the store, what it still holds and what to do."""
+    try:
+        return _train(config, checkpoint)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        path = Path(config.offload.nvme_path)
+        try:
+            record = read_committed(path)
+        except ValueError:
+            record = None
+        holds = f"it still holds step {record['step']}" if record else "it holds no committed step yet"
+        raise OSError(
+            errno.ENOSPC,
+            f"the disk of {path} is full ({err}): free space there, or set offload.nvme_path to a larger disk "
+            f"(store.mode = \"in-place\" needs half the space); {holds}, and the same command continues from it",
+        ) from err
+
+
+def _train(config: Config, checkpoint: str | None) -> TrainResult:
     tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
     model, init = meta_model(config, vocab_size)
     resume = checkpoint is not None

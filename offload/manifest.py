@@ -41,11 +41,13 @@ def write_atomic(path: Path, data: bytes) -> None:
             tmp.flush()
             os.fsync(tmp.fileno())
         os.replace(tmp_name, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp_name)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError) and exc.filename is None:  # a failed write names no file by itself
+            raise OSError(exc.errno, f"writing {path}: {exc.strerror}") from exc
         raise
     _fsync_dir(path.parent)
 
