@@ -11,6 +11,7 @@ resume must need no hand repair and continue bit-identically.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 from collections.abc import Iterator
@@ -149,3 +150,25 @@ def test_a_crash_at_any_point_of_creating_a_generation_resumes_to_the_committed_
         resumed.close()
         shutil.rmtree(work)
     assert crashes >= 20, f"only {crashes} crash points: the injection missed the creation"
+
+
+def test_a_store_whose_first_commit_never_happened_is_replaced_by_the_next_run(tmp_path, monkeypatch) -> None:
+    straight = Engine(tiny_gpt(), one_unit(tmp_path / "straight"), total_steps=4)
+    losses = run(straight, 2)
+    expected = params(straight)
+    straight.close()
+
+    cfg = one_unit(tmp_path / "run")
+    with monkeypatch.context() as patch:
+        patch.setattr(Generations, "commit", lambda *args: (_ for _ in ()).throw(InjectedCrash("before the first commit")))
+        with pytest.raises(InjectedCrash):
+            Engine(tiny_gpt(), cfg, total_steps=4)
+    gc.collect()  # the failed engine, and with it its lock, is gone as with a dead process
+    store = tmp_path / "run" / "store"
+    assert (store / "zarr.json").exists() and not (store / "COMMITTED").exists()
+
+    eng = Engine(tiny_gpt(), cfg, total_steps=4)  # no hand repair: the abandoned store is replaced
+    assert run(eng, 2) == losses
+    got = params(eng)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    eng.close()

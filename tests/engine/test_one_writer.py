@@ -1,0 +1,50 @@
+"""One writer per store: a second run on a store in use is refused at once, naming the
+holder, and the first trains on undisturbed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.config import Config
+from engine.data import load_tokens
+from engine.engine import Engine
+from engine.train import build_model
+from offload.lock import StoreLockedError
+from tests.engine.test_crash import batches_for, fingerprint, train
+
+OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=64", "micro_batch=4", "log_every=1", "optim.decay_steps=1000"]
+STEPS = 40
+
+
+def test_a_second_writer_is_refused_while_the_first_trains_on(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    store = tmp_path / "store"
+    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "engine", "train", "--nvme_path", str(store), "--steps", str(STEPS)]
+    command += [part for o in OVERRIDES for part in (f"--{o.split('=')[0]}", o.split("=")[1])]
+    first = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    for line in first.stderr:  # once it trains
+        if "loss" in line:
+            break
+    config = Config.from_dict({}, OVERRIDES + [f"nvme_path={store}"])
+    _, vocab = load_tokens(config.data.source)
+    with pytest.raises(StoreLockedError, match=rf"is being written by pid {first.pid} on host"):
+        Engine.resume(build_model(config, vocab), config)
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    if first.poll() is None:  # the first may finish before the second gets that far
+        assert second.returncode == 1 and f"being written by pid {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+    first.stderr.read()
+    assert first.wait(timeout=300) == 0
+
+    reference_config = Config.from_dict({}, OVERRIDES + ["offload.optimizer=cpu"])
+    reference = Engine(build_model(reference_config, vocab), reference_config)
+    train(reference, batches_for(reference_config, reference), STEPS)
+    resumed = Engine.resume(build_model(config, vocab), config)
+    assert resumed.global_step == STEPS and fingerprint(resumed) == fingerprint(reference), "the first run was disturbed"
+    resumed.close()
+    reference.close()
