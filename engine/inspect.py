@@ -36,12 +36,14 @@ IO_THREADS = 2  # reads go one chunk at a time: more threads would only wait
 
 
 def open_store(path: Path, runner: IORunner) -> ShardStore:
-    """Open the store at ``path`` for reading; a missing path names itself and the likely fix."""
+    """Open the store at ``path`` for reading; a path that holds none names itself and the likely
+    fix (the store's own refusal advises creating one, which a reader does not want)."""
+    fix = "pass the folder the engine trained into (its offload.nvme_path)"
     if not path.exists():
-        raise FileNotFoundError(
-            f"no store at {path}: the path does not exist; pass the folder the engine trained into "
-            f"(its offload.nvme_path)"
-        )
+        raise FileNotFoundError(f"no store at {path}: the path does not exist; {fix}")
+    if not (path / "zarr.json").is_file():
+        what = "a folder without a zarr.json" if path.is_dir() else "a file, not a folder"
+        raise ValueError(f"{path} is not an offload store: it is {what}; {fix}")
     return ShardStore.open(path, runner=runner)
 
 
@@ -64,7 +66,8 @@ def committed_record(store: ShardStore, dirty_ok: bool = False) -> dict[str, Any
     if record is not None and not isinstance(record.get("generation"), int):
         raise ManifestError(
             f"{store.path / 'COMMITTED'} names no integer 'generation' (it holds {sorted(record)}); "
-            f"restore it from a backup or resume from a retained checkpoint"
+            f"restore it from a backup, or resume from a retained checkpoint (`python -m engine inspect "
+            f"{store.path}` lists them; `python -m engine train --from-checkpoint TAG`)"
         )
     if not dirty_ok:
         check_clean(Generations(store))

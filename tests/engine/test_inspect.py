@@ -171,9 +171,13 @@ def test_missing_store_names_the_path(tmp_path) -> None:
         inspect_store(tmp_path / "nowhere")
 
 
-def test_a_folder_that_is_not_a_store_is_refused(tmp_path) -> None:
-    with pytest.raises(ValueError, match="is not an offload store"):
+def test_a_folder_or_a_file_that_is_not_a_store_is_refused(tmp_path) -> None:
+    fix = r"pass the folder the engine trained into \(its offload.nvme_path\)"
+    with pytest.raises(ValueError, match=f"is not an offload store: it is a folder without a zarr.json; {fix}"):
         inspect_store(tmp_path)
+    (tmp_path / "weights.pt").write_bytes(b"not a store")
+    with pytest.raises(ValueError, match=f"is not an offload store: it is a file, not a folder; {fix}"):
+        inspect_store(tmp_path / "weights.pt")
 
 
 def test_store_without_commit_is_reported_not_refused(store_copy) -> None:
