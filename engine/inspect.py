@@ -55,7 +55,14 @@ def store_layout(store: ShardStore) -> ModelLayout:
             f"offload store {store.path} has no 'layout' group attribute, so it was not written by the "
             f"engine and its arrays cannot be mapped to parameters; inspect it with zarr instead"
         )
-    return ModelLayout.from_dict(layout)
+    try:
+        return ModelLayout.from_dict(layout)
+    except (KeyError, TypeError, ValueError) as err:  # a hand-edited or truncated zarr.json
+        raise ValueError(
+            f"offload store {store.path} has a damaged 'layout' attribute in its zarr.json "
+            f"({type(err).__name__}: {err}), so its arrays cannot be mapped to parameters; restore the store "
+            f"from a backup"
+        ) from err
 
 
 def committed_record(store: ShardStore, dirty_ok: bool = False) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@ what ``verify`` catches, and how it fails on paths that are not healthy stores."
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -178,6 +179,14 @@ def test_a_folder_or_a_file_that_is_not_a_store_is_refused(tmp_path) -> None:
     (tmp_path / "weights.pt").write_bytes(b"not a store")
     with pytest.raises(ValueError, match=f"is not an offload store: it is a file, not a folder; {fix}"):
         inspect_store(tmp_path / "weights.pt")
+
+
+def test_a_damaged_layout_is_named(store_copy) -> None:
+    meta = json.loads((store_copy / "zarr.json").read_text())
+    del meta["attributes"]["layout"]["units"][0]["params"]
+    (store_copy / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"damaged 'layout' attribute in its zarr.json \(KeyError: 'params'\)"):
+        inspect_store(store_copy)
 
 
 def test_store_without_commit_is_reported_not_refused(store_copy) -> None:
