@@ -192,8 +192,24 @@ def _bytes_per_kind(store: ShardStore, arrays: dict[str, tuple[str, str]]) -> di
 
 
 def _checkpoints(path: Path) -> list[str]:
+    """The kept checkpoints' tags by the step each record names (as text, ``step-1000`` would come
+    before ``step-990``); ties by tag, and those whose record names no step last, by tag."""
     root = path / CHECKPOINTS
-    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    steps = {p.name: _checkpoint_step(p) for p in root.iterdir() if p.is_dir()}
+    return sorted(steps, key=lambda tag: (steps[tag] is None, steps[tag] or 0, tag))
+
+
+def _checkpoint_step(folder: Path) -> int | None:
+    """The step a checkpoint's record names, or None where it names none or cannot be read: a
+    damaged checkpoint is listed, not a reason to refuse describing the store."""
+    try:
+        record = read_committed(folder)
+    except ManifestError:
+        return None
+    step = record.get("step") if record else None
+    return step if isinstance(step, int) else None
 
 
 def _disk_bytes(path: Path) -> int:

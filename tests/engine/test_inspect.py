@@ -17,7 +17,7 @@ from engine.partition import ModelLayout
 from engine.store_state import KINDS, DirtyStoreError
 from offload.generations import Generations
 from offload.io import IORunner
-from offload.manifest import ManifestError
+from offload.manifest import ManifestError, commit
 from offload.store import ShardStore
 from tests.training import SEQ_LEN, batches, config
 
@@ -115,6 +115,25 @@ def test_checkpoints_are_listed(store_copy) -> None:
     report = inspect_store(store_copy)
     assert report["checkpoints"] == ["step-3"]
     assert "checkpoints: step-3" in format_report(report)
+
+
+def test_checkpoints_are_listed_by_step(store_copy) -> None:
+    root = store_copy / "checkpoints"
+    for tag, record in {
+        "step-1000": {"generation": 9, "step": 1000},
+        "step-990": {"generation": 8, "step": 990},
+        "best": {"generation": 7, "step": 990},
+        "step-5": {"generation": 1, "step": 5},
+        "manual": None,
+    }.items():
+        (root / tag).mkdir(parents=True)
+        if record is not None:
+            commit(root / tag, record)
+    (root / "garbled").mkdir()
+    (root / "garbled" / "COMMITTED").write_text("{not json")
+    report = inspect_store(store_copy)
+    assert report["checkpoints"] == ["step-5", "best", "step-990", "step-1000", "garbled", "manual"]
+    assert "checkpoints: step-5, best, step-990, step-1000, garbled, manual" in format_report(report)
 
 
 def record_read_sizes(monkeypatch) -> list[int]:
