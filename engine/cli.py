@@ -140,11 +140,11 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
     from engine.heap import return_freed_buffers
     from engine.train import train
 
     return_freed_buffers()  # before any model memory: host RSS is what is live, not what was
-    config = _load_config(args.config, extra)
     group = None
     if args.plan == "auto":
         config, group = _auto_plan(config)
@@ -166,6 +166,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _estimate(args: argparse.Namespace, extra: list[str]) -> int:
+    config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
     from engine.estimate import (
         Machine,
         estimate_plans,
@@ -177,7 +178,6 @@ def _estimate(args: argparse.Namespace, extra: list[str]) -> int:
         run_shape,
     )
 
-    config = _load_config(args.config, extra)
     run = run_shape(config, args.world_size, gpt_shape(config, args.params, args.layers, args.hidden))
     estimates = estimate_plans(run, baseline_bytes=measured_baseline_bytes())
     machine = Machine.detect(config)

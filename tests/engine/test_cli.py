@@ -56,7 +56,7 @@ def test_torchrun_two_ranks(tmp_path) -> None:
 
 
 # (arguments, exit code, what the last line of stderr says). In tmp_path: "plain" is a folder,
-# "weights.pt" a file, "broken.toml" not TOML.
+# "weights.pt" a file, "broken.toml" not TOML. Config and argument errors come before torch loads.
 BAD_INPUTS = [
     (["--log-level", "NOPE", "train"], 2, "argument --log-level: 'NOPE' is not a log level: use one of DEBUG, INFO"),
     (["train", "--stgae", "2"], 2, "config error: unknown config key 'stgae' (did you mean 'stage'?)"),
