@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.config import Config, ConfigError
@@ -59,6 +61,22 @@ def _log_level(name: str) -> str:
     if name.upper() not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"{name!r} is not a log level: use one of {', '.join(LOG_LEVELS)}")
     return name.upper()
+
+
+def _positive(kind: type[int | float]) -> Callable[[str], int | float]:
+    """An argparse type for a finite number > 0, so that a bad size fails before torch loads."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+            ok = math.isfinite(value) and value > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} > 0")
+        return value
+
+    return parse
 
 
 def _failure(err: Exception, debug: bool) -> tuple[str, int]:
@@ -221,9 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         "estimate", help="memory per tier of every stage and tier plan (any config key: --section.key value)"
     )
     estimate.add_argument("--config", help="a .toml or .json config file")
-    estimate.add_argument("--params", type=float, default=0, help="a model of about this many parameters")
-    estimate.add_argument("--layers", type=int, help="transformer blocks (with --hidden, or to hold fixed with --params)")
-    estimate.add_argument("--hidden", type=int, help="d_model (with --layers, or to hold fixed with --params)")
+    estimate.add_argument("--params", type=_positive(float), default=0, help="a model of about this many parameters")
+    estimate.add_argument(
+        "--layers", type=_positive(int), help="transformer blocks (with --hidden, or to hold fixed with --params)"
+    )
+    estimate.add_argument(
+        "--hidden", type=_positive(int), help="d_model (with --layers, or to hold fixed with --params)"
+    )
     estimate.add_argument("--world-size", type=int, default=1, help="ranks on this node (default 1)")
     estimate.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect = commands.add_parser("inspect", help="what a store holds")

@@ -68,6 +68,8 @@ BAD_INPUTS = [
     (["train", "stray"], 2, "config error: unexpected argument 'stray': overrides look like --key value"),
     (["train", "--config", "broken.toml"], 2, "config error: config file broken.toml is not valid TOML: "),
     (["train", "--config", "missing.toml"], 2, "config error: config file missing.toml does not exist"),
+    (["estimate", "--params", "inf"], 2, "argument --params: 'inf' is not a number > 0"),
+    (["estimate", "--layers", "-1", "--hidden", "64"], 2, "argument --layers: '-1' is not an integer > 0"),
     (["inspect", "missing"], 1, "no store at missing: the path does not exist; pass the folder the engine"),
     (["inspect", "plain"], 1, "plain is not an offload store: it is a folder without a zarr.json; pass the"),
     (["inspect", "weights.pt"], 1, "weights.pt is not an offload store: it is a file, not a folder; pass the"),
