@@ -9,14 +9,19 @@
   predicted memory per tier of every stage and tier plan, and the one ``--plan auto`` would take.
 - ``inspect STORE [--verify]``: what a store holds; ``--verify`` checks every chunk's CRC-32C.
 - ``consolidate STORE OUT.safetensors``: full fp32 weights under the model's parameter names.
+
+Every error ends the command with one line on stderr naming the fix, exit code 2 for a bad
+config and 1 for anything else (130 on Ctrl-C); ``--debug`` (before the command) adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.config import Config, ConfigError
@@ -26,6 +31,11 @@ if TYPE_CHECKING:  # torch loads only once a command needs it
     from engine.estimate import Plan
 
 logger = logging.getLogger("engine")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+EXPLAINED = (OSError, ValueError, ImportError, FloatingPointError, RuntimeError)
+"""Errors raised with a message for the user (missing paths, damaged stores, a diverged loss,
+a missing package); any other type is a bug, reported with its type and the way to its traceback."""
 
 
 def _overrides(extra: list[str]) -> list[str]:
@@ -44,6 +54,42 @@ def _overrides(extra: list[str]) -> list[str]:
         else:
             raise ConfigError(f"override {arg} has no value")
     return out
+
+
+def _log_level(name: str) -> str:
+    """``--log-level``'s type: a level name in any case, refused by argparse with the choices."""
+    if name.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a log level: use one of {', '.join(LOG_LEVELS)}")
+    return name.upper()
+
+
+def _positive(kind: type[int | float]) -> Callable[[str], int | float]:
+    """An argparse type for a finite number > 0, so that a bad size fails before torch loads."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+            ok = math.isfinite(value) and value > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'} > 0")
+        return value
+
+    return parse
+
+
+def _failure(err: Exception, debug: bool) -> tuple[str, int]:
+    """The one line reporting ``err`` (a wrapped message hides its start from ``tail -1``) and the
+    exit code: 2 for a config to fix, 1 for anything else. A type no message was written for
+    is a bug: the line names the type and, unless it follows, the way to the traceback."""
+    message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    if isinstance(err, ConfigError):
+        return f"config error: {message}", 2
+    if isinstance(err, EXPLAINED) and message:
+        return message, 1
+    line = f"unexpected {type(err).__name__}" + (f": {message}" if message else "")
+    return line + ("" if debug else " (rerun with --debug for the traceback)"), 1
 
 
 def _load_config(path: str | None, extra: list[str]) -> Config:
@@ -112,11 +158,11 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
     from engine.heap import return_freed_buffers
     from engine.train import train
 
     return_freed_buffers()  # before any model memory: host RSS is what is live, not what was
-    config = _load_config(args.config, extra)
     group = None
     if args.plan == "auto":
         config, group = _auto_plan(config)
@@ -138,6 +184,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _estimate(args: argparse.Namespace, extra: list[str]) -> int:
+    config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
     from engine.estimate import (
         Machine,
         estimate_plans,
@@ -149,7 +196,6 @@ def _estimate(args: argparse.Namespace, extra: list[str]) -> int:
         run_shape,
     )
 
-    config = _load_config(args.config, extra)
     run = run_shape(config, args.world_size, gpt_shape(config, args.params, args.layers, args.hidden))
     estimates = estimate_plans(run, baseline_bytes=measured_baseline_bytes())
     machine = Machine.detect(config)
@@ -176,7 +222,10 @@ def _consolidate(args: argparse.Namespace, extra: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--log-level", type=_log_level, default=os.environ.get("LOG_LEVEL", "INFO"), help=", ".join(LOG_LEVELS)
+    )
+    parser.add_argument("--debug", action="store_true", help="log the traceback of an error with its message")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train the built-in model (any config key: --section.key value)")
     train.add_argument("--config", help="a .toml or .json config file")
@@ -190,9 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         "estimate", help="memory per tier of every stage and tier plan (any config key: --section.key value)"
     )
     estimate.add_argument("--config", help="a .toml or .json config file")
-    estimate.add_argument("--params", type=float, default=0, help="a model of about this many parameters")
-    estimate.add_argument("--layers", type=int, help="transformer blocks (with --hidden, or to hold fixed with --params)")
-    estimate.add_argument("--hidden", type=int, help="d_model (with --layers, or to hold fixed with --params)")
+    estimate.add_argument("--params", type=_positive(float), default=0, help="a model of about this many parameters")
+    estimate.add_argument(
+        "--layers", type=_positive(int), help="transformer blocks (with --hidden, or to hold fixed with --params)"
+    )
+    estimate.add_argument(
+        "--hidden", type=_positive(int), help="d_model (with --layers, or to hold fixed with --params)"
+    )
     estimate.add_argument("--world-size", type=int, default=1, help="ranks on this node (default 1)")
     estimate.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect = commands.add_parser("inspect", help="what a store holds")
@@ -203,23 +256,26 @@ def main(argv: list[str] | None = None) -> int:
     consolidate.add_argument("out")
     consolidate.add_argument("--generation", type=int, help="default: the committed one")
     args, extra = parser.parse_known_args(argv)
+    if any(arg == "--debug" or arg.startswith("--log-level") for arg in extra):
+        parser.error(f"--debug and --log-level go before the command: python -m engine --debug {args.command} ...")
     if extra and args.command not in ("train", "estimate"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
-        level=args.log_level.upper() if rank == 0 else logging.WARNING,
+        level=args.log_level if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    handlers = {"train": _train, "estimate": _estimate, "inspect": _inspect, "consolidate": _consolidate}
     try:
-        handlers = {"train": _train, "estimate": _estimate, "inspect": _inspect, "consolidate": _consolidate}
         return handlers[args.command](args, extra)
-    except ConfigError as err:
-        logger.error("config error: %s", err)
-        return 2
-    except (OSError, ValueError) as err:  # missing or damaged stores: the message names the fix
-        logger.error("%s", err)
-        return 1
+    except KeyboardInterrupt:
+        logger.error("interrupted", exc_info=args.debug)
+        return 130
+    except Exception as err:
+        line, code = _failure(err, args.debug)
+        logger.error("%s", line, exc_info=args.debug)
+        return code
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 import types
 import typing
@@ -229,6 +230,7 @@ class Config:
 
     def validate(self) -> None:
         """Ranges and combinations; raises ConfigError naming the key and the fix."""
+        self._check_finite()
         z, o, p, opt = self.zero, self.offload, self.precision, self.optim
         _check(z.stage in (1, 2, 3), "zero.stage", z.stage, "must be 1, 2 or 3")
         _check(z.grad_accum_steps >= 1, "zero.grad_accum_steps", z.grad_accum_steps, "must be >= 1")
@@ -283,6 +285,17 @@ class Config:
         ckpt = self.checkpoint
         _check(ckpt.interval >= 0, "checkpoint.interval", ckpt.interval, "must be >= 0 (0: no periodic checkpoints)")
         _check(ckpt.keep >= 0, "checkpoint.keep", ckpt.keep, "must be >= 0 (0 keeps every checkpoint)")
+
+    def _check_finite(self) -> None:
+        """Refuse inf and nan in every float (TOML, JSON and overrides all spell them): no setting
+        means either, and the range checks alone would let inf through (``inf > 0``)."""
+        for section in dataclasses.fields(self):
+            values = getattr(self, section.name)
+            for key in dataclasses.fields(values):
+                value = getattr(values, key.name)
+                items = value if isinstance(value, (tuple, list)) else (value,)
+                finite = all(math.isfinite(x) for x in items if isinstance(x, float))
+                _check(finite, f"{section.name}.{key.name}", value, "must be finite (a number, not inf or nan)")
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:

@@ -94,13 +94,14 @@ def _choose_generation(store: ShardStore, generation: int | None) -> tuple[int, 
         if record is None:
             raise ValueError(
                 f"offload store {store.path} has no committed generation (no COMMITTED file); pass "
-                f"generation=<n> to consolidate one of the generations on disk, {on_disk}, at your own risk"
+                f"--generation N (in Python: generation=N) to consolidate one of the generations on disk, "
+                f"{on_disk}, at your own risk"
             )
         generation = record["generation"]
     if generation not in on_disk:
         raise FileNotFoundError(
             f"generation {generation} is not on disk in offload store {store.path} (generations present: "
-            f"{on_disk}); choose one of those"
+            f"{on_disk}); pass one of those as --generation N (in Python: generation=N)"
         )
     metadata = {"format": "pt", "source": str(store.path), "generation": str(generation)}
     if record is not None and record["generation"] == generation and "step" in record:

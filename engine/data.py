@@ -191,6 +191,15 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarr
     return tokens[:-n_val], tokens[-n_val:]
 
 
+_SETTING_OF = {
+    "seed": "data.seed",
+    "seq_len": "data.seq_len",
+    "global_batch": "data.micro_batch x ranks",
+    "num_tokens": "data.source, data.tokenizer and data.vocab_size",
+}
+"""The config keys of ``python -m engine train`` that set each entry of a batch state."""
+
+
 class TokenBatches:
     """Deterministic, resumable batches: the batch at a given position is a pure
     function of (seed, position), the same for any world size.
@@ -273,9 +282,11 @@ class TokenBatches:
         }
         if different:
             detail = ", ".join(f"{key} saved {saved} vs now {now}" for key, (saved, now) in different.items())
+            settings = ", ".join(_SETTING_OF[key] for key in different)
             raise ValueError(
-                f"the saved batch state does not match these batches ({detail}): build TokenBatches "
-                "with the saved values, whatever the world size, to resume the same sequence"
+                f"the saved batch state does not match these batches ({detail}): to resume the same sequence, "
+                f"run with the saved {settings}, or train into a new offload.nvme_path to start afresh; "
+                "in Python, build TokenBatches with the saved values, whatever the world size"
             )
         self.position = int(state["position"])
 

@@ -35,12 +35,14 @@ IO_THREADS = 2  # reads go one chunk at a time: more threads would only wait
 
 
 def open_store(path: Path, runner: IORunner) -> ShardStore:
-    """Open the store at ``path`` for reading; a missing path names itself and the likely fix."""
+    """Open the store at ``path`` for reading; a path that holds none names itself and the likely
+    fix (the store's own refusal advises creating one, which a reader does not want)."""
+    fix = "pass the folder the engine trained into (its offload.nvme_path)"
     if not path.exists():
-        raise FileNotFoundError(
-            f"no store at {path}: the path does not exist; pass the folder the engine trained into "
-            f"(its offload.nvme_path)"
-        )
+        raise FileNotFoundError(f"no store at {path}: the path does not exist; {fix}")
+    if not (path / "zarr.json").is_file():
+        what = "a folder without a zarr.json" if path.is_dir() else "a file, not a folder"
+        raise ValueError(f"{path} is not an offload store: it is {what}; {fix}")
     return ShardStore.open(path, runner=runner)
 
 
@@ -52,16 +54,25 @@ def store_layout(store: ShardStore) -> ModelLayout:
             f"offload store {store.path} has no 'layout' group attribute, so it was not written by the "
             f"engine and its arrays cannot be mapped to parameters; inspect it with zarr instead"
         )
-    return ModelLayout.from_dict(layout)
+    try:
+        return ModelLayout.from_dict(layout)
+    except (KeyError, TypeError, ValueError) as err:  # a hand-edited or truncated zarr.json
+        raise ValueError(
+            f"offload store {store.path} has a damaged 'layout' attribute in its zarr.json "
+            f"({type(err).__name__}: {err}), so its arrays cannot be mapped to parameters; restore the store "
+            f"from a backup"
+        ) from err
 
 
 def committed_record(store: ShardStore, dirty_ok: bool = False) -> dict[str, Any] | None:
     """The committed record, or None if nothing was committed; a record that names no
     generation is as untrustworthy as a garbled one, and so, unless ``dirty_ok``, is the
     record of a dirty store (its generation mixes two steps)."""
-    record = Generations(store).committed()
+    generations = Generations(store)
+    with naming_way_out(generations):
+        record = generations.committed()
     if not dirty_ok:
-        check_clean(Generations(store))
+        check_clean(generations)
     return record
 
 
@@ -178,8 +189,24 @@ def _bytes_per_kind(store: ShardStore, arrays: dict[str, tuple[str, str]]) -> di
 
 
 def _checkpoints(path: Path) -> list[str]:
+    """The kept checkpoints' tags by the step each record names (as text, ``step-1000`` would come
+    before ``step-990``); ties by tag, and those whose record names no step last, by tag."""
     root = path / CHECKPOINTS
-    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    steps = {p.name: _checkpoint_step(p) for p in root.iterdir() if p.is_dir()}
+    return sorted(steps, key=lambda tag: (steps[tag] is None, steps[tag] or 0, tag))
+
+
+def _checkpoint_step(folder: Path) -> int | None:
+    """The step a checkpoint's record names, or None where it names none or cannot be read: a
+    damaged checkpoint is listed, not a reason to refuse describing the store."""
+    try:
+        record = read_committed(folder)
+    except ManifestError:
+        return None
+    step = record.get("step") if record else None
+    return step if isinstance(step, int) else None
 
 
 def _disk_bytes(path: Path) -> int:

@@ -42,6 +42,10 @@ def test_toml_file_and_overrides(tmp_path) -> None:
         ({"offload": {"param": "cpu"}}, [], "offloading parameters needs zero.stage = 3"),
         ({"offload": {"buffer_mb": 8, "chunk_mb": 16}}, [], "offload.buffer_mb = 8: must hold"),
         ({"zero": 3}, [], "zero must be a section"),
+        ({}, ["lr=inf"], "optim.lr = inf: must be finite"),
+        ({}, ["lr=nan"], "optim.lr = nan: must be finite"),
+        ({"zero": {"device_memory_limit_mb": float("inf")}}, [], "zero.device_memory_limit_mb = inf: must be finite"),
+        ({"optim": {"betas": [0.9, float("-inf")]}}, [], "optim.betas = (0.9, -inf): must be finite"),
     ],
 )
 def test_bad_values_are_named_with_the_fix(raw: dict, overrides: list[str], message: str) -> None:
@@ -57,6 +61,18 @@ def test_unreadable_files(tmp_path) -> None:
     broken.write_text("[zero\nstage = 1")
     with pytest.raises(ConfigError, match="is not valid TOML"):
         Config.load(broken)
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("run.toml", "[precision]\ninitial_scale = inf\n"), ("run.json", '{"precision": {"initial_scale": Infinity}}')],
+)
+def test_infinity_in_a_file_is_refused(tmp_path, name: str, text: str) -> None:
+    """Both formats spell infinity, which every range check here (``> 0``) would let through."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="precision.initial_scale = inf: must be finite"):
+        Config.load(path)
 
 
 def test_readme_documents_every_config_key() -> None:

@@ -3,6 +3,7 @@ what ``verify`` catches, and how it fails on paths that are not healthy stores."
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from engine.partition import ModelLayout
 from engine.store_state import KINDS, DirtyStoreError
 from offload.generations import Generations
 from offload.io import IORunner
-from offload.manifest import ManifestError
+from offload.manifest import ManifestError, commit
 from offload.store import ShardStore
 from tests.training import SEQ_LEN, batches, config
 
@@ -116,6 +117,25 @@ def test_checkpoints_are_listed(store_copy) -> None:
     assert "checkpoints: step-3" in format_report(report)
 
 
+def test_checkpoints_are_listed_by_step(store_copy) -> None:
+    root = store_copy / "checkpoints"
+    for tag, record in {
+        "step-1000": {"generation": 9, "step": 1000},
+        "step-990": {"generation": 8, "step": 990},
+        "best": {"generation": 7, "step": 990},
+        "step-5": {"generation": 1, "step": 5},
+        "manual": None,
+    }.items():
+        (root / tag).mkdir(parents=True)
+        if record is not None:
+            commit(root / tag, record)
+    (root / "garbled").mkdir()
+    (root / "garbled" / "COMMITTED").write_text("{not json")
+    report = inspect_store(store_copy)
+    assert report["checkpoints"] == ["step-5", "best", "step-990", "step-1000", "garbled", "manual"]
+    assert "checkpoints: step-5, best, step-990, step-1000, garbled, manual" in format_report(report)
+
+
 def record_read_sizes(monkeypatch) -> list[int]:
     """Make every ``ShardStore.read_into`` note how many elements it read."""
     read_sizes: list[int] = []
@@ -171,9 +191,21 @@ def test_missing_store_names_the_path(tmp_path) -> None:
         inspect_store(tmp_path / "nowhere")
 
 
-def test_a_folder_that_is_not_a_store_is_refused(tmp_path) -> None:
-    with pytest.raises(ValueError, match="is not an offload store"):
+def test_a_folder_or_a_file_that_is_not_a_store_is_refused(tmp_path) -> None:
+    fix = r"pass the folder the engine trained into \(its offload.nvme_path\)"
+    with pytest.raises(ValueError, match=f"is not an offload store: it is a folder without a zarr.json; {fix}"):
         inspect_store(tmp_path)
+    (tmp_path / "weights.pt").write_bytes(b"not a store")
+    with pytest.raises(ValueError, match=f"is not an offload store: it is a file, not a folder; {fix}"):
+        inspect_store(tmp_path / "weights.pt")
+
+
+def test_a_damaged_layout_is_named(store_copy) -> None:
+    meta = json.loads((store_copy / "zarr.json").read_text())
+    del meta["attributes"]["layout"]["units"][0]["params"]
+    (store_copy / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"damaged 'layout' attribute in its zarr.json \(KeyError: 'params'\)"):
+        inspect_store(store_copy)
 
 
 def test_store_without_commit_is_reported_not_refused(store_copy) -> None:
