@@ -24,9 +24,19 @@ import torch
 from tqdm import tqdm
 
 from engine.partition import ModelLayout
-from engine.store_state import GENERATIONS, IN_PLACE, KINDS, MODE_ATTR, DirtyStoreError, array_name, check_clean
+from engine.store_state import (
+    GENERATIONS,
+    IN_PLACE,
+    KINDS,
+    MODE_ATTR,
+    DirtyStoreError,
+    array_name,
+    check_clean,
+    naming_way_out,
+)
 from offload.generations import CHECKPOINTS, Generations, generation_prefix
 from offload.io import IORunner
+from offload.manifest import ManifestError, read_committed
 from offload.store import FORMAT_VERSION, ChecksumError, ShardStore
 
 logger = logging.getLogger(__name__)
