@@ -32,7 +32,7 @@ from engine.config import Config
 from engine.device import Device
 from engine.budget import MIB, DeviceBudget
 from engine.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
-from engine.optim import ShardAdamW, clip_grad_norm_, lr_factor
+from engine.optim import ShardAdamW, clip_grads_, grad_norm, lr_factor
 from engine.param_tiers import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
 from engine.params import ReplicatedParams, ShardedParams
 from engine.partition import (
@@ -88,6 +88,8 @@ class Engine:
         max_chunk = config.offload.chunk_mb * MIB // 4
         self.layout: ModelLayout = build_layout(owned, self.comm.world_size, max_chunk)
         owned = {u.name: owned[u.name] for u in self.layout.units}
+        self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
+        """The model's own parameter order, which torch's gradient norm follows."""
 
         tier = config.offload.optimizer
         opt_device = self.device.device if tier == "device" else torch.device("cpu")
@@ -381,7 +383,9 @@ class Engine:
             logger.warning("step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale)
         else:
             if self.config.optim.grad_clip > 0:
-                self.last_grad_norm = clip_grad_norm_(grads, self.config.optim.grad_clip, self.comm)
+                norm = grad_norm(self._norm_pieces(grads), self.comm)
+                self.last_grad_norm = float(norm)
+                clip_grads_(grads, self.config.optim.grad_clip, norm)
             update.finish()
             self.params.finish_update()
             start = time.perf_counter()
@@ -392,6 +396,18 @@ class Engine:
         self._finish_saving()
         self._record_stats(update)
         return not overflow
+
+    def _norm_pieces(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What the global gradient norm is taken over: on one rank each parameter's gradient
+        (views of the unit shards, which are whole there) in the model's parameter order, as
+        ``torch.nn.utils.clip_grad_norm_`` takes it, so that the norm is torch's bit for bit; on
+        several ranks a parameter may span shards, so each rank's shards."""
+        if self.comm.world_size > 1:
+            return grads
+        views = {}
+        for unit in self.layout.units:
+            views.update(param_views(self.grads.shards[unit.name], unit))
+        return [views[name] for name in self._param_order]
 
     def _apply(self, unit: UnitLayout, state: ShardState, lr: float) -> None:
         """AdamW on one unit's shard, then hand the new master to the parameters."""
