@@ -104,24 +104,29 @@ def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS) ->
         )
 
 
-def check_clean(generations: Generations) -> None:
-    """Refuse a dirty store (its committed generation mixes two steps), naming the way out:
-    its last checkpoint, or removing it."""
-    mark = generations.dirty()
-    if mark is None:
-        return
+def way_out(generations: Generations) -> str:
+    """How to go on from a store whose committed generation cannot be resumed: from its last
+    checkpoint, or, without one, afresh."""
     path, latest = generations.store.path, generations.latest_checkpoint()
-    way_out = (
+    return (
         f"resume from its last checkpoint, {latest!r}: Engine.resume(model, config, checkpoint={latest!r}) or "
         f"`python -m engine train --from-checkpoint {latest}`"
         if latest
         else f"it holds no checkpoint to resume from, so remove {path} and start afresh (checkpoint.interval "
         f"keeps checkpoints to fall back to)"
     )
+
+
+def check_clean(generations: Generations) -> None:
+    """Refuse a dirty store (its committed generation mixes two steps), naming the way out:
+    its last checkpoint, or removing it."""
+    mark = generations.dirty()
+    if mark is None:
+        return
     raise DirtyStoreError(
-        f"store {path} is dirty: its run (store.mode = \"in-place\") stopped while rewriting generation "
-        f"{mark['generation']}, committed at step {mark['step']}, so that generation mixes two steps and cannot be "
-        f"read; {way_out}"
+        f"store {generations.store.path} is dirty: its run (store.mode = \"in-place\") stopped while rewriting "
+        f"generation {mark['generation']}, committed at step {mark['step']}, so that generation mixes two steps and "
+        f"cannot be read; {way_out(generations)}"
     )
 
 
@@ -434,6 +439,23 @@ class StoreOptimizerState:
             return
         self.last_stats = self.pipeline.drain()
         self._commit(self._target, record)
+
+    def discard_step(self) -> str:
+        """The step in progress diverged: let the writes it issued land, so that none lands
+        behind a later run's reads (a failed one raises its own error), and never commit them:
+        ``finish`` is not called for the step, and the step before it was committed when this
+        one first read its state. Says where a run can go on: the last committed step, unless
+        this step has already rewritten it in place, which leaves the store dirty."""
+        self.pipeline.drain()
+        path, committed = self.store.path, self.generations.committed()
+        if self.generations.dirty() is not None:
+            return (
+                f"its updates were already written over step {committed['step']} (store.mode = \"in-place\"), so "
+                f"store {path} is dirty and will not resume; {way_out(self.generations)}"
+            )
+        if committed is None:  # a run resumed from a checkpoint into a store holding only checkpoints
+            return f"store {path} has no committed step; {way_out(self.generations)}"
+        return f"store {path} still holds step {committed['step']}, its last committed step, which a resume continues from"
 
     def settle(self) -> None:
         """Commit a deferred step now (every rank calls this at the same point: it synchronises)."""
