@@ -20,6 +20,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from engine.config import Config, ConfigError
+from engine.divergence import DivergedError
 
 if TYPE_CHECKING:  # torch loads only once a command needs it
     from engine.comm import Comm
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         logger.error("config error: %s", err)
         return 2
-    except (OSError, ValueError) as err:  # missing or damaged stores: the message names the fix
+    except (OSError, ValueError, DivergedError) as err:  # damaged stores, diverged steps: the message names the fix
         logger.error("%s", err)
         return 1
 

@@ -19,6 +19,7 @@ from engine.models.gpt import GPT
 from engine.store_state import DirtyStoreError
 from engine.train import train
 from offload.manifest import read_committed
+from tests.engine.test_cli import run as run_cli
 from tests.engine.test_in_place import same_params
 from tests.engine.test_resume import nvme, params, run
 from tests.ranks import run_ranks
@@ -122,6 +123,14 @@ def test_train_stops_at_a_non_finite_loss_before_its_step_commits(tmp_path, monk
     with pytest.raises(DivergedError, match=r"^step 3 diverged \(the loss is nan\) and was not committed: store .* still holds step 2,"):
         train(cfg)
     assert committed_step(tmp_path) == 2, "train closes the engine without committing the diverged step"
+
+
+def test_the_command_line_names_the_diverged_step_without_a_traceback(tmp_path) -> None:
+    proc = run_cli(["--steps", "4", "--seq_len", "32", "--lr", "1e30"], tmp_path)  # the first step blows up the weights
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.search(r"ERROR engine: step 2 diverged \(the (loss|gradient norm) is (nan|inf)\) and was not committed: store .* still holds step 1,", proc.stderr), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert read_committed(tmp_path / "offload_store")["step"] == 1
 
 
 def poison_rank_1_shard(eng: Engine) -> None:
