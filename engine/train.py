@@ -134,8 +134,9 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
     progress = tqdm(total=config.train.steps, initial=engine.global_step, desc="train", unit="step", disable=rank != 0)
     window_start, window_steps = time.perf_counter(), 0
     run_start = window_start
-    # closing: the engine's I/O and process group are released also when a step fails
-    with StopFlag() as stop, logging_redirect_tqdm(), contextlib.closing(engine):
+    # Also when a step fails, the engine's I/O and process group are released, and the progress
+    # bar ends its line before the error is logged.
+    with StopFlag() as stop, logging_redirect_tqdm(), contextlib.closing(engine), progress:
         for step in range(engine.global_step, config.train.steps):
             loss_sum = 0.0
             for _ in range(config.zero.grad_accum_steps):
@@ -176,7 +177,6 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
             if stop.requested:
                 result.stopped_early = True
                 break
-    progress.close()
     result.seconds_per_step = (time.perf_counter() - run_start) / max(1, len(result.losses))
     if result.stopped_early and rank == 0:
         how = (
