@@ -31,13 +31,10 @@ def nonfinite_units(per_rank: list[list[tuple[str, float]]]) -> str:
 
 
 def remedies(config: Config) -> str:
-    """The changes that keep the next run finite, of those this configuration leaves open."""
-    fixes = [f"lower optim.lr (now {config.optim.lr:g})"]
-    if config.optim.grad_clip == 0:
-        fixes.append("enable optim.grad_clip (e.g. 1.0)")
-    if config.precision.compute_dtype == "fp16" and config.precision.loss_scaling == "none":
-        fixes.append('use loss scaling (precision.loss_scaling = "dynamic")')
-    return ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+    """The changes that keep the next run finite, of those this configuration leaves open (fp16
+    always has loss scaling: the configuration refuses it without)."""
+    lower = f"lower optim.lr (now {config.optim.lr:g})"
+    return lower if config.optim.grad_clip > 0 else f"{lower} or enable optim.grad_clip (e.g. 1.0)"
 
 
 def diverged_message(step: int, what: str, where: str, config: Config) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.config import Config
-from engine.divergence import DivergedError
+from engine.divergence import DivergedError, nonfinite_units
 from engine.engine import Engine
 from engine.models.gpt import GPT
 from engine.store_state import DirtyStoreError
@@ -85,6 +85,14 @@ def test_a_diverged_step_is_never_committed(tmp_path, mode: str, guard: str) -> 
     assert resumed.global_step == 2
     assert same_params(params(resumed), at_step_2)
     resumed.close()
+
+
+def test_the_message_names_three_units_and_counts_the_rest() -> None:
+    per_rank = [[("blocks.0", float("nan")), ("blocks.1", float("inf"))], [("blocks.2", float("inf")), ("root", float("nan"))]]
+    assert nonfinite_units(per_rank) == (
+        "the gradient norm is nan in unit 'blocks.0' on rank 0, inf in unit 'blocks.1' on rank 0, "
+        "inf in unit 'blocks.2' on rank 1 and 1 more"
+    )
 
 
 def test_without_a_committed_step_the_message_names_the_checkpoint(tmp_path) -> None:
