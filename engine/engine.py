@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -30,9 +31,10 @@ from engine.checkpoint import MemoryCheckpoints, PendingCheckpoint
 from engine.comm import Comm
 from engine.config import Config
 from engine.device import Device
+from engine.divergence import DivergedError, diverged_message, nonfinite_units
 from engine.budget import MIB, DeviceBudget
 from engine.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
-from engine.optim import ShardAdamW, clip_grad_norm_, lr_factor
+from engine.optim import ShardAdamW, clip_grads_, grad_norm, lr_factor
 from engine.param_tiers import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
 from engine.params import ReplicatedParams, ShardedParams
 from engine.partition import (
@@ -89,6 +91,8 @@ class Engine:
         max_chunk = config.offload.chunk_mb * MIB // 4
         self.layout: ModelLayout = build_layout(owned, self.comm.world_size, max_chunk)
         owned = {u.name: owned[u.name] for u in self.layout.units}
+        self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
+        """The model's own parameter order, which torch's gradient norm follows."""
 
         tier = config.offload.optimizer
         opt_device = self.device.device if tier == "device" else torch.device("cpu")
@@ -143,6 +147,12 @@ class Engine:
         self.global_step = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        """The last step's global gradient norm before clipping (None with loss scaling and no
+        clipping: nothing takes it there)."""
+        self._unit_norms: dict[str, float] = {}
+        """This step's gradient norm of each unit updated inside backward, taken before its update."""
+        self._diverged: str | None = None
+        """Why this engine stopped, once a step diverged: it takes no further step."""
         self.last_step_stats = StepStats()
         """What the last optimizer step cost (see ``engine.stats``)."""
         self.client_state: dict[str, Any] = {}
@@ -352,12 +362,14 @@ class Engine:
         On the last micro-batch of a step the optimizer state starts streaming in now, and
         without clipping or loss scaling each unit is updated as soon as its gradient is
         reduced (``engine.update``)."""
+        self._refuse_if_diverged()
         accum = self.config.zero.grad_accum_steps
         last = self._micro_batches + 1 >= accum
         self.grads.start_backward(last)  # first: it makes the last step's order the record
         if last:
             lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
             self._update = Update(self._update_order(), self.optimizer_state, lambda u, s: self._apply(u, s, lr))
+            self._unit_norms = {}
             self.grads.on_ready = self._update.ready if self._overlap else None
         scaled = self.scaler.scale_loss(loss)
         (scaled / accum if accum > 1 else scaled).backward()
@@ -384,7 +396,10 @@ class Engine:
 
         A step whose gradients overflowed (fp16) is skipped on every rank and leaves the
         masters untouched; the learning-rate schedule still advances, as with torch's GradScaler.
+        A step whose gradients are otherwise not finite diverged: it raises ``DivergedError`` on
+        every rank and is never committed.
         """
+        self._refuse_if_diverged()
         if not self.is_accumulation_boundary:
             return False
         update, self._update = self._update, None
@@ -397,9 +412,12 @@ class Engine:
             self.skipped_steps += 1
             logger.warning("step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale)
         else:
-            if self.config.optim.grad_clip > 0:
-                self.last_grad_norm = clip_grad_norm_(grads, self.config.optim.grad_clip, self.comm)
-            update.finish()
+            if self._overlap:
+                update.finish()
+                self._check_unit_norms(update)
+            else:
+                self._check_norm(update, grads)
+                update.finish()
             self.params.finish_update()
             start = time.perf_counter()
             self.optimizer_state.finish(self._commit_record(self.global_step + 1), defer=self.config.store.defer_commit)
@@ -410,12 +428,83 @@ class Engine:
         self._record_stats(update)
         return not overflow
 
+    def _check_norm(self, update: Update, grads: list[torch.Tensor]) -> None:
+        """Before any unit is updated: the global gradient norm, which stops the step if it is
+        not finite and clips the gradients (``optim.grad_clip``). Loss scaling without clipping
+        needs neither: its overflow check has passed."""
+        clip = self.config.optim.grad_clip
+        if clip == 0 and self.scaler.enabled:
+            return
+        norm = grad_norm(self._norm_pieces(grads), self.comm)
+        self.last_grad_norm = float(norm)
+        if not math.isfinite(self.last_grad_norm):
+            self._diverge(update, f"the gradient norm is {self.last_grad_norm}")
+        if clip > 0:
+            clip_grads_(grads, clip, norm)
+
+    def _check_unit_norms(self, update: Update) -> None:
+        """After updates inside backward, each taken only if its unit's gradient norm was
+        finite: stop the step on every rank if any rank left a unit out. One all-reduce of the
+        squared norms agrees on it (nan and inf survive the sum) and gives the global norm."""
+        squares = sum(norm * norm for norm in self._unit_norms.values())
+        self.last_grad_norm = math.sqrt(self.comm.all_reduce_value(squares, op="sum"))
+        if not math.isfinite(self.last_grad_norm):
+            left_out = [(name, norm) for name, norm in self._unit_norms.items() if not math.isfinite(norm)]
+            self._diverge(update, nonfinite_units(self.comm.all_gather_object(left_out)))
+
+    def abandon_step(self, what: str) -> NoReturn:
+        """Stop the step whose backward has run, instead of ``step()``, because ``what`` is not
+        finite (e.g. the loss, which the engine never sees): as a diverged step, never committed,
+        with ``DivergedError``. Every rank calls it at the same point."""
+        update, self._update = self._update, None
+        assert update is not None, "backward() of the step's last micro-batch opens its update"
+        self._diverge(update, what)
+
+    def _diverge(self, update: Update, what: str) -> NoReturn:
+        """Give the step up on this rank (each rank comes here at the same point): drop its
+        reads, let the parameter gathers every rank issued complete, never commit its writes,
+        and take no further step: the model and the optimizer state may be partly updated."""
+        update.abandon()
+        self.params.finish_update()
+        where = self.optimizer_state.discard_step()
+        self._diverged = diverged_message(self.global_step + 1, what, where, self.config)
+        raise DivergedError(self._diverged)
+
+    def _refuse_if_diverged(self) -> None:
+        """After a diverged step the model and optimizer state may be partly updated: nothing
+        may step or checkpoint from them."""
+        if self._diverged is not None:
+            raise DivergedError(f"this engine stopped at a diverged step and takes no further step: {self._diverged}")
+
+    def _norm_pieces(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What the global gradient norm is taken over: on one rank each parameter's gradient
+        (views of the unit shards, which are whole there) in the model's parameter order, as
+        ``torch.nn.utils.clip_grad_norm_`` takes it, so that the norm is torch's bit for bit; on
+        several ranks a parameter may span shards, so each rank's shards."""
+        if self.comm.world_size > 1:
+            return grads
+        views = {}
+        for unit in self.layout.units:
+            views.update(param_views(self.grads.shards[unit.name], unit))
+        return [views[name] for name in self._param_order]
+
     def _apply(self, unit: UnitLayout, state: ShardState, lr: float) -> None:
-        """AdamW on one unit's shard, then hand the new master to the parameters."""
+        """AdamW on one unit's shard, then hand the new master to the parameters.
+
+        Inside backward (overlap) nothing has seen every gradient, so the unit's own gradient
+        norm is taken first, and a unit whose norm is not finite is left as it was (``step``
+        then stops the step on every rank; raising here, in an autograd hook, would leave the
+        other ranks waiting in their collectives). Its unchanged master is still handed on:
+        every rank must take part in the same parameter gathers."""
         grad = self.grads.shards[unit.name]
-        if self._saving is not None:
-            self._saving.wait_unit(unit.name)
-        self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._step_counters[unit.name], lr)
+        finite = True
+        if self._overlap:
+            norm = self._unit_norms[unit.name] = float(torch.linalg.vector_norm(grad))
+            finite = math.isfinite(norm)
+        if finite:
+            if self._saving is not None:
+                self._saving.wait_unit(unit.name)
+            self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._step_counters[unit.name], lr)
         self.params.update(unit, state.master)
         self.grads.release_shard(unit.name)
 
@@ -457,6 +546,7 @@ class Engine:
         in the background: it is kept once the next step (or ``close``) finishes, and that step
         updates each unit only after its state is written. Once a checkpoint is kept, the oldest
         beyond ``checkpoint.keep`` are deleted."""
+        self._refuse_if_diverged()
         keep = self.config.checkpoint.keep
         if isinstance(self.optimizer_state, StoreOptimizerState):
             self.optimizer_state.save(tag, keep=keep)
@@ -489,8 +579,9 @@ class Engine:
         return tiers
 
     def close(self) -> None:
-        """Finish a checkpoint in progress and commit a deferred step; release hooks and the
-        process group this engine created, also when that commit fails (its error is raised)."""
+        """Finish a checkpoint in progress and commit a deferred step (a diverged step is never
+        one: see ``_diverge``); release hooks and the process group this engine created, also
+        when that commit fails (its error is raised)."""
         try:
             self._finish_saving()
             self.optimizer_state.close()

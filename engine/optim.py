@@ -1,4 +1,4 @@
-"""AdamW on fp32 shards, the learning-rate schedule, and global gradient-norm clipping.
+"""AdamW on fp32 shards, the learning-rate schedule, and the global gradient norm and its clipping.
 
 The update runs one unit's shard at a time (so shards can stream through host memory
 from disk) with torch's own AdamW kernels called functionally: ``fused`` is the fastest
@@ -71,15 +71,25 @@ class ShardAdamW:
         )
 
 
-def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, comm: Comm) -> float:
-    """Scale every rank's gradient shards so the global L2 norm is at most ``max_norm``.
+def grad_norm(pieces: list[torch.Tensor], comm: Comm) -> torch.Tensor:
+    """The global L2 norm of the gradients, given this rank's ``pieces`` of them.
 
-    Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``
-    clamped to 1, always applied), with the squared norm summed over ranks. Returns the
-    norm before clipping.
+    Taken as ``torch.nn.utils.clip_grad_norm_`` takes it (``get_total_norm``: the norm of the
+    pieces' norms), so on one rank, given each parameter's gradient in the model's parameter
+    order, it is torch's norm bit for bit. Over several ranks a parameter spans shards, so
+    each rank's norm is squared and summed over ranks (in float64).
     """
-    local_sq = sum(float(n) ** 2 for n in torch._foreach_norm(grads)) if grads else 0.0
-    total = math.sqrt(comm.all_reduce_value(local_sq, op="sum"))
-    coef = min(1.0, max_norm / (total + 1e-6))
+    local = torch.nn.utils.get_total_norm(pieces)
+    if comm.world_size == 1:
+        return local
+    total = math.sqrt(comm.all_reduce_value(float(local) ** 2, op="sum"))
+    return torch.tensor(total, dtype=torch.float32, device=local.device)
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale ``grads`` so that a global norm of ``total`` becomes at most ``max_norm``, with
+    the arithmetic of ``torch.nn.utils.clip_grads_with_norm_`` (coefficient
+    ``max_norm / (total + 1e-6)`` clamped to 1 and always applied), so that one rank matches
+    torch bit for bit."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef)
-    return total

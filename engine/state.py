@@ -54,6 +54,12 @@ class OptimizerState(Protocol):
         background may return first, and stores it before its next ``stream`` or ``close``."""
         ...
 
+    def discard_step(self) -> str:
+        """The step in progress diverged and is given up: whatever it wrote must never become
+        the state a run resumes from. Returns where a run can go on instead, for the error
+        that stops this one."""
+        ...
+
     def nbytes(self) -> int:
         """Bytes this tier holds for the optimizer state."""
         ...
@@ -107,6 +113,12 @@ class MemoryOptimizerState:
 
     def finish(self, record: dict, *, defer: bool = False) -> None:
         return None
+
+    def discard_step(self) -> str:
+        return (
+            "the optimizer state is held in memory, so a run continues only from a checkpoint saved before this step "
+            "(Engine.resume(model, config, checkpoint=TAG) or `python -m engine train --from-checkpoint TAG`)"
+        )
 
     def nbytes(self) -> int:
         return sum(t.nbytes for s in self._states.values() for t in s.tensors())

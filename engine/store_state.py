@@ -501,6 +501,23 @@ class StoreOptimizerState:
         self.last_stats = self.pipeline.drain()
         self._commit(self._target, record)
 
+    def discard_step(self) -> str:
+        """The step in progress diverged: let the writes it issued land, so that none lands
+        behind a later run's reads (a failed one raises its own error), and never commit them:
+        ``finish`` is not called for the step, and the step before it was committed when this
+        one first read its state. Says where a run can go on: the last committed step, unless
+        this step has already rewritten it in place, which leaves the store dirty."""
+        self.pipeline.drain()
+        path, committed = self.store.path, self.generations.committed()
+        if self.generations.dirty() is not None:
+            return (
+                f"its updates were already written over step {committed['step']} (store.mode = \"in-place\"), so "
+                f"store {path} is dirty and will not resume; {way_out(self.generations)}"
+            )
+        if committed is None:  # a run resumed from a checkpoint into a store holding only checkpoints
+            return f"store {path} has no committed step; {way_out(self.generations)}"
+        return f"store {path} still holds step {committed['step']}, its last committed step, which a resume continues from"
+
     def settle(self) -> None:
         """Commit a deferred step now (every rank calls this at the same point: it synchronises)."""
         record, self._deferred = self._deferred, None

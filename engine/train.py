@@ -4,11 +4,14 @@ The loop is the one a user writes by hand (forward, ``backward``, ``step``); thi
 only adds what a long run wants around it: a progress bar, a log line every few steps
 (loss, tokens/s, peak host RSS, bytes per tier), per-step records in ``train.metrics``
 for whoever tunes the tiers, a checkpoint every ``checkpoint.interval``
-steps and a clean stop on SIGINT/SIGTERM that finishes the step in flight.
+steps, a clean stop on SIGINT/SIGTERM that finishes the step in flight, and a stop before
+the commit of a step whose loss is not finite (``DivergedError``, as the engine raises for
+gradients).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -164,18 +167,20 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
     progress = tqdm(total=config.train.steps, initial=engine.global_step, desc="train", unit="step", disable=rank != 0)
     window_start, window_steps = time.perf_counter(), 0
     run_start = window_start
-    with StopFlag() as stop, logging_redirect_tqdm():
+    # Also when a step fails, the engine's I/O and process group are released, and the progress
+    # bar ends its line before the error is logged.
+    with StopFlag() as stop, logging_redirect_tqdm(), contextlib.closing(engine), progress:
         for step in range(engine.global_step, config.train.steps):
             loss_sum = 0.0
             for _ in range(config.zero.grad_accum_steps):
                 loss = engine(*data.next())
                 engine.backward(loss)
-                engine.client_state = {"data": data.state_dict()}
-                engine.step()
                 loss_sum += loss.item()
             loss_value = engine.comm.all_reduce_value(loss_sum / config.zero.grad_accum_steps) / world
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss is {loss_value} at step {step}: lower optim.lr or use loss scaling")
+            if not math.isfinite(loss_value):  # before step(): a diverged step is never committed
+                engine.abandon_step(f"the loss is {loss_value}")
+            engine.client_state = {"data": data.state_dict()}
+            engine.step()
             if rank == 0 and config.train.metrics:
                 record = {"step": engine.global_step, "loss": loss_value, "peak_rss_bytes": peak_rss_bytes()}
                 with open(config.train.metrics, "a") as metrics:
@@ -205,7 +210,6 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
             if stop.requested:
                 result.stopped_early = True
                 break
-    progress.close()
     result.seconds_per_step = (time.perf_counter() - run_start) / max(1, len(result.losses))
     if result.stopped_early and rank == 0:
         how = (
@@ -215,5 +219,4 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
             'offload.optimizer = "nvme" to make every step resumable'
         )
         logger.warning("stopped after step %d of %d: %s", result.steps_done, config.train.steps, how)
-    engine.close()
     return result

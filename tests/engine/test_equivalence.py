@@ -58,13 +58,27 @@ def test_gradient_accumulation_equals_one_large_batch(stage: int) -> None:
     assert rel_diff(accumulated["params"], large["params"]) <= 1e-6
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_clipping_matches_clip_grad_norm(stage: int) -> None:
-    cfg = config(zero={"stage": stage}, optim={"grad_clip": 0.05})
+def test_clipping_is_bit_identical_to_clip_grad_norm_every_step(stage: int, tier: str, tmp_path) -> None:
+    cfg = config(zero={"stage": stage}, offload={"optimizer": tier, "nvme_path": str(tmp_path / "store")}, optim={"grad_clip": 0.05})
     ours = train_engine(cfg, STEPS)
     ref = train_reference(cfg, STEPS, micro_batch=4)
-    assert rel_diff(ours["params"], ref["params"]) <= 1e-6
+    assert ours["losses"] == ref["losses"]
+    for step, (a, b) in enumerate(zip(ours["history"], ref["history"])):
+        differing = [name for name in b if not torch.equal(a[name], b[name])]
+        assert not differing, f"step {step}: parameters differ from torch AdamW + clip_grad_norm_: {differing[:3]}"
     unclipped = train_reference(config(zero={"stage": stage}), STEPS, micro_batch=4)
+    assert rel_diff(unclipped["params"], ref["params"]) > 1e-4, "the test's clip threshold never bites"
+
+
+def test_two_gloo_ranks_clip_the_global_norm(tmp_path) -> None:
+    cfg = config(optim={"grad_clip": 0.05})
+    ranks = run_ranks(2, train_engine_on_ranks, cfg, STEPS, 2)
+    ref = train_reference(cfg, STEPS, micro_batch=4)
+    for result in ranks:
+        assert rel_diff(result["params"], ref["params"]) <= 1e-6
+    unclipped = train_reference(config(), STEPS, micro_batch=4)
     assert rel_diff(unclipped["params"], ref["params"]) > 1e-4, "the test's clip threshold never bites"
 
 
