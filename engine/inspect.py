@@ -36,6 +36,7 @@ from engine.store_state import (
 )
 from offload.generations import CHECKPOINTS, Generations, generation_prefix
 from offload.io import IORunner
+from offload.lock import describe_holder, read_holder
 from offload.manifest import ManifestError, read_committed
 from offload.store import FORMAT_VERSION, ChecksumError, ShardStore
 
@@ -142,6 +143,7 @@ def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[st
             "committed": None if record is None else _scalars(record),
             "mode": store.attrs.get(MODE_ATTR, GENERATIONS),
             "dirty": dirty_status(store),
+            "writer": read_holder(path),
             "world_size": layout.world_size,
             "attributes": {k: v for k, v in store.attrs.items() if k not in ("layout", MODE_ATTR)},
             "num_units": len(layout.units),
@@ -285,6 +287,8 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"             generation {committed['generation']} is MISSING on disk")
     state = f", DIRTY: {report['dirty']}" if report["dirty"] else ", clean" if report["mode"] == IN_PLACE else ""
     lines.append(f"mode:        {report['mode']}{state}")
+    writer = report["writer"]
+    lines.append(f"writer:      {describe_holder(writer) if writer is not None else 'none (no run holds its lock)'}")
     lines.append(f"world size:  {report['world_size']}")
     lines += [f"{key + ':':<12} {value}" for key, value in report["attributes"].items()]
     lines.append(

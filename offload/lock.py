@@ -28,7 +28,8 @@ class StoreLockedError(RuntimeError):
     """Another process holds the store's writer lock."""
 
 
-def _describe(holder: dict[str, Any] | None) -> str:
+def describe_holder(holder: dict[str, Any] | None) -> str:
+    """The holder of a lock as messages name it."""
     if not holder:
         return "another process"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
@@ -94,7 +95,7 @@ class StoreLock:
             holder = _holder_record(fd)
             os.close(fd)
             raise StoreLockedError(
-                f"store {store_dir} is being written by {_describe(holder)}: two runs on one store would mix "
+                f"store {store_dir} is being written by {describe_holder(holder)}: two runs on one store would mix "
                 f"their steps; wait for that run to end or stop it, or choose another offload.nvme_path"
             ) from None
         except BaseException:

@@ -168,15 +168,18 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _check_no_links(root: Path) -> None:
     """Refuse a store holding a symbolic link: the engine never makes one, and writing through
     one would change a file outside the store."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        for entry in (*dirnames, *filenames):
-            path = os.path.join(dirpath, entry)
-            if os.path.islink(path):
-                raise ValueError(
-                    f"offload store {root} holds a symbolic link, {path} -> {os.readlink(path)}: the engine never "
-                    f"makes one, so the store was changed by hand; replace the link by the data it points to "
-                    f"(cp -L) or restore the store, then run again"
-                )
+    pending = [str(root)]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    raise ValueError(
+                        f"offload store {root} holds a symbolic link, {entry.path} -> {os.readlink(entry.path)}: the "
+                        f"engine never makes one, so the store was changed by hand; replace the link by the data it "
+                        f"points to (cp -L) or restore the store, then run again"
+                    )
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
 
 
 def _store_marker(root: Path) -> dict[str, Any] | None:
@@ -307,7 +310,10 @@ class ShardStore:
                     f"remove it yourself or choose another path"
                 )
             for entry in contents:  # the writer lock, if any, stays held and in place
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
         marker = {"version": FORMAT_VERSION, "checksum": checksum}
         zarr.create_group(LocalStore(root), attributes={**attrs, FORMAT_KEY: marker})
         store = cls(

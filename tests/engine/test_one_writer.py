@@ -13,7 +13,10 @@ from engine.config import Config
 from engine.data import load_tokens
 from engine.engine import Engine
 from engine.train import build_model
-from offload.lock import StoreLockedError
+from engine.inspect import format_report, inspect_store
+from offload.lock import StoreLock, StoreLockedError
+from tests.engine.test_resume import nvme, run
+from tests.training import tiny_gpt
 from tests.engine.test_crash import batches_for, fingerprint, train
 
 OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=64", "micro_batch=4", "log_every=1", "optim.decay_steps=1000"]
@@ -48,3 +51,15 @@ def test_a_second_writer_is_refused_while_the_first_trains_on(tmp_path, monkeypa
     assert resumed.global_step == STEPS and fingerprint(resumed) == fingerprint(reference), "the first run was disturbed"
     resumed.close()
     reference.close()
+
+
+def test_inspect_names_the_writer_without_disturbing_it(tmp_path) -> None:
+    eng = Engine(tiny_gpt(), nvme(tmp_path), total_steps=2)
+    run(eng, 1)
+    report = inspect_store(tmp_path / "store")
+    assert report["writer"]["pid"] == os.getpid()
+    assert f"writer:      pid {os.getpid()} on host" in format_report(report)
+    run(eng, 1)  # the writer never noticed
+    eng.close()
+    assert inspect_store(tmp_path / "store")["writer"] is None
+    StoreLock.acquire(tmp_path / "store").release()
