@@ -46,7 +46,7 @@ def write_atomic(path: Path, data: bytes) -> None:
             os.unlink(tmp_name)
         except FileNotFoundError:
             pass
-        if isinstance(exc, OSError) and exc.filename is None:  # a failed write names no file by itself
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:  # a failed write names no file
             raise OSError(exc.errno, f"writing {path}: {exc.strerror}") from exc
         raise
     _fsync_dir(path.parent)
