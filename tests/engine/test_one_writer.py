@@ -37,10 +37,6 @@ def test_a_second_writer_is_refused_while_the_first_trains_on(tmp_path, monkeypa
     _, vocab = load_tokens(config.data.source)
     with pytest.raises(StoreLockedError, match=rf"is being written by pid {first.pid} on host"):
         Engine.resume(build_model(config, vocab), config)
-    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    if first.poll() is None:  # the first may finish before the second gets that far
-        assert second.returncode == 1 and f"being written by pid {first.pid}" in second.stderr
-        assert "Traceback" not in second.stderr
     first.stderr.read()
     assert first.wait(timeout=300) == 0
 
@@ -63,3 +59,20 @@ def test_inspect_names_the_writer_without_disturbing_it(tmp_path) -> None:
     eng.close()
     assert inspect_store(tmp_path / "store")["writer"] is None
     StoreLock.acquire(tmp_path / "store").release()
+
+
+def test_the_cli_refuses_a_store_in_use_in_one_line_and_leaves_it_as_it_was(tmp_path) -> None:
+    eng = Engine(tiny_gpt(), nvme(tmp_path), total_steps=2)
+    run(eng, 1)
+    eng.flush()
+    before = {p: p.read_bytes() for p in (tmp_path / "store").rglob("*") if p.is_file()}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    second = subprocess.run(
+        [sys.executable, "-m", "engine", "train", "--preset", "tiny", "--nvme_path", str(tmp_path / "store")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    errors = [line for line in second.stderr.splitlines() if "ERROR" in line]
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    assert len(errors) == 1 and f"is being written by pid {os.getpid()}" in errors[0]
+    assert {p: p.read_bytes() for p in (tmp_path / "store").rglob("*") if p.is_file()} == before
+    eng.close()
