@@ -1,30 +1,62 @@
-"""The compute device, behind one interface for CUDA (or any torch accelerator) and CPU.
+"""The compute device, behind one interface for CUDA (or any torch accelerator), CPU and a
+simulated asynchronous device.
 
-The engine's algorithm is written once against this class: on an accelerator the copy
-stream and events are real and host buffers are pinned; on CPU the stream and event
-calls go to ``torch.cpu``'s no-op implementations and nothing is pinned (pinning
-raises without an accelerator).
+The engine's algorithm is written once against this class. Every copy between host and
+device goes through ``copy``, queued on a copy stream behind the work already queued on the
+compute stream, and returns an event; whoever reads the destination or reuses the source
+waits for that event first, the compute stream with ``wait_for``, the host with the event's
+``synchronize``. On an accelerator that is what lets copies overlap compute; on CPU copies
+are synchronous and the events are already complete, so a missing wait is invisible there:
+``engine.sim_device`` runs copies later, on worker threads, to make it visible in tests.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 
-@dataclass(frozen=True)
+class Event(Protocol):
+    """A point in a stream's queue of work."""
+
+    def synchronize(self) -> None:
+        """Block the host until the work queued before the point is done."""
+        ...
+
+    def query(self) -> bool:
+        """Whether it is done."""
+        ...
+
+
+class DoneEvent:
+    """An event of work that ran synchronously: always complete."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
 class Device:
     """Where the model computes, which collective backend it uses, and how copies overlap."""
 
-    device: torch.device
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._copy_stream = None
 
     @classmethod
     def detect(cls, local_rank: int | None = None) -> Device:
-        """The accelerator for this rank if there is one (``LOCAL_RANK`` picks it), else the CPU."""
+        """The accelerator for this rank if there is one (``LOCAL_RANK`` picks it), else the CPU,
+        or the simulated asynchronous device where ``OFFLOAD_SIM_DEVICE`` asks for it (tests and
+        benchmarks)."""
+        sim = os.environ.get(SIM_ENV)
+        if sim is not None:
+            from engine.sim_device import SimDevice  # only tests and benchmarks pay for it
+
+            return SimDevice.from_spec(sim)
         accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if accel is None:
             return cls(torch.device("cpu"))
@@ -51,20 +83,29 @@ class Device:
     def module(self):  # torch.cuda, torch.cpu, ...
         return torch.get_device_module(self.device.type)
 
-    def new_stream(self):
-        """A side stream for host<->device copies (a no-op stream on CPU)."""
-        return self.module.Stream()
-
-    @contextlib.contextmanager
-    def on_stream(self, stream) -> Iterator[None]:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """``dst.copy_(src)`` between host and device, queued on the copy stream after the work
+        already queued on the compute stream (which may be producing ``src``). Until the
+        returned event completes neither tensor may be touched: the compute stream waits for
+        it (``wait_for``) before reading ``dst``, the host (``event.synchronize()``) before
+        reusing a host buffer or letting a device tensor go."""
+        if not self.is_accelerator:
+            dst.copy_(src)
+            return DoneEvent()
+        if self._copy_stream is None:
+            self._copy_stream = self.module.Stream()
+        stream = self._copy_stream
+        stream.wait_stream(self.module.current_stream())
         with self.module.stream(stream):
-            yield
-
-    def record_event(self, stream=None):
-        """An event marking the work queued so far on ``stream`` (the current one by default)."""
+            dst.copy_(src, non_blocking=True)
         event = self.module.Event()
-        event.record(stream) if stream is not None else event.record()
+        event.record(stream)
         return event
+
+    def wait_for(self, event: Event) -> None:
+        """The compute stream waits for ``event`` (the host does not)."""
+        if self.is_accelerator:
+            self.module.current_stream().wait_event(event)
 
     def synchronize(self) -> None:
         self.module.synchronize()
@@ -76,3 +117,7 @@ class Device:
     def memory_allocated(self) -> int:
         """Bytes the caching allocator holds for tensors on the device (0 on CPU: the engine counts its own)."""
         return self.module.memory_allocated(self.device) if self.is_accelerator else 0
+
+
+SIM_ENV = "OFFLOAD_SIM_DEVICE"
+"""Set (to ``seed=S,delay_ms=D``, either optional) to run on the simulated asynchronous device."""

@@ -130,7 +130,7 @@ class Engine:
             self.layout,
             owned,
             self.comm,
-            self.device.device,
+            self.device,
             opt_device,
             reduce_per_micro_batch=config.zero.stage >= 2,
             budget=self.budget,
@@ -218,7 +218,7 @@ class Engine:
         """The compute-dtype parameters, sharded on their tier at stage 3."""
         zero, offload = self.config.zero, self.config.offload
         if zero.stage < 3:
-            return ReplicatedParams(self.layout, self.comm, self.budget)
+            return ReplicatedParams(self.layout, self.comm, self.budget, self.device)
         tier: ParamTier
         if offload.param == "nvme":
             tier = StoreParamTier(
@@ -241,6 +241,7 @@ class Engine:
             self.comm,
             tier,
             self.budget,
+            self.device,
             prefetch_bytes=int(zero.prefetch_mb * MIB),
             persistence_threshold=zero.persistence_threshold,
             reserve_bytes=self._required_headroom(),
@@ -485,7 +486,7 @@ class Engine:
             return grads
         views = {}
         for unit in self.layout.units:
-            views.update(param_views(self.grads.shards[unit.name], unit))
+            views.update(param_views(self.grads.ready(unit.name), unit))
         return [views[name] for name in self._param_order]
 
     def _apply(self, unit: UnitLayout, state: ShardState, lr: float) -> None:
@@ -496,7 +497,7 @@ class Engine:
         then stops the step on every rank; raising here, in an autograd hook, would leave the
         other ranks waiting in their collectives). Its unchanged master is still handed on:
         every rank must take part in the same parameter gathers."""
-        grad = self.grads.shards[unit.name]
+        grad = self.grads.ready(unit.name)
         finite = True
         if self._overlap:
             norm = self._unit_norms[unit.name] = float(torch.linalg.vector_norm(grad))

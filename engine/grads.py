@@ -9,7 +9,9 @@ hook. What happens to a full bucket is the stage's difference:
 - stage 2 (and 3) reduce-scatters a bucket as soon as its unit's last gradient arrives,
   overlapped with the rest of backward, frees it, and accumulates only the shard.
 
-Either way the shard ends on the optimizer's tier, averaged over ranks. Shards are made
+Either way the shard ends on the optimizer's tier, averaged over ranks: copied there on the
+copy stream while backward goes on, and read only through ``ready``, which waits for that
+copy (the reduced shard on the device is kept until then, so its memory is not reused). Shards are made
 when their first gradient arrives and can be dropped as soon as the optimizer has used
 them (``release_shard``), so when the update overlaps backward no gradient shard of the
 whole model ever exists at once. Buckets on the device are charged to the device budget.
@@ -26,6 +28,7 @@ from torch import nn
 
 from engine.budget import DeviceBudget
 from engine.comm import Comm, Work
+from engine.device import Device, Event
 from engine.order import TracedOrder
 from engine.partition import ModelLayout, ParamSlot, UnitLayout
 
@@ -55,7 +58,7 @@ class GradientShards:
         layout: ModelLayout,
         params: dict[str, list[tuple[str, nn.Parameter]]],
         comm: Comm,
-        device: torch.device,
+        device: Device,
         shard_device: torch.device,
         *,
         reduce_per_micro_batch: bool,
@@ -71,6 +74,9 @@ class GradientShards:
         self._after_reduce = after_reduce
         self._buckets = [_Bucket(u, len(params[u.name])) for u in layout.units]
         self.shards: dict[str, torch.Tensor] = {}
+        self._copies: dict[str, tuple[Event, torch.Tensor | None]] = {}
+        """Each unit's copy to its shard not yet waited for, with the reduced shard it reads
+        until it is done (then dropped, so the device memory returns at once)."""
         self.on_ready: Callable[[str], None] | None = None
         """Called with a unit's name once its shard is final for the step (last micro-batch, stage >= 2)."""
         self.order = TracedOrder("the order gradient shards complete in")
@@ -105,7 +111,7 @@ class GradientShards:
 
     def _new_bucket(self, unit: UnitLayout) -> torch.Tensor:
         self._budget.charge(bucket_bytes(unit), f"the gradient bucket of unit {unit.name!r}")
-        return torch.zeros(unit.padded_numel, dtype=torch.float32, device=self._device)
+        return torch.zeros(unit.padded_numel, dtype=torch.float32, device=self._device.device)
 
     def start_backward(self, last_micro_batch: bool) -> None:
         """Before ``loss.backward()``: whether this micro-batch ends the accumulation window."""
@@ -142,23 +148,44 @@ class GradientShards:
                     bucket.flat = self._new_bucket(bucket.unit)
                 self._reduce(bucket)
             self._collect()
-        return [self.shards[b.unit.name] for b in self._buckets if b.unit.name in self.shards]
+        return [self.ready(b.unit.name) for b in self._buckets if b.unit.name in self.shards]
 
     def _collect(self, keep: int = 0) -> None:
         """Fold finished reductions into the accumulated shards, oldest first, leaving ``keep`` in flight."""
+        for name, (event, reduced) in self._copies.items():
+            if reduced is not None and event.query():
+                self._copies[name] = (event, None)
         while len(self._in_flight) > keep:
             unit, work, shard = self._in_flight.popleft()
             work.wait()
             if self._comm.world_size > 1:
                 shard.div_(self._comm.world_size)
-            target = self._shard(unit)
-            target.copy_(shard) if self._first_micro_batch or not self._early else target.add_(shard)
-            del shard  # on one rank and on gloo a view of the bucket: the bucket is free from here
+            self._fold(unit, shard)
             self._budget.credit(bucket_bytes(unit))
             if self._last_micro_batch and self._early:
                 self.order.visit(unit.name)
                 if self.on_ready is not None:
                     self.on_ready(unit.name)
+
+    def _fold(self, unit: UnitLayout, reduced: torch.Tensor) -> None:
+        """Copy (first micro-batch) or add the reduced shard into the unit's accumulated one. A
+        copy is left in flight for ``ready``; an addition on another device needs the bytes
+        here first, so it waits for its copy into a staging shard."""
+        target = self._shard(unit)
+        if self._first_micro_batch or not self._early:
+            self._copies[unit.name] = (self._device.copy(target, reduced), reduced)
+            return
+        self.ready(unit.name)
+        staged = torch.empty_like(target)
+        self._device.copy(staged, reduced).synchronize()
+        target.add_(staged)
+
+    def ready(self, unit_name: str) -> torch.Tensor:
+        """The unit's accumulated shard, once the copy filling it is done."""
+        copy = self._copies.pop(unit_name, None)
+        if copy is not None:
+            copy[0].synchronize()
+        return self.shards[unit_name]
 
     def _shard(self, unit: UnitLayout) -> torch.Tensor:
         """The unit's accumulated shard, made at its first gradient of the window."""
@@ -172,6 +199,7 @@ class GradientShards:
 
     def release_shard(self, unit_name: str) -> None:
         """The optimizer has used the unit's shard: free it until the next window."""
+        self.ready(unit_name)  # no copy may land in a freed shard
         shard = self.shards.pop(unit_name)
         if self._shards_on_device:
             self._budget.credit(shard.nbytes)

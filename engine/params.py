@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from engine.budget import MIB, DeviceBudget, DeviceMemoryError
 from engine.comm import Comm, Work
+from engine.device import Device, Event
 from engine.order import TracedOrder
 from engine.param_tiers import Fetch, ParamTier
 from engine.partition import ROOT_UNIT, ModelLayout, UnitLayout
@@ -40,8 +41,8 @@ logger = logging.getLogger(__name__)
 class ReplicatedParams:
     """Stage 1/2: full compute-dtype parameters on every rank, refreshed by all-gather."""
 
-    def __init__(self, layout: ModelLayout, comm: Comm, budget: DeviceBudget):
-        self._layout, self._comm, self._budget = layout, comm, budget
+    def __init__(self, layout: ModelLayout, comm: Comm, budget: DeviceBudget, device: Device):
+        self._layout, self._comm, self._budget, self._device = layout, comm, budget, device
         self._flats: dict[str, torch.Tensor] = {}
         self._gathers: list[Work] = []
 
@@ -51,10 +52,9 @@ class ReplicatedParams:
         self._flats[unit.name] = flat
 
     def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """The unit's master shard holds new values: share them with every rank (asynchronously)."""
-        shard = self._flats[unit.name][unit.shard_slice(self._comm.rank)]
-        shard.copy_(master)
-        self._gathers.append(self._comm.all_gather(self._flats[unit.name], shard))
+        """The unit's master shard holds new values: share them with every rank (asynchronously).
+        ``master`` may be reused once this returns."""
+        self._gathers.append(copy_and_gather(self._device, self._comm, self._flats[unit.name], unit, master))
 
     def finish_update(self) -> None:
         for work in self._gathers:
@@ -87,6 +87,18 @@ class ReplicatedParams:
         return None
 
 
+def copy_and_gather(device: Device, comm: Comm, flat: torch.Tensor, unit: UnitLayout, master: torch.Tensor) -> Work:
+    """Copy the rank's new master into its shard of ``flat`` (cast to the compute dtype, on the
+    copy stream), then all-gather ``flat`` once the copy is done. Returns with ``master`` read,
+    so that the optimizer tier may reuse its buffer; the gather goes on."""
+    own = flat[unit.shard_slice(comm.rank)]
+    copied = device.copy(own, master)
+    device.wait_for(copied)  # the all-gather reads ``own``
+    work = comm.all_gather(flat, own)
+    copied.synchronize()
+    return work
+
+
 class UnitState(enum.Enum):
     """Where a stage-3 unit's full parameters are in their life cycle."""
 
@@ -106,6 +118,8 @@ class _Unit:
     persistent: bool
     state: UnitState = UnitState.SHARDED
     fetch: Fetch | None = None
+    copied: Event | None = None
+    """The copy of the fetched shard into place: the fetch's buffer is released only after it."""
     work: Work | None = None
 
     @property
@@ -126,12 +140,14 @@ class ShardedParams:
         comm: Comm,
         tier: ParamTier,
         budget: DeviceBudget,
+        device: Device,
         *,
         prefetch_bytes: int,
         persistence_threshold: int,
         reserve_bytes: int,
     ):
         self._layout, self._comm, self._tier, self._budget = layout, comm, tier, budget
+        self._device = device
         self._prefetch_bytes = prefetch_bytes
         self._persistence_threshold = persistence_threshold
         self._reserve = reserve_bytes
@@ -257,7 +273,9 @@ class ShardedParams:
         entry.state = UnitState.FETCHING
 
     def _start_gather(self, entry: _Unit) -> None:
-        """The shard is fetched: copy it into place and all-gather (asynchronously)."""
+        """The shard is fetched: copy it into place on the copy stream and all-gather once the
+        copy is done (asynchronously). The fetch's buffer is released only once the copy's
+        event has completed (``_release_fetch``): the copy may still be reading it."""
         if entry.state is UnitState.SHARDED:
             self._fetch(entry)
         self._budget.charge(entry.nbytes, f"gathering unit {entry.layout.name!r}")
@@ -265,11 +283,19 @@ class ShardedParams:
         flat.untyped_storage().resize_(entry.nbytes)
         own = flat[entry.layout.shard_slice(self._comm.rank)]
         assert entry.fetch is not None
-        own.copy_(entry.fetch.wait(), non_blocking=True)
-        entry.fetch.release()
-        entry.fetch = None
+        entry.copied = self._device.copy(own, entry.fetch.wait())
+        self._device.wait_for(entry.copied)  # the all-gather reads ``own``
         entry.work = self._comm.all_gather(flat, own)
         entry.state = UnitState.GATHERING
+
+    def _release_fetch(self, entry: _Unit) -> None:
+        """Hand the fetched shard's buffer back, after the copy reading it is done."""
+        if entry.copied is not None:
+            entry.copied.synchronize()
+            entry.copied = None
+        if entry.fetch is not None:
+            entry.fetch.release()
+            entry.fetch = None
 
     def _complete(self, entry: _Unit) -> None:
         if entry.state in (UnitState.SHARDED, UnitState.FETCHING):
@@ -277,6 +303,7 @@ class ShardedParams:
         assert entry.work is not None
         entry.work.wait()
         entry.work = None
+        self._release_fetch(entry)
         entry.state = UnitState.GATHERED
 
     def _prefetch(self) -> None:
@@ -327,12 +354,10 @@ class ShardedParams:
     def _free(self, entry: _Unit) -> None:
         if entry.state is UnitState.SHARDED:
             return
-        if entry.fetch is not None:
-            entry.fetch.release()
-            entry.fetch = None
         if entry.work is not None:  # an all-gather nobody waited for: it must land before its buffer goes
             entry.work.wait()
             entry.work = None
+        self._release_fetch(entry)
         if entry.state is not UnitState.FETCHING:
             entry.flat.untyped_storage().resize_(0)
             self._budget.credit(entry.nbytes)
@@ -349,9 +374,7 @@ class ShardedParams:
         self._tier.update(unit, master)
         entry = self._units[unit.name]
         if entry.persistent:
-            own = entry.flat[unit.shard_slice(self._comm.rank)]
-            own.copy_(master)
-            entry.work = self._comm.all_gather(entry.flat, own)
+            entry.work = copy_and_gather(self._device, self._comm, entry.flat, unit, master)
 
     def finish_update(self) -> None:
         self._tier.finish_update()
