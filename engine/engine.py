@@ -233,9 +233,7 @@ class Engine:
                 barrier=self.comm.barrier,
             )
         else:
-            tier = MemoryParamTier(
-                offload.param == "device", self.device.device, self.dtype, self.budget, pin=self.device.pin_memory
-            )
+            tier = MemoryParamTier(offload.param == "device", self.device, self.dtype, self.budget)
         return ShardedParams(
             self.layout,
             self.comm,

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from engine.budget import DeviceBudget
+from engine.device import Device
 from engine.partition import ModelLayout, UnitLayout
 from offload.buffers import BufferPool
 from offload.io import IORunner
@@ -84,10 +85,10 @@ class MemoryParamTier:
     """Shards held in memory for the whole run: on the device (``device``, charged to the
     device budget) or in host memory (``cpu``, pinned where an accelerator exists)."""
 
-    def __init__(self, on_device: bool, device: torch.device, dtype: torch.dtype, budget: DeviceBudget, *, pin: bool):
-        self._on_device, self._budget = on_device, budget
-        self._device = device if on_device else torch.device("cpu")
-        self._dtype, self._pin = dtype, pin and not on_device
+    def __init__(self, on_device: bool, device: Device, dtype: torch.dtype, budget: DeviceBudget):
+        self._on_device, self._budget, self._copier = on_device, budget, device
+        self._device = device.device if on_device else torch.device("cpu")
+        self._dtype, self._pin = dtype, device.pin_memory and not on_device
         self._shards: dict[str, torch.Tensor] = {}
 
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
@@ -97,7 +98,11 @@ class MemoryParamTier:
         self._shards[unit.name] = held.copy_(shard)
 
     def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        self._shards[unit.name].copy_(master)
+        held = self._shards[unit.name]
+        if self._on_device:  # from a host master: on the copy stream, behind the gathers reading it
+            self._copier.copy(held, master).synchronize()
+        else:
+            held.copy_(master)
 
     def finish_update(self) -> None:
         return None
