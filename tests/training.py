@@ -17,6 +17,7 @@ from engine.optim import lr_factor
 # predictable enough that a few steps visibly lower the loss.
 TOKENS = np.tile(np.random.default_rng(123).integers(0, 256, 1000, dtype=np.uint16), 50)
 SEQ_LEN = 32
+CPU = torch.device("cpu")
 
 
 def config(**sections: dict) -> Config:
@@ -72,7 +73,7 @@ def train_reference(
     micro_batch: int,
     tie: bool = False,
     concat: int = 1,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = CPU,
 ) -> dict:
     """Plain PyTorch: one process, ``torch.optim.AdamW`` with the engine's hyper-parameters,
     ``LambdaLR`` with the same schedule, ``clip_grad_norm_``, autocast for bf16/fp16, on

@@ -75,7 +75,9 @@ def test_fp32_one_rank_follows_torch_adamw_every_step(
         assert rel_diff(a, b) <= TOLERANCE, f"step {step}: {rel_diff(a, b):.3g} from torch AdamW on CUDA"
 
 
-@pytest.mark.parametrize(("stage", "optimizer", "param"), [(1, "cpu", "device"), (2, "cpu", "device"), (3, "nvme", "nvme")])
+@pytest.mark.parametrize(
+    ("stage", "optimizer", "param"), [(1, "cpu", "device"), (2, "cpu", "device"), (3, "nvme", "nvme")]
+)
 def test_bf16_loss_curve_follows_autocast_on_cuda(stage: int, optimizer: str, param: str, tmp_path) -> None:
     cfg = config(**placed(tmp_path, stage, optimizer, param, precision={"compute_dtype": "bf16"}, optim={"lr": 1e-3}))
     ours = train_engine(cfg, 8)
@@ -85,7 +87,9 @@ def test_bf16_loss_curve_follows_autocast_on_cuda(stage: int, optimizer: str, pa
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices, one per NCCL rank")
-@pytest.mark.parametrize(("stage", "optimizer", "param"), [(1, "cpu", "device"), (2, "nvme", "device"), (3, "nvme", "nvme")])
+@pytest.mark.parametrize(
+    ("stage", "optimizer", "param"), [(1, "cpu", "device"), (2, "nvme", "device"), (3, "nvme", "nvme")]
+)
 def test_two_nccl_ranks_follow_one_process(stage: int, optimizer: str, param: str, tmp_path) -> None:
     cfg = config(**placed(tmp_path, stage, optimizer, param))
     ranks = run_ranks(2, train_engine_on_ranks, cfg, STEPS, 2)
