@@ -93,6 +93,9 @@ class RunResult:
     """The process's resident high-water mark over everything it did (the kernel's, not sampled)."""
     store_bytes: int
     """Disk allocated under `offload.nvme_path` after the last step (0 when nothing is stored)."""
+    device_peak_bytes: int
+    """The CUDA caching allocator's high-water mark over everything the process did (activations
+    and library workspaces included, which `zero.device_memory_limit_mb` leaves out); 0 without CUDA."""
 
     def median(self, key: str) -> float:
         """Median over the timed steps of one `StepStats` field."""
@@ -117,6 +120,11 @@ def model_layout(config: Config) -> ModelLayout:
     model, _, _ = model_and_data(config)
     owned = unit_parameters(model, find_units(model, config.zero.unit_classes))
     return build_layout(owned, world_size=1, max_chunk_numel=config.offload.chunk_mb * MIB // 4)
+
+
+def device_peak_bytes() -> int:
+    """Most bytes this process ever held in tensors on the CUDA device, 0 without one."""
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
 def disk_usage(path: Path) -> int:
@@ -167,6 +175,7 @@ def run_engine(config: Config, schedule: Schedule) -> RunResult:
         rss_before_bytes=run.rss_before_bytes,
         peak_rss_bytes=peak_rss_bytes(),
         store_bytes=disk_usage(Path(config.offload.nvme_path)),
+        device_peak_bytes=device_peak_bytes(),
     )
 
 
@@ -183,7 +192,7 @@ def run_alternating(configs: list[Config], schedule: Schedule) -> list[RunResult
     (its last commit, untimed), and the block's first step, whose predecessor's write-back was
     thereby taken out of it, is not timed either. Every timed step thus pays for exactly its
     predecessor's deferred commit, as in an uninterrupted run. Memory is the process's, shared
-    by all runs: ``peak_rss_bytes`` is not any one run's."""
+    by all runs: ``peak_rss_bytes`` and ``device_peak_bytes`` are not any one run's."""
     timed_per_block = ALTERNATION_BLOCK - 1
     blocks = -(-schedule.steps // timed_per_block)
     total = schedule.warmup + blocks * ALTERNATION_BLOCK
@@ -212,6 +221,7 @@ def run_alternating(configs: list[Config], schedule: Schedule) -> list[RunResult
             rss_before_bytes=run.rss_before_bytes,
             peak_rss_bytes=peak_rss_bytes(),
             store_bytes=disk_usage(Path(config.offload.nvme_path)),
+            device_peak_bytes=device_peak_bytes(),
         )
         for run, kept, config in zip(runs, timed, configs)
     ]

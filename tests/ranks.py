@@ -1,4 +1,6 @@
-"""Run a function on several gloo ranks, each a separate process, as torchrun would."""
+"""Run a function on several ranks, each a separate process, as torchrun would: gloo ranks on
+the CPU build, NCCL ranks on one CUDA device each (``LOCAL_RANK`` picks it; the engine chooses
+the backend by its device)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
-    """``fn(*args)`` on ``world_size`` processes joined in one gloo group; results by rank."""
+    """``fn(*args)`` on ``world_size`` processes joined in one process group; results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -17,6 +17,7 @@ from engine.optim import lr_factor
 # predictable enough that a few steps visibly lower the loss.
 TOKENS = np.tile(np.random.default_rng(123).integers(0, 256, 1000, dtype=np.uint16), 50)
 SEQ_LEN = 32
+CPU = torch.device("cpu")
 
 
 def config(**sections: dict) -> Config:
@@ -56,7 +57,9 @@ def train_engine(cfg: Config, steps: int, micro_batch: int = 4, tie: bool = Fals
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    """fp32 copies of the parameters on the host, so that results cross processes (a rank's are
+    pickled back) and runs on different devices compare."""
+    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def train_engine_on_ranks(cfg: Config, steps: int, micro_batch: int = 4) -> dict:
@@ -64,26 +67,34 @@ def train_engine_on_ranks(cfg: Config, steps: int, micro_batch: int = 4) -> dict
     return train_engine(cfg, steps, micro_batch)
 
 
-def train_reference(cfg: Config, steps: int, micro_batch: int, tie: bool = False, concat: int = 1) -> dict:
+def train_reference(
+    cfg: Config,
+    steps: int,
+    micro_batch: int,
+    tie: bool = False,
+    concat: int = 1,
+    device: torch.device = CPU,
+) -> dict:
     """Plain PyTorch: one process, ``torch.optim.AdamW`` with the engine's hyper-parameters,
-    ``LambdaLR`` with the same schedule, ``clip_grad_norm_``, autocast for bf16/fp16.
+    ``LambdaLR`` with the same schedule, ``clip_grad_norm_``, autocast for bf16/fp16, on
+    ``device`` (the engine computes on the accelerator when there is one).
 
     With ``concat`` > 1 each batch is that many consecutive micro-batches in one: the data an
     engine accumulating ``concat`` micro-batches per step sees."""
-    model = tiny_gpt(tie=tie)
+    model = tiny_gpt(tie=tie).to(device)
     o = cfg.optim
     kernel = {"fused": True} if o.kernel == "fused" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **kernel)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, steps))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.compute_dtype)
-    autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
     data = batches(micro_batch)
     accum = cfg.zero.grad_accum_steps
     losses, history = [], []
     for _ in range(steps):
         step_loss = 0.0
         for _ in range(accum):
-            x, y = (torch.cat(parts) for parts in zip(*(data.next() for _ in range(concat))))
+            x, y = (torch.cat(parts).to(device) for parts in zip(*(data.next() for _ in range(concat))))
             with autocast:
                 loss = model(x, y)
             (loss / accum if accum > 1 else loss).backward()
