@@ -359,14 +359,17 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (scaled for fp16, divided over accumulation).
 
-        On the last micro-batch of a step the optimizer state starts streaming in now, and
-        without clipping or loss scaling each unit is updated as soon as its gradient is
-        reduced (``engine.update``)."""
+        On the last micro-batch of a step the last step's deferred commit lands first (its
+        writes went on behind this step's forward: ``store.defer_commit``), since this step
+        reads the state it wrote; then the optimizer state starts streaming in, and without
+        clipping or loss scaling each unit is updated as soon as its gradient is reduced
+        (``engine.update``)."""
         self._refuse_if_diverged()
         accum = self.config.zero.grad_accum_steps
         last = self._micro_batches + 1 >= accum
         self.grads.start_backward(last)  # first: it makes the last step's order the record
         if last:
+            self.optimizer_state.settle()
             lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
             self._update = Update(self._update_order(), self.optimizer_state, lambda u, s: self._apply(u, s, lr))
             self._unit_norms = {}
@@ -559,8 +562,7 @@ class Engine:
         """Commit the last step now if its commit was deferred (``store.defer_commit``), so that
         the store on disk holds it (e.g. before copying the store); otherwise it lands during
         the next step's forward. Every rank calls it at the same point: it synchronises them."""
-        if isinstance(self.optimizer_state, StoreOptimizerState):
-            self.optimizer_state.settle()
+        self.optimizer_state.settle()
 
     def _finish_saving(self) -> None:
         """Make a memory tier's checkpoint in progress durable and keep it."""

@@ -54,6 +54,11 @@ class OptimizerState(Protocol):
         background may return first, and stores it before its next ``stream`` or ``close``."""
         ...
 
+    def settle(self) -> None:
+        """Store a step whose ``finish`` was deferred now (nothing if none is): the engine
+        calls it where the step must be committed, before the next step reads its state."""
+        ...
+
     def discard_step(self) -> str:
         """The step in progress diverged and is given up: whatever it wrote must never become
         the state a run resumes from. Returns where a run can go on instead, for the error
@@ -112,6 +117,9 @@ class MemoryOptimizerState:
         return None
 
     def finish(self, record: dict, *, defer: bool = False) -> None:
+        return None
+
+    def settle(self) -> None:
         return None
 
     def discard_step(self) -> str:
