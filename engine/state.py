@@ -54,6 +54,11 @@ class OptimizerState(Protocol):
         background may return first, and stores it before its next ``stream`` or ``close``."""
         ...
 
+    @property
+    def commit_pending(self) -> bool:
+        """Whether a step's deferred ``finish`` still waits for ``settle``."""
+        ...
+
     def settle(self) -> None:
         """Store a step whose ``finish`` was deferred now (nothing if none is): the engine
         calls it where the step must be committed, before the next step reads its state."""
@@ -118,6 +123,10 @@ class MemoryOptimizerState:
 
     def finish(self, record: dict, *, defer: bool = False) -> None:
         return None
+
+    @property
+    def commit_pending(self) -> bool:
+        return False
 
     def settle(self) -> None:
         return None

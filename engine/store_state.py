@@ -520,6 +520,10 @@ class StoreOptimizerState:
             return f"store {path} has no committed step; {way_out(self.generations)}"
         return f"store {path} still holds step {committed['step']}, its last committed step, which a resume continues from"
 
+    @property
+    def commit_pending(self) -> bool:
+        return self._deferred is not None
+
     def settle(self) -> None:
         """Commit a deferred step now (every rank calls this at the same point: it synchronises)."""
         record, self._deferred = self._deferred, None
