@@ -15,6 +15,7 @@ import torch
 from engine.config import Config
 from engine.divergence import DivergedError
 from engine.engine import Engine
+from engine.params import ShardedParams, UnitState, UnitStateError
 from engine.phase import PhaseError, StepPhase
 from tests.engine.test_divergence import poison
 from tests.engine.test_resume import nvme, params
@@ -284,3 +285,24 @@ def test_close_twice_does_nothing_the_second_time() -> None:
     eng.close()
     assert eng.phase is StepPhase.CLOSED
 
+
+def test_a_stage_3_unit_refuses_a_transition_its_state_does_not_lead_to() -> None:
+    eng = Engine(tiny_gpt(), config(zero={"stage": 3}), total_steps=2)
+    sharded, name = eng.params, "blocks.0"
+    assert isinstance(sharded, ShardedParams)
+    unit = sharded._units[name]
+    refused = r"^unit 'blocks\.0' cannot become GATHERED from SHARDED: only from GATHERING$"
+    with pytest.raises(UnitStateError, match=refused), unit.becoming(UnitState.GATHERED):
+        pytest.fail("the transition's work runs only from a state that leads to it")
+    sharded.gather(name)
+    used = eng.budget.used
+    with pytest.raises(UnitStateError, match=r"^unit 'blocks\.0' cannot become GATHERING from GATHERED: only from FETCHING$"):
+        sharded._start_gather(unit)  # a second gather of a gathered unit
+    with pytest.raises(UnitStateError, match=r"^unit 'blocks\.0' cannot become FETCHING from GATHERED: only from SHARDED$"):
+        sharded._fetch(unit)
+    assert unit.state is UnitState.GATHERED and eng.budget.used == used, "a refused transition does none of its work"
+    sharded.release(name)
+    assert unit.state is UnitState.SHARDED and eng.budget.used == used - unit.nbytes
+    micro_batch(eng, batches(4))
+    assert eng.step()
+    eng.close()
