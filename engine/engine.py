@@ -11,15 +11,19 @@ unit on the device (at stage 3 gathered only while the unit runs, see ``engine.p
 The fp32 masters and AdamW moments are sharded across ranks on the optimizer tier; each
 step reduces the gradients to shards, updates the shards there and hands the new
 compute-dtype shards back to the parameters.
+
+Each public call runs only in the phases of the step cycle it belongs to (``engine.phase``)
+and moves the engine on to the next; a call out of order raises ``PhaseError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -49,6 +53,7 @@ from engine.partition import (
     unit_needs,
     unit_parameters,
 )
+from engine.phase import BETWEEN_UPDATES, StepPhase, expect
 from engine.precision import LossScaler, compute_dtype
 from engine.recompute import checkpoint_forward
 from engine.state import MemoryOptimizerState, OptimizerState, ShardState
@@ -153,6 +158,7 @@ class Engine:
         """This step's gradient norm of each unit updated inside backward, taken before its update."""
         self._diverged: str | None = None
         """Why this engine stopped, once a step diverged: it takes no further step."""
+        self._phase = StepPhase.IDLE
         self.last_step_stats = StepStats()
         """What the last optimizer step cost (see ``engine.stats``)."""
         self.client_state: dict[str, Any] = {}
@@ -346,35 +352,81 @@ class Engine:
             )
         return self._checkpoints
 
+    @property
+    def phase(self) -> StepPhase:
+        """Where the engine is in its step cycle (see ``engine.phase``)."""
+        return self._phase
+
+    def _expect(self, call: str, *allowed: StepPhase) -> None:
+        """Refuse ``call`` unless the engine is in one of the ``allowed`` phases. After a
+        diverged step the model and optimizer state may be partly updated: nothing may step or
+        checkpoint from them, which ``DivergedError`` says with the step's own message."""
+        if self._phase is StepPhase.DIVERGED and StepPhase.DIVERGED not in allowed:
+            raise DivergedError(f"this engine stopped at a diverged step and takes no further step: {self._diverged}")
+        expect(self._phase, call, *allowed)
+
+    @contextlib.contextmanager
+    def _within_step(self) -> Iterator[None]:
+        """Work on the step in flight. If it raises part-way, the step is lost (its gradients
+        partly reduced, its update partly applied, its commit not made) and the engine FAILED,
+        unless it diverged (``_diverge`` has made it DIVERGED)."""
+        try:
+            yield
+        except BaseException:
+            if self._phase is not StepPhase.DIVERGED:
+                self._phase = StepPhase.FAILED
+            raise
+
+    def _between_steps(self) -> StepPhase:
+        """The phase with no step in progress: COMMIT_PENDING while the last step's commit is
+        deferred (its tier knows), else IDLE."""
+        return StepPhase.COMMIT_PENDING if self.optimizer_state.commit_pending else StepPhase.IDLE
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward, with tensor arguments moved to the compute device."""
+        """The model's forward, with tensor arguments moved to the compute device: a step's
+        micro-batch, or an evaluation whose loss never goes backward (between steps or between
+        micro-batches; not while a step's update is open). A forward that raises leaves the
+        phase as it was: it changed nothing of the step."""
+        self._expect("__call__ (the forward)", *BETWEEN_UPDATES)
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self.budget.start_step()
         self.params.begin_iteration()
         move = lambda v: v.to(self.device.device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
-        return self.module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
+        output = self.module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
+        self._phase = StepPhase.FORWARD
+        return output
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (scaled for fp16, divided over accumulation).
 
-        On the last micro-batch of a step the optimizer state starts streaming in now, and
-        without clipping or loss scaling each unit is updated as soon as its gradient is
-        reduced (``engine.update``)."""
-        self._refuse_if_diverged()
+        On the last micro-batch of a step the last step's deferred commit lands first (its
+        writes went on behind this step's forward: ``store.defer_commit``), since this step
+        reads the state it wrote; then the optimizer state starts streaming in, and without
+        clipping or loss scaling each unit is updated as soon as its gradient is reduced
+        (``engine.update``). Each forward's loss goes backward once."""
+        self._expect("backward(loss)", StepPhase.FORWARD)
+        if not loss.requires_grad:
+            raise ValueError(
+                "Engine.backward(loss): the loss has no autograd graph (an evaluation forward, e.g. under "
+                "torch.no_grad()?); pass the loss of a forward run with gradients enabled"
+            )
         accum = self.config.zero.grad_accum_steps
         last = self._micro_batches + 1 >= accum
-        self.grads.start_backward(last)  # first: it makes the last step's order the record
-        if last:
-            lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
-            self._update = Update(self._update_order(), self.optimizer_state, lambda u, s: self._apply(u, s, lr))
-            self._unit_norms = {}
-            self.grads.on_ready = self._update.ready if self._overlap else None
-        scaled = self.scaler.scale_loss(loss)
-        (scaled / accum if accum > 1 else scaled).backward()
-        self.grads.end_backward()
-        self.grads.on_ready = None
-        self._micro_batches += 1
+        with self._within_step():
+            self.grads.start_backward(last)  # first: it makes the last step's order the record
+            if last:
+                self.optimizer_state.settle()
+                lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
+                self._update = Update(self._update_order(), self.optimizer_state, lambda u, s: self._apply(u, s, lr))
+                self._unit_norms = {}
+                self.grads.on_ready = self._update.ready if self._overlap else None
+            scaled = self.scaler.scale_loss(loss)
+            (scaled / accum if accum > 1 else scaled).backward()
+            self.grads.end_backward()
+            self.grads.on_ready = None
+            self._micro_batches += 1
+        self._phase = StepPhase.UPDATING if last else StepPhase.ACCUMULATING
 
     def _update_order(self) -> list[UnitLayout]:
         """The units in the order their gradients completed last step. Before one is recorded,
@@ -388,7 +440,8 @@ class Engine:
 
     @property
     def is_accumulation_boundary(self) -> bool:
-        return self._micro_batches >= self.config.zero.grad_accum_steps
+        """Whether the step's last micro-batch went backward, so that ``step()`` updates."""
+        return self._phase is StepPhase.UPDATING
 
     def step(self) -> bool:
         """Apply the optimizer once every ``grad_accum_steps`` micro-batches; True if it updated.
@@ -397,35 +450,45 @@ class Engine:
         masters untouched; the learning-rate schedule still advances, as with torch's GradScaler.
         A step whose gradients are otherwise not finite diverged: it raises ``DivergedError`` on
         every rank and is never committed.
+
+        It is called after a micro-batch's ``backward``: after every one (it returns False until
+        the last), or only after the last.
         """
-        self._refuse_if_diverged()
-        if not self.is_accumulation_boundary:
+        self._expect("step()", StepPhase.ACCUMULATING, StepPhase.UPDATING)
+        if self._phase is StepPhase.ACCUMULATING:
             return False
-        update, self._update = self._update, None
-        assert update is not None, "backward() of the step's last micro-batch opens its update"
-        grads = self.grads.finalize()
-        overflow = self.scaler.unscale_and_check(grads, self.comm)
-        self.scaler.update(overflow)
-        if overflow:
-            update.abandon()
-            self.skipped_steps += 1
-            logger.warning("step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale)
-        else:
-            if self._overlap:
-                update.finish()
-                self._check_unit_norms(update)
+        with self._within_step():
+            update = self._take_update()
+            grads = self.grads.finalize()
+            overflow = self.scaler.unscale_and_check(grads, self.comm)
+            self.scaler.update(overflow)
+            if overflow:
+                update.abandon()
+                self.skipped_steps += 1
+                logger.warning("step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale)
             else:
-                self._check_norm(update, grads)
-                update.finish()
-            self.params.finish_update()
-            start = time.perf_counter()
-            self.optimizer_state.finish(self._commit_record(self.global_step + 1), defer=self.config.store.defer_commit)
-            update.wait_s += time.perf_counter() - start
-        self.global_step += 1
-        self.zero_grad()
-        self._finish_saving()
-        self._record_stats(update)
+                if self._overlap:
+                    update.finish()
+                    self._check_unit_norms(update)
+                else:
+                    self._check_norm(update, grads)
+                    update.finish()
+                self.params.finish_update()
+                start = time.perf_counter()
+                self.optimizer_state.finish(self._commit_record(self.global_step + 1), defer=self.config.store.defer_commit)
+                update.wait_s += time.perf_counter() - start
+            self.global_step += 1
+            self._drop_grads()
+            self._finish_saving()
+            self._record_stats(update)
+        self._phase = self._between_steps()
         return not overflow
+
+    def _take_update(self) -> Update:
+        """The update the step's last ``backward`` opened, which only UPDATING holds."""
+        update, self._update = self._update, None
+        assert update is not None, "entering UPDATING opens the step's update"
+        return update
 
     def _check_norm(self, update: Update, grads: list[torch.Tensor]) -> None:
         """Before any unit is updated: the global gradient norm, which stops the step if it is
@@ -455,9 +518,9 @@ class Engine:
         """Stop the step whose backward has run, instead of ``step()``, because ``what`` is not
         finite (e.g. the loss, which the engine never sees): as a diverged step, never committed,
         with ``DivergedError``. Every rank calls it at the same point."""
-        update, self._update = self._update, None
-        assert update is not None, "backward() of the step's last micro-batch opens its update"
-        self._diverge(update, what)
+        self._expect("abandon_step(what)", StepPhase.UPDATING)
+        with self._within_step():
+            self._diverge(self._take_update(), what)
 
     def _diverge(self, update: Update, what: str) -> NoReturn:
         """Give the step up on this rank (each rank comes here at the same point): drop its
@@ -467,13 +530,8 @@ class Engine:
         self.params.finish_update()
         where = self.optimizer_state.discard_step()
         self._diverged = diverged_message(self.global_step + 1, what, where, self.config)
+        self._phase = StepPhase.DIVERGED
         raise DivergedError(self._diverged)
-
-    def _refuse_if_diverged(self) -> None:
-        """After a diverged step the model and optimizer state may be partly updated: nothing
-        may step or checkpoint from them."""
-        if self._diverged is not None:
-            raise DivergedError(f"this engine stopped at a diverged step and takes no further step: {self._diverged}")
 
     def _norm_pieces(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """What the global gradient norm is taken over: on one rank each parameter's gradient
@@ -528,11 +586,22 @@ class Engine:
 
     def gathered(self):
         """A context in which every parameter holds its full values, also at stage 3 (to read,
-        evaluate or save the model outside ``eng(...)``/``eng.backward``)."""
+        evaluate or save the model outside ``eng(...)``/``eng.backward``). Not while a step's
+        update is open: the parameters are half updated then; after a step that diverged or
+        failed they may be, and are shown as they are."""
+        self._expect("gathered()", *BETWEEN_UPDATES, StepPhase.DIVERGED, StepPhase.FAILED)
         return self.params.gathered()
 
     def zero_grad(self) -> None:
-        """Discard the gradients accumulated since the last step."""
+        """Discard the gradients accumulated since the last step (a forward's loss may still go
+        backward after it, as the first micro-batch of a step). Not once the step's update is
+        open: ``step()`` ends it."""
+        self._expect("zero_grad()", *BETWEEN_UPDATES)
+        self._drop_grads()
+        if self._phase is StepPhase.ACCUMULATING:
+            self._phase = self._between_steps()
+
+    def _drop_grads(self) -> None:
         self.grads.zero()
         self._micro_batches = 0
 
@@ -544,22 +613,38 @@ class Engine:
         crash or a resume loses nothing. The memory tiers start writing their state there now,
         in the background: it is kept once the next step (or ``close``) finishes, and that step
         updates each unit only after its state is written. Once a checkpoint is kept, the oldest
-        beyond ``checkpoint.keep`` are deleted."""
-        self._refuse_if_diverged()
+        beyond ``checkpoint.keep`` are deleted.
+
+        Not while a step's update is open (between the last micro-batch's ``backward`` and
+        ``step()``): the state is half updated then. On the nvme tier also after a failed
+        step: the store keeps its last commit, which the step never changed (or, rewriting it in
+        place, marked dirty, which the store refuses to keep)."""
         keep = self.config.checkpoint.keep
         if isinstance(self.optimizer_state, StoreOptimizerState):
+            self._expect("save(tag)", *BETWEEN_UPDATES, StepPhase.FAILED)
+            self._settle()
             self.optimizer_state.save(tag, keep=keep)
             return
+        self._expect("save(tag)", *BETWEEN_UPDATES)
         self._finish_saving()
         states = self.optimizer_state.stream(self.layout.units)
         self._saving = self._memory_checkpoints(create=True).save(tag, self._commit_record(self.global_step), states, keep=keep)
 
     def flush(self) -> None:
         """Commit the last step now if its commit was deferred (``store.defer_commit``), so that
-        the store on disk holds it (e.g. before copying the store); otherwise it lands during
-        the next step's forward. Every rank calls it at the same point: it synchronises them."""
-        if isinstance(self.optimizer_state, StoreOptimizerState):
+        the store on disk holds it (e.g. before copying the store); otherwise it lands at the
+        next step's last backward, its writes having gone on behind that step's forward. Every
+        rank calls it at the same point: it synchronises them."""
+        self._expect("flush()", *BETWEEN_UPDATES, StepPhase.UPDATING, StepPhase.DIVERGED, StepPhase.FAILED)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Commit the last step now if its commit was deferred. A commit that fails loses that
+        step: its state is in the parameters but not in the store."""
+        with self._within_step():
             self.optimizer_state.settle()
+        if self._phase is StepPhase.COMMIT_PENDING:
+            self._phase = StepPhase.IDLE
 
     def _finish_saving(self) -> None:
         """Make a memory tier's checkpoint in progress durable and keep it."""
@@ -580,11 +665,15 @@ class Engine:
     def close(self) -> None:
         """Finish a checkpoint in progress and commit a deferred step (a diverged step is never
         one: see ``_diverge``); release hooks and the process group this engine created, also
-        when that commit fails (its error is raised)."""
+        when that commit fails (its error is raised). In any phase; a second ``close`` (a
+        ``finally`` after an explicit one) does nothing, as a file's."""
+        if self._phase is StepPhase.CLOSED:
+            return
         try:
             self._finish_saving()
             self.optimizer_state.close()
         finally:
+            self._phase = StepPhase.CLOSED
             self.grads.close()
             self.params.close()
             if self._checkpoints is not None:

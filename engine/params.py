@@ -99,6 +99,12 @@ def copy_and_gather(device: Device, comm: Comm, flat: torch.Tensor, unit: UnitLa
     return work
 
 
+class UnitStateError(RuntimeError):
+    """A stage-3 unit asked to enter a state its life cycle does not lead to from the one it
+    is in (a unit gathered twice, or completed before its gather started): the unit is left
+    as it was, before any of the transition's work."""
+
+
 class UnitState(enum.Enum):
     """Where a stage-3 unit's full parameters are in their life cycle."""
 
@@ -109,6 +115,16 @@ class UnitState(enum.Enum):
     GATHERING = "gathering"
     """The all-gather into the full buffer is in flight."""
     GATHERED = "gathered"
+
+
+COMES_FROM = {
+    UnitState.FETCHING: frozenset({UnitState.SHARDED}),
+    UnitState.GATHERING: frozenset({UnitState.FETCHING}),
+    UnitState.GATHERED: frozenset({UnitState.GATHERING}),
+    UnitState.SHARDED: frozenset({UnitState.FETCHING, UnitState.GATHERING, UnitState.GATHERED}),
+}
+"""The states each state is entered from: a unit is fetched, gathered and completed in turn,
+and freed from any of them."""
 
 
 @dataclass
@@ -125,6 +141,16 @@ class _Unit:
     @property
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
+
+    @contextmanager
+    def becoming(self, state: UnitState) -> Iterator[None]:
+        """One transition to ``state``, its work inside: refused before any of it unless the
+        unit is in a state that leads there (``COMES_FROM``), made once the work is done."""
+        if self.state not in COMES_FROM[state]:
+            allowed = " or ".join(sorted(s.name for s in COMES_FROM[state]))
+            raise UnitStateError(f"unit {self.layout.name!r} cannot become {state.name} from {self.state.name}: only from {allowed}")
+        yield
+        self.state = state
 
 
 class ShardedParams:
@@ -269,8 +295,8 @@ class ShardedParams:
         self._prefetch()
 
     def _fetch(self, entry: _Unit) -> None:
-        entry.fetch = self._tier.fetch(entry.layout)
-        entry.state = UnitState.FETCHING
+        with entry.becoming(UnitState.FETCHING):
+            entry.fetch = self._tier.fetch(entry.layout)
 
     def _start_gather(self, entry: _Unit) -> None:
         """The shard is fetched: copy it into place on the copy stream and all-gather once the
@@ -278,15 +304,15 @@ class ShardedParams:
         event has completed (``_release_fetch``): the copy may still be reading it."""
         if entry.state is UnitState.SHARDED:
             self._fetch(entry)
-        self._budget.charge(entry.nbytes, f"gathering unit {entry.layout.name!r}")
-        flat = entry.flat
-        flat.untyped_storage().resize_(entry.nbytes)
-        own = flat[entry.layout.shard_slice(self._comm.rank)]
-        assert entry.fetch is not None
-        entry.copied = self._device.copy(own, entry.fetch.wait())
-        self._device.wait_for(entry.copied)  # the all-gather reads ``own``
-        entry.work = self._comm.all_gather(flat, own)
-        entry.state = UnitState.GATHERING
+        with entry.becoming(UnitState.GATHERING):
+            self._budget.charge(entry.nbytes, f"gathering unit {entry.layout.name!r}")
+            flat = entry.flat
+            flat.untyped_storage().resize_(entry.nbytes)
+            own = flat[entry.layout.shard_slice(self._comm.rank)]
+            assert entry.fetch is not None  # FETCHING holds it
+            entry.copied = self._device.copy(own, entry.fetch.wait())
+            self._device.wait_for(entry.copied)  # the all-gather reads ``own``
+            entry.work = self._comm.all_gather(flat, own)
 
     def _release_fetch(self, entry: _Unit) -> None:
         """Hand the fetched shard's buffer back, after the copy reading it is done."""
@@ -300,11 +326,11 @@ class ShardedParams:
     def _complete(self, entry: _Unit) -> None:
         if entry.state in (UnitState.SHARDED, UnitState.FETCHING):
             self._start_gather(entry)
-        assert entry.work is not None
-        entry.work.wait()
-        entry.work = None
-        self._release_fetch(entry)
-        entry.state = UnitState.GATHERED
+        with entry.becoming(UnitState.GATHERED):
+            assert entry.work is not None  # GATHERING holds it
+            entry.work.wait()
+            entry.work = None
+            self._release_fetch(entry)
 
     def _prefetch(self) -> None:
         """Fetch the units next in the traced order, and all-gather those whose fetch was
@@ -354,14 +380,14 @@ class ShardedParams:
     def _free(self, entry: _Unit) -> None:
         if entry.state is UnitState.SHARDED:
             return
-        if entry.work is not None:  # an all-gather nobody waited for: it must land before its buffer goes
-            entry.work.wait()
-            entry.work = None
-        self._release_fetch(entry)
-        if entry.state is not UnitState.FETCHING:
-            entry.flat.untyped_storage().resize_(0)
-            self._budget.credit(entry.nbytes)
-        entry.state = UnitState.SHARDED
+        with entry.becoming(UnitState.SHARDED):
+            if entry.work is not None:  # an all-gather nobody waited for: it must land before its buffer goes
+                entry.work.wait()
+                entry.work = None
+            self._release_fetch(entry)
+            if entry.state is not UnitState.FETCHING:
+                entry.flat.untyped_storage().resize_(0)
+                self._budget.credit(entry.nbytes)
 
     def release_after_backward(self, unit_name: str) -> None:
         """The unit's gradients are reduced: its full parameters are not needed until the next forward."""

@@ -54,6 +54,16 @@ class OptimizerState(Protocol):
         background may return first, and stores it before its next ``stream`` or ``close``."""
         ...
 
+    @property
+    def commit_pending(self) -> bool:
+        """Whether a step's deferred ``finish`` still waits for ``settle``."""
+        ...
+
+    def settle(self) -> None:
+        """Store a step whose ``finish`` was deferred now (nothing if none is): the engine
+        calls it where the step must be committed, before the next step reads its state."""
+        ...
+
     def discard_step(self) -> str:
         """The step in progress diverged and is given up: whatever it wrote must never become
         the state a run resumes from. Returns where a run can go on instead, for the error
@@ -112,6 +122,13 @@ class MemoryOptimizerState:
         return None
 
     def finish(self, record: dict, *, defer: bool = False) -> None:
+        return None
+
+    @property
+    def commit_pending(self) -> bool:
+        return False
+
+    def settle(self) -> None:
         return None
 
     def discard_step(self) -> str:

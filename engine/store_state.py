@@ -464,7 +464,9 @@ class StoreOptimizerState:
 
     def stream(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
         """The units' state in order; the first reads are issued now, not at the first ``next``.
-        They read the last step's generation, so a deferred commit of it is made first."""
+        They read the last step's generation, so a deferred commit of it is made first (the
+        engine has made it already, at the top of the step's last backward; a direct caller
+        such as ``benchmarks.optimizer`` relies on this)."""
         self.settle()
         stream = self.pipeline.stream(
             units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"optimizer state of unit {u.name}"
@@ -493,8 +495,8 @@ class StoreOptimizerState:
     def finish(self, record: dict, *, defer: bool = False) -> None:
         """Wait for the step's writes, make them durable on every rank, then commit. With
         ``defer`` the writes go on in the background and the commit waits for ``settle``
-        (called by the next ``stream``, ``save`` and ``close``): the next step's forward then
-        hides them. Until then the store's last commit is the step before this one."""
+        (called by the engine at the next step's last backward, and by ``stream``, ``save`` and
+        ``close``): the next step's forward then hides them. Until then the store's last commit is the step before this one."""
         if defer:
             self._deferred = record
             return
@@ -517,6 +519,10 @@ class StoreOptimizerState:
         if committed is None:  # a run resumed from a checkpoint into a store holding only checkpoints
             return f"store {path} has no committed step; {way_out(self.generations)}"
         return f"store {path} still holds step {committed['step']}, its last committed step, which a resume continues from"
+
+    @property
+    def commit_pending(self) -> bool:
+        return self._deferred is not None
 
     def settle(self) -> None:
         """Commit a deferred step now (every rank calls this at the same point: it synchronises)."""
