@@ -82,7 +82,9 @@ class MemoryCheckpoints:
         self.runner = IORunner(threads=io_threads)
         if self._leader and create and not (path / "zarr.json").exists():
             attrs = {"layout": layout.to_dict()}
-            ShardStore.create(path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=path.exists())
+            ShardStore.create(
+                path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=path.exists()
+            )
         barrier()
         self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
         first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)
@@ -108,7 +110,9 @@ class MemoryCheckpoints:
 
         return record, shards()
 
-    def save(self, tag: str, record: dict, states: Iterator[tuple[UnitLayout, ShardState]], keep: int) -> PendingCheckpoint:
+    def save(
+        self, tag: str, record: dict, states: Iterator[tuple[UnitLayout, ShardState]], keep: int
+    ) -> PendingCheckpoint:
         """Start writing every unit's state as checkpoint ``tag`` with ``record``; the returned
         checkpoint is kept, and the oldest beyond ``keep`` (0 keeps all) deleted, by its ``finish``."""
         self.generations.check_free_tag(tag)  # on every rank, so that all of them raise or none

@@ -120,7 +120,9 @@ def _recommended_plan(config: Config, world_size: int) -> Plan:
     machine = Machine.detect(config)
     best = recommend(estimates, machine, config)
     if best is None:
-        raise ConfigError(f"--plan auto: {why_none_fits(estimates, machine, config)} (every plan: python -m engine estimate)")
+        raise ConfigError(
+            f"--plan auto: {why_none_fits(estimates, machine, config)} (every plan: python -m engine estimate)"
+        )
     logger.info(
         "--plan auto: %s (predicted peak RSS %.2f GiB per rank, store %.2f GiB)",
         best.plan,
@@ -154,6 +156,7 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
     if error is not None:
         comm.close()
         raise error
+    assert choice is not None  # rank 0 either chose or failed
     return choice.apply(config), comm
 
 

@@ -11,7 +11,7 @@ import datetime
 import logging
 import os
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -101,11 +101,11 @@ class Comm:
         dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
         return tensor.item()
 
-    def all_gather_object(self, obj: object) -> list[object]:
+    def all_gather_object(self, obj: T) -> list[T]:
         """Every rank's ``obj`` (small, picklable), by rank."""
         if self.world_size == 1:
             return [obj]
-        out: list[object] = [None] * self.world_size
+        out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
 
@@ -118,9 +118,9 @@ class Comm:
                 result = fn()
             except Exception as err:  # every rank must hear of it
                 error = err
-        error = self.all_gather_object(error)[0]
-        if error is not None:
-            raise error
+        leader_error = self.all_gather_object(error)[0]
+        if isinstance(leader_error, BaseException):
+            raise leader_error
         return result
 
     def barrier(self) -> None:

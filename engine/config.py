@@ -238,7 +238,7 @@ class Config:
             z.stage == 3 or o.param == "device",
             "offload.param",
             o.param,
-            "offloading parameters needs zero.stage = 3 (set zero.stage = 3, or offload.param = \"device\")",
+            'offloading parameters needs zero.stage = 3 (set zero.stage = 3, or offload.param = "device")',
         )
         _check(z.prefetch_mb >= 0, "zero.prefetch_mb", z.prefetch_mb, "must be >= 0 (0: no prefetch)")
         _check(z.persistence_threshold >= 0, "zero.persistence_threshold", z.persistence_threshold, "must be >= 0")
@@ -332,7 +332,9 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
     if "." in dotted:
         section, key = dotted.split(".", 1)
         if section not in sections:
-            raise ConfigError(f"unknown config section {section!r} in {item!r}" + _did_you_mean(section, list(sections)))
+            raise ConfigError(
+                f"unknown config section {section!r} in {item!r}" + _did_you_mean(section, list(sections))
+            )
         return section, key, value
     owners = [s for s, cls in sections.items() if dotted in _hints(cls)]
     if len(owners) == 1:
@@ -353,7 +355,7 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     for name, value in raw.items():
         key = f"{prefix}.{name}" if prefix else name
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise ConfigError(f"{key} must be a section (a table of keys), got {value!r}")
             values[name] = _build(hint, value, key)
@@ -379,7 +381,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key} = {value!r}: expected a list of {len(args)} values")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} = {value!r}: expected a list")

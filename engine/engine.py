@@ -31,12 +31,12 @@ import torch
 from torch import nn
 
 from engine import rng
+from engine.budget import MIB, DeviceBudget
 from engine.checkpoint import MemoryCheckpoints, PendingCheckpoint
 from engine.comm import Comm
 from engine.config import Config
 from engine.device import Device
 from engine.divergence import DivergedError, diverged_message, nonfinite_units
-from engine.budget import MIB, DeviceBudget
 from engine.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
 from engine.optim import ShardAdamW, clip_grads_, grad_norm, lr_factor
 from engine.param_tiers import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
@@ -63,6 +63,7 @@ from engine.update import Update, overlaps_backward
 from offload.lock import StoreLock
 
 logger = logging.getLogger(__name__)
+
 
 class Engine:
     """ZeRO stage 1, 2 or 3 training of ``model`` with its optimizer state on the configured tier."""
@@ -105,7 +106,7 @@ class Engine:
             raise ValueError(
                 f"resuming needs the state on disk: offload.optimizer = {tier!r} keeps it in memory, so it "
                 f"resumes only from a checkpoint saved in offload.nvme_path (checkpoint=tag); or train with "
-                f"offload.optimizer = \"nvme\" to resume from its store's last step"
+                f'offload.optimizer = "nvme" to resume from its store\'s last step'
             )
         on_meta = any(p.is_meta for p in model.parameters())
         if on_meta and init_unit is None and not resume:
@@ -126,7 +127,7 @@ class Engine:
             self._lock_store(create=not resume)
         self.optimizer_state = self._optimizer_state(opt_device, resume, checkpoint)
         if tier == "device":
-            self.budget.charge(self.optimizer_state.nbytes(), "the optimizer state (offload.optimizer = \"device\")")
+            self.budget.charge(self.optimizer_state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
         self.params = self._params()
         modules = dict(units)
         self._build_units(owned, init_unit if on_meta and not resume else None, materialize=on_meta, resume=resume)
@@ -169,6 +170,7 @@ class Engine:
         self._overlap = overlaps_backward(config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
         if resume:
+            assert self.optimizer_state.resumed_from is not None  # a resumed tier holds its record
             self._restore(self.optimizer_state.resumed_from)
         else:
             self.optimizer_state.seal()
@@ -217,7 +219,13 @@ class Engine:
             del flat, views
             built += unit.numel
             if index % every == 0 and self.comm.rank == 0:  # a giant model takes minutes to build
-                logger.info("built %d of %d units, %.0fM params, in %.0f s", index, len(units), built / 1e6, time.perf_counter() - started)
+                logger.info(
+                    "built %d of %d units, %.0fM params, in %.0f s",
+                    index,
+                    len(units),
+                    built / 1e6,
+                    time.perf_counter() - started,
+                )
         self.params.finish_update()  # the initial shards are stored before anything fetches them
 
     def _params(self) -> ReplicatedParams | ShardedParams:
@@ -287,7 +295,9 @@ class Engine:
         if len(states) == self.comm.world_size:
             rng.restore(states[self.comm.rank])
         else:  # per-rank streams cannot be mapped onto another number of ranks
-            logger.warning("random states saved by %d rank(s) are not restored on %d", len(states), self.comm.world_size)
+            logger.warning(
+                "random states saved by %d rank(s) are not restored on %d", len(states), self.comm.world_size
+            )
         logger.info("resumed at step %d from %s", self.global_step, self.config.offload.nvme_path)
 
     def _commit_record(self, step: int) -> dict[str, Any]:
@@ -308,6 +318,7 @@ class Engine:
         if offload.optimizer != "nvme":
             state = MemoryOptimizerState(device, pin_memory=device.type == "cpu" and self.device.pin_memory)
             if resume:
+                assert checkpoint is not None  # __init__ refuses resuming a memory tier without one
                 state.restore(*self._memory_checkpoints(create=False).read(checkpoint))
             return state
         return StoreOptimizerState(
@@ -465,7 +476,9 @@ class Engine:
             if overflow:
                 update.abandon()
                 self.skipped_steps += 1
-                logger.warning("step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale)
+                logger.warning(
+                    "step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale
+                )
             else:
                 if self._overlap:
                     update.finish()
@@ -475,7 +488,9 @@ class Engine:
                     update.finish()
                 self.params.finish_update()
                 start = time.perf_counter()
-                self.optimizer_state.finish(self._commit_record(self.global_step + 1), defer=self.config.store.defer_commit)
+                self.optimizer_state.finish(
+                    self._commit_record(self.global_step + 1), defer=self.config.store.defer_commit
+                )
                 update.wait_s += time.perf_counter() - start
             self.global_step += 1
             self._drop_grads()
@@ -628,7 +643,9 @@ class Engine:
         self._expect("save(tag)", *BETWEEN_UPDATES)
         self._finish_saving()
         states = self.optimizer_state.stream(self.layout.units)
-        self._saving = self._memory_checkpoints(create=True).save(tag, self._commit_record(self.global_step), states, keep=keep)
+        self._saving = self._memory_checkpoints(create=True).save(
+            tag, self._commit_record(self.global_step), states, keep=keep
+        )
 
     def flush(self) -> None:
         """Commit the last step now if its commit was deferred (``store.defer_commit``), so that

@@ -194,7 +194,11 @@ def gpt_shape(config: Config, params: float = 0, layers: int | None = None, hidd
     ``hidden`` (d_model) describe, with the config's vocabulary and sequence length."""
     if not params and layers is None and hidden is None:
         return gpt_of(config)
-    shape = {"vocab_size": vocab_size(config), "seq_len": config.data.seq_len, "tie_embeddings": config.model.tie_embeddings}
+    shape: dict[str, Any] = {
+        "vocab_size": vocab_size(config),
+        "seq_len": config.data.seq_len,
+        "tie_embeddings": config.model.tie_embeddings,
+    }
     fixed = {key: value for key, value in (("n_layer", layers), ("d_model", hidden)) if value is not None}
     if params:
         return GPTConfig.for_params(params, **shape, **fixed)
@@ -465,9 +469,7 @@ class PlanEstimate:
         return dataclasses.asdict(self) | {"node_rss_bytes": self.node_rss_bytes}
 
 
-def estimate(
-    run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: bool | None = None
-) -> PlanEstimate:
+def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: bool | None = None) -> PlanEstimate:
     """Predicted memory of ``plan`` for ``run`` (the stage and tiers in ``run.config`` are replaced).
 
     ``baseline_bytes`` is the resident set of a process that has loaded torch and the engine
@@ -641,7 +643,9 @@ def by_preference(estimates: Sequence[PlanEstimate], config: Config) -> list[Pla
     """The estimates of the plans ``recommend`` considers, least offload first."""
     by_plan = {e.plan: e for e in estimates}
     world = estimates[0].world_size if estimates else 1
-    order = [Plan(stage, optimizer, param) for optimizer, param in TIER_ORDER for stage in stage_preference(config, world)]
+    order = [
+        Plan(stage, optimizer, param) for optimizer, param in TIER_ORDER for stage in stage_preference(config, world)
+    ]
     return [by_plan[plan] for plan in order if plan in by_plan]
 
 
@@ -698,9 +702,7 @@ def format_table(
     return "\n".join(lines)
 
 
-def report_json(
-    run: RunShape, estimates: Sequence[PlanEstimate], machine: Machine, choice: PlanEstimate | None
-) -> str:
+def report_json(run: RunShape, estimates: Sequence[PlanEstimate], machine: Machine, choice: PlanEstimate | None) -> str:
     """The same as ``format_table``, as JSON."""
     return json.dumps(
         {

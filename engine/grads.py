@@ -91,6 +91,7 @@ class GradientShards:
 
     def _hook(self, bucket: _Bucket, slot: ParamSlot):
         def on_grad(param: torch.Tensor) -> None:
+            assert param.grad is not None  # the hook runs once a gradient is accumulated
             self._add(bucket, slot, param.grad)
             param.grad = None
 
@@ -120,6 +121,7 @@ class GradientShards:
             self.order.start()
 
     def _reduce(self, bucket: _Bucket) -> None:
+        assert bucket.flat is not None  # a bucket is reduced once it holds gradients
         work, shard = self._comm.reduce_scatter(bucket.flat, bucket.unit.shard_numel)
         self._in_flight.append((bucket.unit, work, shard))
         bucket.flat = None

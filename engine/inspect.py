@@ -123,7 +123,6 @@ class ChunkReader:
         return out
 
 
-
 def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[str, Any]:
     """Describe the store at ``path`` as plain data (see ``format_report`` for the text form).
 
@@ -292,8 +291,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"world size:  {report['world_size']}")
     lines += [f"{key + ':':<12} {value}" for key, value in report["attributes"].items()]
     lines.append(
-        f"model:       {report['num_units']} units, {report['num_params']} parameters, "
-        f"{report['numel']:,} elements"
+        f"model:       {report['num_units']} units, {report['num_params']} parameters, {report['numel']:,} elements"
     )
     width = max((len(u["name"]) for u in report["units"]), default=4)
     lines.append(f"  {'unit':<{width}} {'params':>6} {'numel':>12} {'shard':>12} {'chunk':>12}")

@@ -149,8 +149,14 @@ class StoreParamTier:
         if rank == 0:
             # Derived data: whatever an earlier run left here is replaced, never resumed from.
             path.parent.mkdir(parents=True, exist_ok=True)
-            store = ShardStore.create(path, {"content": "compute-dtype parameter shards, derived from the masters"},
-                                      runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=True)
+            store = ShardStore.create(
+                path,
+                {"content": "compute-dtype parameter shards, derived from the masters"},
+                runner=self.runner,
+                checksum=checksum,
+                direct_io=direct_io,
+                overwrite=True,
+            )
             for unit in layout.units:
                 store.create_array(unit.name, unit.padded_numel, unit.chunk_numel, dtype)
             store.sync()

@@ -148,7 +148,9 @@ class _Unit:
         unit is in a state that leads there (``COMES_FROM``), made once the work is done."""
         if self.state not in COMES_FROM[state]:
             allowed = " or ".join(sorted(s.name for s in COMES_FROM[state]))
-            raise UnitStateError(f"unit {self.layout.name!r} cannot become {state.name} from {self.state.name}: only from {allowed}")
+            raise UnitStateError(
+                f"unit {self.layout.name!r} cannot become {state.name} from {self.state.name}: only from {allowed}"
+            )
         yield
         self.state = state
 
@@ -438,7 +440,7 @@ class ShardedParams:
     def gathered(self) -> Iterator[None]:
         """Every unit gathered (to read or save full parameters outside forward/backward)."""
         before = {n for n, s in self.state.items() if s is UnitState.SHARDED}
-        for name, entry in self._units.items():
+        for entry in self._units.values():
             if entry.state is not UnitState.GATHERED:
                 self._complete(entry)
         try:

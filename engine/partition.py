@@ -126,7 +126,9 @@ def unit_parameters(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dic
     return owned
 
 
-def unit_needs(model: nn.Module, units: list[tuple[str, nn.Module]], owned: dict[str, list[tuple[str, nn.Parameter]]]) -> dict[str, list[str]]:
+def unit_needs(
+    model: nn.Module, units: list[tuple[str, nn.Module]], owned: dict[str, list[tuple[str, nn.Parameter]]]
+) -> dict[str, list[str]]:
     """For each unit module, the units whose parameters it uses when it runs: its own and
     any it borrows (a weight tied to one another unit owns). The root's module is the whole
     model, so for it only what lies outside every other unit counts."""
@@ -143,7 +145,7 @@ def unit_needs(model: nn.Module, units: list[tuple[str, nn.Module]], owned: dict
     needs: dict[str, list[str]] = {}
     for name, module in units:
         used = [owner[id(p)] for p in reachable(module, top=True) if id(p) in owner]
-        needs[name] = list(dict.fromkeys([name, *used] if name in owned and owned[name] else used))
+        needs[name] = list(dict.fromkeys([name, *used] if owned.get(name) else used))
     return needs
 
 

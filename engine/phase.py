@@ -45,12 +45,18 @@ class StepPhase(enum.Enum):
         "the step's last micro-batch went backward: its optimizer update is open until step()",
         "call step() first (or abandon_step(what))",
     )
-    DIVERGED = ("a step diverged and was not committed", "close() it, then resume from the last committed step or a checkpoint")
+    DIVERGED = (
+        "a step diverged and was not committed",
+        "close() it, then resume from the last committed step or a checkpoint",
+    )
     FAILED = (
         "a call raised part-way through a step, which is lost",
         "close() it, then resume from the last committed step or a checkpoint",
     )
-    CLOSED = ("closed: its hooks, I/O and process group are released", "build a new Engine (Engine.resume continues a store)")
+    CLOSED = (
+        "closed: its hooks, I/O and process group are released",
+        "build a new Engine (Engine.resume continues a store)",
+    )
 
 
 BETWEEN_UPDATES = frozenset({StepPhase.IDLE, StepPhase.COMMIT_PENDING, StepPhase.FORWARD, StepPhase.ACCUMULATING})

@@ -47,7 +47,9 @@ class LossScaler:
             return False
         device = grads[0].device
         found_inf = torch.zeros(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 1.0 / self.scale, device=device))
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, found_inf, torch.full((1,), 1.0 / self.scale, device=device)
+        )
         return comm.all_reduce_value(found_inf.item(), op="max") > 0
 
     def update(self, overflow: bool) -> None:

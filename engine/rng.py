@@ -24,7 +24,8 @@ def _decode(text: str) -> torch.Tensor:
 
 def capture() -> dict[str, Any]:
     """The current state of torch's CPU (and accelerator) generators, numpy's and Python's."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    keys = np.asarray(keys)
     state = {
         "torch": _encode(torch.get_rng_state()),
         "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],

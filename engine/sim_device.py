@@ -75,7 +75,9 @@ class SimDevice(Device):
         fields = dict(part.split("=", 1) for part in spec.split(",") if part.strip())
         unknown = set(fields) - {"seed", "delay_ms", "gbps"}
         if unknown:
-            raise ValueError(f"OFFLOAD_SIM_DEVICE={spec!r}: unknown field(s) {sorted(unknown)}; use seed, delay_ms, gbps")
+            raise ValueError(
+                f"OFFLOAD_SIM_DEVICE={spec!r}: unknown field(s) {sorted(unknown)}; use seed, delay_ms, gbps"
+            )
         return cls(int(fields.get("seed", 0)), float(fields.get("delay_ms", 1.0)), float(fields.get("gbps", 0.0)))
 
     @property

@@ -32,6 +32,13 @@ class ShardState:
 class OptimizerState(Protocol):
     """The storage of every unit's ``ShardState`` on one tier."""
 
+    resumed_from: dict | None
+    """The committed record the state was restored from (None: a new run)."""
+
+    def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
+        """Each unit's fp32 master shard, in layout order (to rebuild parameters on resume)."""
+        ...
+
     def add_unit(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """Take a unit's initial fp32 master shard (copied) with zero moments."""
         ...
@@ -89,7 +96,10 @@ class MemoryOptimizerState:
 
     def _new_state(self, unit: UnitLayout) -> ShardState:
         """A unit's zeroed state, held on this tier."""
-        zeros = (torch.zeros(unit.shard_numel, dtype=torch.float32, device=self._device, pin_memory=self._pin) for _ in range(3))
+        zeros = (
+            torch.zeros(unit.shard_numel, dtype=torch.float32, device=self._device, pin_memory=self._pin)
+            for _ in range(3)
+        )
         state = ShardState(*zeros)
         self._units.append(unit)
         self._states[unit.name] = state
@@ -102,7 +112,7 @@ class MemoryOptimizerState:
         """Resume: take every unit's state as a checkpoint holds it, and the ``record`` it was
         saved with, instead of adding units."""
         for unit, loaded in shards:
-            for held, value in zip(self._new_state(unit).tensors(), loaded.tensors()):
+            for held, value in zip(self._new_state(unit).tensors(), loaded.tensors(), strict=True):
                 held.copy_(value)
         self.resumed_from = record
 

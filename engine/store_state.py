@@ -47,7 +47,7 @@ from offload.buffers import BufferPool, HostBuffer
 from offload.generations import KEEP, Generations, generation_prefix
 from offload.io import IORunner
 from offload.manifest import ManifestError
-from offload.pipeline import Pipeline, PipelineStats
+from offload.pipeline import Pipeline, PipelineStats, Stream
 from offload.store import ChecksumError, ShardStore
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,9 @@ def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS) ->
     """Refuse, before any work, a path that cannot hold the store (missing rights or space)."""
     parent = path if path.exists() else path.parent
     if not parent.exists():
-        raise FileNotFoundError(f"offload.nvme_path = {str(path)!r}: its parent folder {parent} does not exist; create it")
+        raise FileNotFoundError(
+            f"offload.nvme_path = {str(path)!r}: its parent folder {parent} does not exist; create it"
+        )
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"offload.nvme_path = {str(path)!r}: {parent} is not writable; choose a writable folder")
     need, free = store_bytes(layout, mode), shutil.disk_usage(parent).free
@@ -141,7 +143,7 @@ def check_clean(generations: Generations) -> None:
     if mark is None:
         return
     raise DirtyStoreError(
-        f"store {generations.store.path} is dirty: its run (store.mode = \"in-place\") stopped while rewriting generation "
+        f'store {generations.store.path} is dirty: its run (store.mode = "in-place") stopped while rewriting generation '
         f"{mark['generation']}, committed at step {mark['step']}, so that generation mixes two steps and cannot be "
         f"read; {way_out(generations)}"
     )
@@ -169,7 +171,7 @@ def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> N
     size (or chunk size) is no difference: only the shards are cut differently."""
     stored_params = [(u.name, p.name, p.shape) for u in stored.units for p in u.params]
     current_params = [(u.name, p.name, p.shape) for u in current.units for p in u.params]
-    for old, new in zip(stored_params, current_params):
+    for old, new in zip(stored_params, current_params, strict=False):  # a longer side is reported below
         if old != new:
             raise ValueError(
                 f"store {path} does not match this model: the store has parameter {old[1]!r} with shape "
@@ -177,7 +179,9 @@ def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> N
                 f"in unit {new[0]!r}; resume with the model the store was trained with"
             )
     if len(stored_params) != len(current_params):
-        longer, which = (stored_params, "store") if len(stored_params) > len(current_params) else (current_params, "model")
+        longer, which = (
+            (stored_params, "store") if len(stored_params) > len(current_params) else (current_params, "model")
+        )
         raise ValueError(
             f"store {path} does not match this model: the {which} has {len(longer) - min(len(stored_params), len(current_params))} "
             f"more parameter(s), first {longer[min(len(stored_params), len(current_params))][1]!r}"
@@ -214,7 +218,7 @@ def read_shard(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, stat
     shard covers is read and the rest of the shard, padding, zeroed."""
     start = unit.shard_slice(rank).start
     count = min(max(unit.numel - start, 0), unit.shard_numel)
-    for kind, view in zip(KINDS, state.tensors()):
+    for kind, view in zip(KINDS, state.tensors(), strict=True):
         name = array_name(prefix, unit.name, kind)
         if array_in_layout(store, name, unit):
             store.read_into(name, start, view)
@@ -227,14 +231,17 @@ def read_shard(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, stat
 def write_shard(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, state: ShardState) -> None:
     """Rank ``rank``'s shard of ``unit``'s state (host tensors) into the arrays under ``prefix``."""
     start = unit.shard_slice(rank).start
-    for kind, view in zip(KINDS, state.tensors()):
+    for kind, view in zip(KINDS, state.tensors(), strict=True):
         store.write_from(array_name(prefix, unit.name, kind), start, view)
 
 
 def write_shard_async(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, state: ShardState) -> list[Future]:
     """Start writing ``write_shard``'s bytes; ``state`` must not change until the futures complete."""
     start = unit.shard_slice(rank).start
-    return [store.write_async(array_name(prefix, unit.name, kind), start, view) for kind, view in zip(KINDS, state.tensors())]
+    return [
+        store.write_async(array_name(prefix, unit.name, kind), start, view)
+        for kind, view in zip(KINDS, state.tensors(), strict=True)
+    ]
 
 
 class StoreOptimizerState:
@@ -277,7 +284,9 @@ class StoreOptimizerState:
             check_nvme_path(path, layout, mode)
             attrs = {"layout": layout.to_dict(), MODE_ATTR: mode}
             abandoned = self._check_new(path)
-            ShardStore.create(path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=abandoned)
+            ShardStore.create(
+                path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=abandoned
+            )
         barrier()
         self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
         self.generations = Generations(self.store)
@@ -309,7 +318,11 @@ class StoreOptimizerState:
             live, kept = generations.committed(), generations.checkpoints()
             lost = live is not None and not kept and generations.dirty() is not None
         if (live is None or lost) and not kept:
-            why = "was stopped mid-step while rewritten in place and keeps no checkpoint" if lost else "never committed its first step"
+            why = (
+                "was stopped mid-step while rewritten in place and keeps no checkpoint"
+                if lost
+                else "never committed its first step"
+            )
             logger.warning("%s holds a store that %s: nothing in it can be resumed, starting afresh", path, why)
             return True
         how = (
@@ -317,7 +330,9 @@ class StoreOptimizerState:
             if live
             else f"it holds only checkpoints ({', '.join(kept)}): resume from one with --from-checkpoint TAG, "
         )
-        raise FileExistsError(f"offload.nvme_path = {str(path)!r} already holds a store: {how}or remove it, or choose another nvme_path")
+        raise FileExistsError(
+            f"offload.nvme_path = {str(path)!r} already holds a store: {how}or remove it, or choose another nvme_path"
+        )
 
     def _check_resumable(self, path: Path, layout: ModelLayout, checkpoint: str | None) -> dict:
         """The record to resume from (the committed one, or checkpoint ``checkpoint``'s) of an
@@ -407,7 +422,9 @@ class StoreOptimizerState:
 
     def _in_layout(self, prefix: str) -> bool:
         return all(
-            array_in_layout(self.store, array_name(prefix, unit.name, kind), unit) for unit in self.layout.units for kind in KINDS
+            array_in_layout(self.store, array_name(prefix, unit.name, kind), unit)
+            for unit in self.layout.units
+            for kind in KINDS
         )
 
     def _drop_other_layouts(self, committed: int) -> None:
@@ -473,7 +490,7 @@ class StoreOptimizerState:
         )
         return self._hand_over(stream)
 
-    def _hand_over(self, stream: Iterator[tuple[UnitLayout, HostBuffer]]) -> Iterator[tuple[UnitLayout, ShardState]]:
+    def _hand_over(self, stream: Stream[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
         with stream:
             for unit, buf in stream:
                 self._held[unit.name] = buf
@@ -488,9 +505,7 @@ class StoreOptimizerState:
             self._marked = True
         buf = self._held.pop(unit.name)
         self._bytes_written += buf.nbytes
-        self.pipeline.write_back(
-            unit, buf, self._save, describe=lambda u: f"optimizer state of unit {u.name}"
-        )
+        self.pipeline.write_back(unit, buf, self._save, describe=lambda u: f"optimizer state of unit {u.name}")
 
     def finish(self, record: dict, *, defer: bool = False) -> None:
         """Wait for the step's writes, make them durable on every rank, then commit. With
@@ -511,14 +526,16 @@ class StoreOptimizerState:
         this step has already rewritten it in place, which leaves the store dirty."""
         self.pipeline.drain()
         path, committed = self.store.path, self.generations.committed()
-        if self.generations.dirty() is not None:
+        if committed is not None and self.generations.dirty() is not None:
             return (
-                f"its updates were already written over step {committed['step']} (store.mode = \"in-place\"), so "
+                f'its updates were already written over step {committed["step"]} (store.mode = "in-place"), so '
                 f"store {path} is dirty and will not resume; {way_out(self.generations)}"
             )
         if committed is None:  # a run resumed from a checkpoint into a store holding only checkpoints
             return f"store {path} has no committed step; {way_out(self.generations)}"
-        return f"store {path} still holds step {committed['step']}, its last committed step, which a resume continues from"
+        return (
+            f"store {path} still holds step {committed['step']}, its last committed step, which a resume continues from"
+        )
 
     @property
     def commit_pending(self) -> bool:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -94,7 +95,7 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = {}
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopFlag:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -130,7 +131,7 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
         raise OSError(
             errno.ENOSPC,
             f"the disk of {path} is full ({err}): free space there, or set offload.nvme_path to a larger disk "
-            f"(store.mode = \"in-place\" needs half the space); {holds}, and the same command continues from it",
+            f'(store.mode = "in-place" needs half the space); {holds}, and the same command continues from it',
         ) from err
 
 
@@ -142,15 +143,12 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
         resume, checkpoint = resume_point(Path(config.offload.nvme_path))
         if checkpoint is not None:
             logger.warning(
-                "%s was stopped mid-step while rewritten in place (store.mode = \"in-place\"): resuming from its last "
+                '%s was stopped mid-step while rewritten in place (store.mode = "in-place"): resuming from its last '
                 "checkpoint, %s; the steps after it are taken again",
                 config.offload.nvme_path,
                 checkpoint,
             )
-    if resume:
-        engine = Engine.resume(model, config, checkpoint=checkpoint)
-    else:
-        engine = Engine(model, config, init_unit=init)
+    engine = Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
     rank, world = engine.comm.rank, engine.comm.world_size
     data = TokenBatches(
         tokens,
@@ -190,7 +188,9 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
             window_steps += 1
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}")
-            if rank == 0 and (result.steps_done % config.train.log_every == 0 or result.steps_done == config.train.steps):
+            if rank == 0 and (
+                result.steps_done % config.train.log_every == 0 or result.steps_done == config.train.steps
+            ):
                 elapsed = time.perf_counter() - window_start
                 tiers = engine.memory_report()
                 logger.info(
@@ -215,7 +215,7 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
         how = (
             f"run the same command again to resume from {config.offload.nvme_path}"
             if config.offload.optimizer == "nvme"
-            else 'the state was in memory: resume from a checkpoint with --from-checkpoint TAG, or set '
+            else "the state was in memory: resume from a checkpoint with --from-checkpoint TAG, or set "
             'offload.optimizer = "nvme" to make every step resumable'
         )
         logger.warning("stopped after step %d of %d: %s", result.steps_done, config.train.steps, how)

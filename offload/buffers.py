@@ -48,7 +48,7 @@ def _allocate(nbytes: int, alignment: int, pin: bool) -> torch.Tensor:
 class _Block:
     """One allocation owned by a pool; it outlives the leases that hand it out."""
 
-    __slots__ = ("memory", "capacity")
+    __slots__ = ("capacity", "memory")
 
     def __init__(self, memory: torch.Tensor) -> None:
         self.memory = memory

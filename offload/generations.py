@@ -90,7 +90,9 @@ def _check_fields(path: Any, record: dict[str, Any], counts: tuple[str, ...], op
 def _check_request(path: Any, field: str, request: Any, with_record: bool) -> None:
     """Refuse a checkpoint request (``keep``/``superseded``) that is not a valid tag and count."""
     if not isinstance(request, dict):
-        raise ManifestError(f"{path}: field {field!r} holds {request!r}, not a checkpoint request; restore it from a backup")
+        raise ManifestError(
+            f"{path}: field {field!r} holds {request!r}, not a checkpoint request; restore it from a backup"
+        )
     try:
         check_tag(request.get("tag"))
     except ValueError as err:
@@ -99,7 +101,9 @@ def _check_request(path: Any, field: str, request: Any, with_record: bool) -> No
     if with_record:
         kept = request.get("record")
         if not isinstance(kept, dict):
-            raise ManifestError(f"{path}: field {field!r} has no record of the generation to keep; restore it from a backup")
+            raise ManifestError(
+                f"{path}: field {field!r} has no record of the generation to keep; restore it from a backup"
+            )
         _check_fields(f"{path} field {field!r}", kept, ("generation",))
 
 
@@ -107,7 +111,7 @@ def checkpoint_prefix(tag: str) -> str:
     return f"{CHECKPOINTS}/{tag}"
 
 
-def check_tag(tag: str) -> None:
+def check_tag(tag: object) -> None:
     """Refuse a tag that is not one plain directory name (it becomes ``checkpoints/<tag>``)."""
     if not isinstance(tag, str) or not _TAG.match(tag) or tag == "zarr.json":
         raise ValueError(
@@ -161,7 +165,9 @@ class Generations:
         record = self.committed()
         for generation in self.on_disk():
             prefix = generation_prefix(generation)
-            if not (self.store.path / prefix / "zarr.json").is_file() and (not record or generation != record["generation"]):
+            if not (self.store.path / prefix / "zarr.json").is_file() and (
+                not record or generation != record["generation"]
+            ):
                 self.store.delete(prefix)
                 logger.info("removed %s, an incomplete generation left by an interrupted run", prefix)
 
@@ -190,10 +196,12 @@ class Generations:
         kept, is then kept as its checkpoint."""
         reserved = [k for k in _BOOKKEEPING if k in record]
         if reserved:
-            raise ValueError(f"the key {reserved[0]!r} of a committed record is reserved for the store's bookkeeping; rename it")
+            raise ValueError(
+                f"the key {reserved[0]!r} of a committed record is reserved for the store's bookkeeping; rename it"
+            )
         previous = self.committed()
         request = previous.get(KEEP) if previous else None
-        carried = {SUPERSEDED: {**request, "record": _own_record(previous)}} if request else {}
+        carried = {SUPERSEDED: {**request, "record": _own_record(previous)}} if previous and request else {}
         serial = (previous.get(SERIAL, 0) if previous else 0) + 1
         commit(self.store.path, {**record, **carried, "generation": generation, SERIAL: serial})
         # The new serial already voids any dirty mark; removing the file only tidies up.
@@ -215,7 +223,9 @@ class Generations:
         the mark before its own first write, so no write precedes a mark."""
         record = self.committed()
         if record is None:
-            raise ValueError(f"store {self.store.path} has no committed generation to rewrite in place; commit one first")
+            raise ValueError(
+                f"store {self.store.path} has no committed generation to rewrite in place; commit one first"
+            )
         mark = {"generation": record["generation"], "step": record.get("step"), "over": record.get(SERIAL, 0)}
         commit(self.store.path, mark, name=DIRTY)
 
@@ -275,8 +285,9 @@ class Generations:
                 first, end = info.nchunks * index // parts, info.nchunks * (index + 1) // parts
                 for batch in range(first, end, per_batch):
                     count = min(per_batch, end - batch)
-                    if writes[turn] is not None:
-                        writes[turn].result()  # this half is still being written from
+                    pending = writes[turn]
+                    if pending is not None:
+                        pending.result()  # this half is still being written from
                     data = halves[turn][: count * info.chunk_bytes].view(info.dtype)
                     self.store.read_into(name, batch * info.chunk_elems, data)
                     writes[turn] = self.store.write_async(target + name[len(source) :], batch * info.chunk_elems, data)
@@ -306,7 +317,7 @@ class Generations:
             )
         record = self.committed()
         request = record.get(KEEP) if record else None
-        if request and request["tag"] == tag:
+        if record and request and request["tag"] == tag:
             raise CheckpointExistsError(
                 f"checkpoint {tag!r} is already asked for (step {record.get('step')}, kept when the next step "
                 f"commits): choose another tag"
@@ -317,7 +328,9 @@ class Generations:
         self.check_free_tag(tag)
         record = self.committed()
         if record is None:
-            raise ValueError(f"store {self.store.path} has no committed step to keep as checkpoint {tag!r}; take a step first")
+            raise ValueError(
+                f"store {self.store.path} has no committed step to keep as checkpoint {tag!r}; take a step first"
+            )
         request = record.get(KEEP)
         if request:
             raise ValueError(
@@ -330,6 +343,7 @@ class Generations:
         then delete the oldest checkpoints beyond ``retain`` (0 keeps all)."""
         self.check_new_tag(tag)
         record = self.committed()
+        assert record is not None  # check_new_tag refuses a store without a committed step
         commit(self.store.path, {**record, KEEP: {"tag": tag, "retain": retain}})
         logger.info("step %s will be kept as checkpoint %s when the next step commits", record.get("step"), tag)
 
@@ -407,7 +421,7 @@ class Generations:
         check_tag(tag)
         record = self.committed()
         request = record.get(KEEP) if record else None
-        if request and request["tag"] == tag:
+        if record and request and request["tag"] == tag:
             return generation_prefix(record["generation"]), _own_record(record)
         kept = read_committed(self.store.path / checkpoint_prefix(tag))
         if kept is not None:

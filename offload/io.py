@@ -62,7 +62,7 @@ def _run_task(fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> Any:
 class _Gather:
     """Completion state of one `IORunner.gather` call, driven by done-callbacks."""
 
-    __slots__ = ("_futures", "_combined", "_lock", "_remaining", "_first_error")
+    __slots__ = ("_combined", "_first_error", "_futures", "_lock", "_remaining")
 
     def __init__(self, futures: list[Future], combined: Future) -> None:
         self._futures = futures

@@ -77,7 +77,8 @@ class StoreLock:
         store_dir = Path(store_dir)
         if store_dir.exists() and not store_dir.is_dir():
             raise NotADirectoryError(
-                errno.ENOTDIR, f"offload store path {store_dir} is a file, not a folder; choose another offload.nvme_path"
+                errno.ENOTDIR,
+                f"offload store path {store_dir} is a file, not a folder; choose another offload.nvme_path",
             )
         made = [p for p in (store_dir, *store_dir.parents) if not p.exists()]
         if made and not create:

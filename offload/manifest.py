@@ -10,6 +10,7 @@ of the directory so the rename itself survives a power loss.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -42,10 +43,8 @@ def write_atomic(path: Path, data: bytes) -> None:
             os.fsync(tmp.fileno())
         os.replace(tmp_name, path)
     except BaseException as exc:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
         if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:  # a failed write names no file
             raise OSError(exc.errno, f"writing {path}: {exc.strerror}") from exc
         raise

@@ -132,7 +132,7 @@ def _byte_view(t: torch.Tensor) -> np.ndarray:
 def _crc32c(buf: np.ndarray) -> int:
     # The `crc32c` package releases the GIL on large buffers: the I/O threads checksum chunks
     # while the training thread keeps running Python (google-crc32c holds the GIL throughout).
-    return crc32c.crc32c(buf)
+    return crc32c.crc32c(buf.data)
 
 
 def _check_name(name: str, what: str) -> None:
@@ -161,7 +161,9 @@ def _read_json(path: Path) -> dict[str, Any]:
             f"restore the store from a backup, or resume from a checkpoint"
         ) from None
     if not isinstance(meta, dict):
-        raise ValueError(f"{path} holds a JSON {type(meta).__name__}, not zarr metadata; restore the store from a backup")
+        raise ValueError(
+            f"{path} holds a JSON {type(meta).__name__}, not zarr metadata; restore the store from a backup"
+        )
     return meta
 
 
@@ -231,9 +233,10 @@ def _parse_array_meta(name: str, meta_path: Path, meta: dict[str, Any]) -> Array
             raise unsupported(f"data type {stored!r}")
         dtype = matches[0]
     else:
-        dtype = _TORCH_BY_NAME.get(torch_name)
-        if dtype is None or _ZARR_DTYPES[dtype] != stored:
+        named = _TORCH_BY_NAME.get(torch_name)
+        if named is None or _ZARR_DTYPES[named] != stored:
             raise unsupported(f"attribute {TORCH_DTYPE_ATTR}={torch_name!r} with data type {stored!r}")
+        dtype = named
     numel, chunk_elems = int(shape[0]), int(chunk_shape[0])
     if chunk_elems <= 0 or numel % chunk_elems:
         raise unsupported(f"numel {numel} is not a multiple of the chunk size {chunk_elems}")
@@ -316,9 +319,7 @@ class ShardStore:
                     entry.unlink()
         marker = {"version": FORMAT_VERSION, "checksum": checksum}
         zarr.create_group(LocalStore(root), attributes={**attrs, FORMAT_KEY: marker})
-        store = cls(
-            root, dict(attrs), runner=runner, checksum=checksum, direct_io=direct_io, file_ops=file_ops
-        )
+        store = cls(root, dict(attrs), runner=runner, checksum=checksum, direct_io=direct_io, file_ops=file_ops)
         store._pending_files.add(str(root / "zarr.json"))
         store._pending_dirs.update((str(root), str(root.parent)))
         log.debug("created offload store %s (checksum=%s)", root, checksum)
@@ -389,8 +390,7 @@ class ShardStore:
             )
         if chunk_elems <= 0 or numel <= 0:
             raise ValueError(
-                f"cannot create array {name!r}: numel ({numel}) and chunk_elems ({chunk_elems}) "
-                f"must be positive"
+                f"cannot create array {name!r}: numel ({numel}) and chunk_elems ({chunk_elems}) must be positive"
             )
         if numel % chunk_elems:
             raise ValueError(
@@ -442,11 +442,11 @@ class ShardStore:
         """Every array in the store, sorted; walks only zarr nodes, never chunk directories."""
         names = []
         for dirpath, dirnames, filenames in os.walk(self.path):
-            if dirpath != str(self.path) and "zarr.json" in filenames:
-                if _read_json(Path(dirpath) / "zarr.json").get("node_type") == "array":
-                    names.append(os.path.relpath(dirpath, self.path).replace(os.sep, "/"))
-                    dirnames.clear()
-                    continue
+            is_node = dirpath != str(self.path) and "zarr.json" in filenames
+            if is_node and _read_json(Path(dirpath) / "zarr.json").get("node_type") == "array":
+                names.append(os.path.relpath(dirpath, self.path).replace(os.sep, "/"))
+                dirnames.clear()
+                continue
             dirnames[:] = [d for d in dirnames if os.path.exists(os.path.join(dirpath, d, "zarr.json"))]
         return sorted(names)
 
@@ -465,9 +465,7 @@ class ShardStore:
                 f"incomplete; resume from a checkpoint or restore the store"
             ) from None
         if meta.get("node_type") != "array":
-            raise KeyError(
-                f"{name!r} in offload store {self.path} is a {meta.get('node_type')}, not an array"
-            )
+            raise KeyError(f"{name!r} in offload store {self.path} is a {meta.get('node_type')}, not an array")
         info = _parse_array_meta(name, meta_path, meta)
         with self._lock:
             self._infos[name] = info
@@ -557,9 +555,7 @@ class ShardStore:
             raise ValueError(f"{where}: the range must be non-empty and inside the array")
         return info
 
-    def _plan(
-        self, kind: str, name: str, start: int, t: torch.Tensor
-    ) -> tuple[ArrayInfo, int, np.ndarray, bool]:
+    def _plan(self, kind: str, name: str, start: int, t: torch.Tensor) -> tuple[ArrayInfo, int, np.ndarray, bool]:
         """Validate a whole-chunk request; return (info, first chunk, byte view, whether it is aligned for O_DIRECT)."""
         info = self._check_request(kind, name, start, t)
         if start % info.chunk_elems or t.numel() % info.chunk_elems:
@@ -591,9 +587,7 @@ class ShardStore:
             lo = index * info.chunk_elems
             what = f"{kind} {name} chunk {index} elements [{lo}, {lo + info.chunk_elems}) {arrow} {path}"
             body = buf[k * size : (k + 1) * size]
-            futures.append(
-                self._runner.submit(task, name, index, path, body, info.checksum, aligned, what=what)
-            )
+            futures.append(self._runner.submit(task, name, index, path, body, info.checksum, aligned, what=what))
         return IORunner.gather(futures)
 
     def _open(self, path: str, flags: int, aligned: bool) -> tuple[int, bool]:
@@ -637,9 +631,7 @@ class ShardStore:
             done += n
         return done
 
-    def _write_chunk(
-        self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool
-    ) -> None:
+    def _write_chunk(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> None:
         # In place, no temp file and rename: crash consistency comes from generations.
         fd, direct = self._open(path, os.O_WRONLY | os.O_CREAT, aligned)
         try:
@@ -651,9 +643,7 @@ class ShardStore:
         finally:
             self._ops.close(fd)
 
-    def _read_chunk(
-        self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool
-    ) -> None:
+    def _read_chunk(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> None:
         fd, direct = self._open(path, os.O_RDONLY, aligned)
         try:
             got = self._read_all(fd, body, 0)
@@ -707,9 +697,7 @@ class ShardStore:
                 f"sync of offload store {self.path}: {len(failed)} write(s) since the last sync failed, "
                 f"the first to array {name!r}: {error}; write that data again, then sync",
             ) from error
-        log.debug(
-            "synced %d files and %d directories in %s", len(chunk_files) + len(files), len(dirs), self.path
-        )
+        log.debug("synced %d files and %d directories in %s", len(chunk_files) + len(files), len(dirs), self.path)
 
     def _fsync_all(self, files: list[str], dirs: set[str]) -> None:
         # In parallel: on a journaling filesystem one fsync mostly waits for its commit.
@@ -761,7 +749,7 @@ class ShardStore:
         os.rename(src, dst)
         with self._lock:
             for name in [n for n in self._infos if _under(n, src_prefix)]:
-                self._infos[dst_prefix + name[len(src_prefix):]] = self._infos.pop(name)
+                self._infos[dst_prefix + name[len(src_prefix) :]] = self._infos.pop(name)
         # New directory entries: in both parents, and for each new group its
         # zarr.json and its own entry.
         dirs = {str(src.parent), str(dst.parent)}
@@ -781,9 +769,7 @@ class ShardStore:
                 zarr.open_group(LocalStore(self.path), path=group, mode="w-")
                 made.append(str(meta))
             elif _read_json(meta).get("node_type") != "group":
-                raise ValueError(
-                    f"cannot place {prefix!r} under {group!r}: {group!r} is an array, not a group"
-                )
+                raise ValueError(f"cannot place {prefix!r} under {group!r}: {group!r} is an array, not a group")
         return made
 
     def build(self, prefix: str, fill: Callable[[str], None]) -> None:
@@ -807,7 +793,9 @@ class ShardStore:
         _check_name(prefix, "prefix")
         node = self.path / prefix
         if not node.is_dir() or node.is_symlink():
-            raise FileNotFoundError(errno.ENOENT, f"no group or array {prefix!r} in offload store {self.path}", str(node))
+            raise FileNotFoundError(
+                errno.ENOENT, f"no group or array {prefix!r} in offload store {self.path}", str(node)
+            )
         with self._lock:
             doomed = [w for w in self._pending_writes if _under(w[0], prefix)]
             self._pending_writes = [w for w in self._pending_writes if not _under(w[0], prefix)]
@@ -839,5 +827,7 @@ class ShardStore:
             if entry.name.startswith((_STAGING, _TRASH)) and entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
                 log.info("removed %s, left by an interrupted run", entry)
-            elif entry.is_file() and (entry.name.startswith(".") and entry.name.endswith(".tmp") or entry.name.endswith(".partial")):
+            elif entry.is_file() and (
+                (entry.name.startswith(".") and entry.name.endswith(".tmp")) or entry.name.endswith(".partial")
+            ):
                 entry.unlink()  # an atomic metadata write's temporary: ours, or zarr's

@@ -25,11 +25,11 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "GPTConfig",
-    "Block",
     "GPT",
-    "param_generator",
+    "Block",
+    "GPTConfig",
     "init_parameters_",
+    "param_generator",
 ]
 
 INIT_STD = 0.02
