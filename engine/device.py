@@ -70,6 +70,11 @@ class Device:
         return self.device.type != "cpu"
 
     @property
+    def copies_are_synchronous(self) -> bool:
+        """Whether a copy is done when ``copy`` returns (CPU): nothing gains from waiting to use it."""
+        return not self.is_accelerator
+
+    @property
     def backend(self) -> str:
         """NCCL on CUDA, gloo on CPU (and as the fallback elsewhere)."""
         return "nccl" if self.device.type == "cuda" else "gloo"

@@ -112,6 +112,8 @@ class UnitState(enum.Enum):
     """Only this rank's shard exists, on its tier."""
     FETCHING = "fetching"
     """The shard is on its way from its tier to where the device can copy it."""
+    COPYING = "copying"
+    """The shard's copy into the full buffer is queued on the copy stream."""
     GATHERING = "gathering"
     """The all-gather into the full buffer is in flight."""
     GATHERED = "gathered"
@@ -119,12 +121,13 @@ class UnitState(enum.Enum):
 
 COMES_FROM = {
     UnitState.FETCHING: frozenset({UnitState.SHARDED}),
-    UnitState.GATHERING: frozenset({UnitState.FETCHING}),
+    UnitState.COPYING: frozenset({UnitState.FETCHING}),
+    UnitState.GATHERING: frozenset({UnitState.COPYING}),
     UnitState.GATHERED: frozenset({UnitState.GATHERING}),
-    UnitState.SHARDED: frozenset({UnitState.FETCHING, UnitState.GATHERING, UnitState.GATHERED}),
+    UnitState.SHARDED: frozenset({UnitState.FETCHING, UnitState.COPYING, UnitState.GATHERING, UnitState.GATHERED}),
 }
-"""The states each state is entered from: a unit is fetched, gathered and completed in turn,
-and freed from any of them."""
+"""The states each state is entered from: a unit is fetched, copied, gathered and completed
+in turn, and freed from any of them."""
 
 
 @dataclass
@@ -300,21 +303,27 @@ class ShardedParams:
         with entry.becoming(UnitState.FETCHING):
             entry.fetch = self._tier.fetch(entry.layout)
 
-    def _start_gather(self, entry: _Unit) -> None:
-        """The shard is fetched: copy it into place on the copy stream and all-gather once the
-        copy is done (asynchronously). The fetch's buffer is released only once the copy's
-        event has completed (``_release_fetch``): the copy may still be reading it."""
+    def _start_copy(self, entry: _Unit) -> None:
+        """The shard is fetched: give the full buffer its memory and queue the shard's copy into
+        place on the copy stream. The fetch's buffer is released only once the copy's event
+        has completed (``_release_fetch``): the copy may still be reading it."""
         if entry.state is UnitState.SHARDED:
             self._fetch(entry)
-        with entry.becoming(UnitState.GATHERING):
+        with entry.becoming(UnitState.COPYING):
             self._budget.charge(entry.nbytes, f"gathering unit {entry.layout.name!r}")
-            flat = entry.flat
-            flat.untyped_storage().resize_(entry.nbytes)
-            own = flat[entry.layout.shard_slice(self._comm.rank)]
+            entry.flat.untyped_storage().resize_(entry.nbytes)
             assert entry.fetch is not None  # FETCHING holds it
-            entry.copied = self._device.copy(own, entry.fetch.wait())
-            self._device.wait_for(entry.copied)  # the all-gather reads ``own``
-            entry.work = self._comm.all_gather(flat, own)
+            entry.copied = self._device.copy(self._own(entry), entry.fetch.wait())
+
+    def _start_gather(self, entry: _Unit) -> None:
+        """All-gather the full buffer once the shard's copy is done (asynchronously)."""
+        with entry.becoming(UnitState.GATHERING):
+            assert entry.copied is not None  # COPYING holds it
+            self._device.wait_for(entry.copied)  # the all-gather reads the shard
+            entry.work = self._comm.all_gather(entry.flat, self._own(entry))
+
+    def _own(self, entry: _Unit) -> torch.Tensor:
+        return entry.flat[entry.layout.shard_slice(self._comm.rank)]
 
     def _release_fetch(self, entry: _Unit) -> None:
         """Hand the fetched shard's buffer back, after the copy reading it is done."""
@@ -327,6 +336,8 @@ class ShardedParams:
 
     def _complete(self, entry: _Unit) -> None:
         if entry.state in (UnitState.SHARDED, UnitState.FETCHING):
+            self._start_copy(entry)
+        if entry.state is UnitState.COPYING:
             self._start_gather(entry)
         with entry.becoming(UnitState.GATHERED):
             assert entry.work is not None  # GATHERING holds it
@@ -335,8 +346,10 @@ class ShardedParams:
             self._release_fetch(entry)
 
     def _prefetch(self) -> None:
-        """Fetch the units next in the traced order, and all-gather those whose fetch was
-        already under way, while their bytes fit the window and the device budget.
+        """Move each unit next in the traced order one stage on, while their bytes fit the
+        window and the device budget: fetch it, copy a fetched one into place, all-gather a
+        copied one (a copy is given a pass to land before its gather waits for it, unless
+        copies are synchronous, as on the CPU, where it is gathered at once).
 
         Every rank takes the same decisions from the same trace and the same byte counts,
         so the all-gathers are issued in the same order everywhere."""
@@ -350,10 +363,14 @@ class ShardedParams:
             window += entry.nbytes
             if window > self._prefetch_bytes:
                 return
-            if entry.state is UnitState.FETCHING:
+            if entry.state is UnitState.COPYING:
+                self._start_gather(entry)
+            elif entry.state is UnitState.FETCHING:
                 if not self._budget.fits(entry.nbytes + self._reserve):
                     return
-                self._start_gather(entry)
+                self._start_copy(entry)
+                if self._device.copies_are_synchronous:
+                    self._start_gather(entry)
             elif entry.state is UnitState.SHARDED:
                 self._fetch(entry)
 

@@ -81,6 +81,10 @@ class SimDevice(Device):
         return cls(int(fields.get("seed", 0)), float(fields.get("delay_ms", 1.0)), float(fields.get("gbps", 0.0)))
 
     @property
+    def copies_are_synchronous(self) -> bool:
+        return False
+
+    @property
     def backend(self) -> str:
         return "gloo"
 

@@ -296,7 +296,7 @@ def test_a_stage_3_unit_refuses_a_transition_its_state_does_not_lead_to() -> Non
         pytest.fail("the transition's work runs only from a state that leads to it")
     sharded.gather(name)
     used = eng.budget.used
-    with pytest.raises(UnitStateError, match=r"^unit 'blocks\.0' cannot become GATHERING from GATHERED: only from FETCHING$"):
+    with pytest.raises(UnitStateError, match=r"^unit 'blocks\.0' cannot become GATHERING from GATHERED: only from COPYING$"):
         sharded._start_gather(unit)  # a second gather of a gathered unit
     with pytest.raises(UnitStateError, match=r"^unit 'blocks\.0' cannot become FETCHING from GATHERED: only from SHARDED$"):
         sharded._fetch(unit)

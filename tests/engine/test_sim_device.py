@@ -90,19 +90,16 @@ def test_two_ranks_with_late_copies(tmp_path, monkeypatch) -> None:
     assert all(rel_diff(result["params"], ref["params"]) <= 1e-6 for result in ranks)
 
 
-def release_before_the_copy(self: ShardedParams, entry) -> None:
-    """``_start_gather`` as it was: the fetched buffer handed back as soon as the copy is queued,
-    and the all-gather issued without waiting for the copy."""
-    if entry.state is UnitState.SHARDED:
-        self._fetch(entry)
-    self._budget.charge(entry.nbytes, f"gathering unit {entry.layout.name!r}")
-    entry.flat.untyped_storage().resize_(entry.nbytes)
-    own = entry.flat[entry.layout.shard_slice(self._comm.rank)]
-    self._device.copy(own, entry.fetch.wait())
-    entry.fetch.release()
-    entry.fetch = None
-    entry.work = self._comm.all_gather(entry.flat, own)
-    entry.state = UnitState.GATHERING
+def gather_before_the_copy(self: ShardedParams, entry) -> None:
+    """``_start_gather`` without waiting for the shard's copy."""
+    with entry.becoming(UnitState.GATHERING):
+        entry.work = self._comm.all_gather(entry.flat, self._own(entry))
+
+
+def train_gathering_before_the_copy(cfg, steps: int, micro_batch: int) -> dict:
+    """On each rank (a process of its own): train with ``gather_before_the_copy``."""
+    ShardedParams._start_gather = gather_before_the_copy  # type: ignore[method-assign]
+    return train_engine_on_ranks(cfg, steps, micro_batch)
 
 
 def gradient_not_waited_for(self: GradientShards, unit_name: str) -> torch.Tensor:
@@ -112,11 +109,8 @@ def gradient_not_waited_for(self: GradientShards, unit_name: str) -> torch.Tenso
 
 @pytest.mark.parametrize(
     ("owner", "name", "broken", "stage"),
-    [
-        (ShardedParams, "_start_gather", release_before_the_copy, 3),
-        (GradientShards, "ready", gradient_not_waited_for, 2),
-    ],
-    ids=["gather before the copy", "update before the gradient copy"],
+    [(GradientShards, "ready", gradient_not_waited_for, 2)],
+    ids=["update before the gradient copy"],
 )
 def test_a_missing_wait_is_caught(owner, name, broken, stage, tmp_path, monkeypatch) -> None:
     cfg = plan_config(stage, "nvme", "nvme" if stage == 3 else "device", str(tmp_path / "store"), train={"steps": STEPS})
@@ -128,3 +122,17 @@ def test_a_missing_wait_is_caught(owner, name, broken, stage, tmp_path, monkeypa
     except (DivergedError, CopyRaceError):
         return  # caught by the engine's own checks
     assert not all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"]), "the missing wait went unseen"
+
+
+def test_a_gather_that_does_not_wait_for_its_copy_is_caught(tmp_path, monkeypatch) -> None:
+    """On two ranks the all-gather sends each rank's shard to the other: one not yet copied
+    into place sends NaN (on one rank the gather moves nothing, so it takes two)."""
+    monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=5")
+    cfg = plan_config(3, "nvme", "nvme", str(tmp_path / "store"))
+    ref = train_reference(cfg, STEPS, micro_batch=4)
+    try:
+        ranks = run_ranks(2, train_gathering_before_the_copy, cfg, STEPS, 2)
+    except RuntimeError as failed:  # a rank stopped at a diverged step
+        assert "DivergedError" in str(failed) or "CopyRaceError" in str(failed), failed
+        return
+    assert all(rel_diff(result["params"], ref["params"]) > 1e-6 for result in ranks), "the missing wait went unseen"
