@@ -17,12 +17,13 @@ and reads the result back from the last line of its stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 from benchmarks.optimizer import threads_restored
 from engine.config import Config
 from engine.data import TokenBatches, load_tokens
+from engine.device import SIM_ENV
 from engine.engine import Engine
 from engine.heap import return_freed_buffers
 from engine.models.gpt import GPT
@@ -183,7 +185,24 @@ ALTERNATION_BLOCK = 4
 """Steps each run takes in a row when runs alternate; the first of each block is not timed."""
 
 
-def run_alternating(configs: list[Config], schedule: Schedule) -> list[RunResult]:
+@contextlib.contextmanager
+def simulated_device(spec: str | None) -> Iterator[None]:
+    """Engines built inside run on the simulated asynchronous device ``spec`` (see
+    ``engine.sim_device``), or with None on the machine's own."""
+    before = os.environ.pop(SIM_ENV, None)
+    if spec is not None:
+        os.environ[SIM_ENV] = spec
+    try:
+        yield
+    finally:
+        os.environ.pop(SIM_ENV, None)
+        if before is not None:
+            os.environ[SIM_ENV] = before
+
+
+def run_alternating(
+    configs: list[Config], schedule: Schedule, devices: list[str | None] | None = None
+) -> list[RunResult]:
     """Train one engine per config in this process, taking turns in blocks of steps, so that a
     slow spell of the machine (a shared host's speed drifts by tens of percent within minutes)
     hits every run alike and their ratios hold where their absolute times do not.
@@ -192,7 +211,8 @@ def run_alternating(configs: list[Config], schedule: Schedule) -> list[RunResult
     (its last commit, untimed), and the block's first step, whose predecessor's write-back was
     thereby taken out of it, is not timed either. Every timed step thus pays for exactly its
     predecessor's deferred commit, as in an uninterrupted run. Memory is the process's, shared
-    by all runs: ``peak_rss_bytes`` and ``device_peak_bytes`` are not any one run's."""
+    by all runs: ``peak_rss_bytes`` and ``device_peak_bytes`` are not any one run's. ``devices``
+    gives each run a simulated device spec (``simulated_device``), None for the machine's own."""
     timed_per_block = ALTERNATION_BLOCK - 1
     blocks = -(-schedule.steps // timed_per_block)
     total = schedule.warmup + blocks * ALTERNATION_BLOCK
@@ -201,14 +221,15 @@ def run_alternating(configs: list[Config], schedule: Schedule) -> list[RunResult
     with threads_restored():
         torch.set_num_threads(schedule.threads)
         try:
-            for config in configs:
-                runs.append(_TrainingRun(config, total))
+            for config, device in zip(configs, devices or [None] * len(configs), strict=True):
+                with simulated_device(device):
+                    runs.append(_TrainingRun(config, total))
             for run in runs:
                 for _ in range(schedule.warmup):
                     run.step()
                 run.engine.flush()
             for _ in range(blocks):
-                for run, kept in zip(runs, timed):
+                for run, kept in zip(runs, timed, strict=True):
                     kept.extend([run.step() for _ in range(ALTERNATION_BLOCK)][1:])
                     run.engine.flush()
         finally:
@@ -223,7 +244,7 @@ def run_alternating(configs: list[Config], schedule: Schedule) -> list[RunResult
             store_bytes=disk_usage(Path(config.offload.nvme_path)),
             device_peak_bytes=device_peak_bytes(),
         )
-        for run, kept, config in zip(runs, timed, configs)
+        for run, kept, config in zip(runs, timed, configs, strict=True)
     ]
 
 

@@ -46,6 +46,7 @@ class Device:
     def __init__(self, device: torch.device):
         self.device = device
         self._copy_stream = None
+        self._copied = 0
 
     @classmethod
     def detect(cls, local_rank: int | None = None) -> Device:
@@ -94,6 +95,7 @@ class Device:
         returned event completes neither tensor may be touched: the compute stream waits for
         it (``wait_for``) before reading ``dst``, the host (``event.synchronize()``) before
         reusing a host buffer or letting a device tensor go."""
+        self._copied += src.nbytes
         if not self.is_accelerator:
             dst.copy_(src)
             return DoneEvent()
@@ -104,6 +106,11 @@ class Device:
         event = self.module.Event()
         event.record(stream)
         return event
+
+    def take_copied_bytes(self) -> int:
+        """Bytes copied by ``copy`` since the last call."""
+        copied, self._copied = self._copied, 0
+        return copied
 
     def wait_for(self, event: Event) -> None:
         """The compute stream waits for ``event`` (the host does not)."""

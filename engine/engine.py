@@ -596,6 +596,7 @@ class Engine:
             prefetch_hits=hits,
             prefetch_misses=misses,
             device_high_water=self.budget.high_water,
+            bytes_copied=self.device.take_copied_bytes(),
         )
         self._step_started = None
 

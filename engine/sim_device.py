@@ -60,8 +60,9 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 class SimDevice(Device):
     """The CPU, with copies that complete later, on one worker thread (the copy stream)."""
 
-    def __init__(self, seed: int = 0, delay_ms: float = 1.0, gbps: float = 0.0):
+    def __init__(self, seed: int = 0, delay_ms: float = 1.0, gbps: float = 0.0, sync: bool = False):
         super().__init__(torch.device("cpu"))
+        self._sync = sync
         self._rng = random.Random(seed)
         self._delay_s, self._bytes_per_s = delay_ms / 1000, gbps * 1e9
         self._copies: queue.SimpleQueue = queue.SimpleQueue()
@@ -71,14 +72,20 @@ class SimDevice(Device):
 
     @classmethod
     def from_spec(cls, spec: str) -> SimDevice:
-        """``"seed=3,delay_ms=2,gbps=4"`` (any subset, empty for the defaults)."""
+        """``"seed=3,delay_ms=2,gbps=4,sync=1"`` (any subset, empty for the defaults); ``sync=1``
+        makes every copy complete before ``copy`` returns: the synchronous engine to compare with."""
         fields = dict(part.split("=", 1) for part in spec.split(",") if part.strip())
-        unknown = set(fields) - {"seed", "delay_ms", "gbps"}
+        unknown = set(fields) - {"seed", "delay_ms", "gbps", "sync"}
         if unknown:
             raise ValueError(
-                f"OFFLOAD_SIM_DEVICE={spec!r}: unknown field(s) {sorted(unknown)}; use seed, delay_ms, gbps"
+                f"OFFLOAD_SIM_DEVICE={spec!r}: unknown field(s) {sorted(unknown)}; use seed, delay_ms, gbps, sync"
             )
-        return cls(int(fields.get("seed", 0)), float(fields.get("delay_ms", 1.0)), float(fields.get("gbps", 0.0)))
+        return cls(
+            int(fields.get("seed", 0)),
+            float(fields.get("delay_ms", 1.0)),
+            float(fields.get("gbps", 0.0)),
+            fields.get("sync", "0") == "1",
+        )
 
     @property
     def copies_are_synchronous(self) -> bool:
@@ -90,6 +97,7 @@ class SimDevice(Device):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> SimEvent:
         """Queue the copy; the delay is drawn here, in queue order, so a seed fixes it."""
+        self._copied += src.nbytes
         duration = self._rng.uniform(0.0, 2 * self._delay_s)
         if self._bytes_per_s:
             duration += src.nbytes / self._bytes_per_s
@@ -98,6 +106,8 @@ class SimDevice(Device):
             dst.fill_(float("nan"))
         event = SimEvent(self)
         self._copies.put((dst, src, kept, duration, event))
+        if self._sync:
+            event.synchronize()
         return event
 
     def wait_for(self, event: SimEvent) -> None:  # type: ignore[override]

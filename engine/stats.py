@@ -33,6 +33,8 @@ class StepStats:
     """Stage 3 gathers that had to start from nothing."""
     device_high_water: int = 0
     """Most device bytes the engine held at once during the step."""
+    bytes_copied: int = 0
+    """Bytes copied between host and device (``Device.copy``) during the step."""
 
     @property
     def compute_s(self) -> float:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import optimizer, report, tiers
+from benchmarks import copies, optimizer, report, tiers
 
 TINY_TIERS = "--quick --mb 16 --chunk-mb 4 16 --threads 2 --reps 1".split()
 MACHINE_KEYS = {"cpu_count", "ram_bytes", "torch", "zarr", "date", "command"}
@@ -71,3 +71,10 @@ def test_plot_is_skipped_without_matplotlib(tmp_path: Path, monkeypatch: pytest.
     path = tmp_path / "plot.png"
     assert report.bar_chart(path, ["a"], {"s": [1.0]}, ylabel="y", title="t") is None
     assert not path.exists()
+
+
+def test_copies_quick(tmp_path: Path) -> None:
+    copies.main(["--out", str(tmp_path), "--quick", "--plans", "s3-nvme-cpu", "--gbps", "0.05"])
+    (row,) = load_record(tmp_path, "copies")["rows"]
+    assert row["copy MB"] > 0 and row["copy s"] == pytest.approx(row["copy MB"] / 1e3 / 0.05)
+    assert row["async s"] > 0 and row["sync s"] > 0 and 0 < row["overlap"] <= 1.5

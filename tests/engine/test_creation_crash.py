@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.config import Config
 from engine.engine import Engine
 from offload.generations import Generations
-from engine.config import Config
 from tests.engine.test_resume import params, run
 from tests.training import config, tiny_gpt
 

@@ -12,12 +12,12 @@ import pytest
 from engine.config import Config
 from engine.data import load_tokens
 from engine.engine import Engine
-from engine.train import build_model
 from engine.inspect import format_report, inspect_store
+from engine.train import build_model
 from offload.lock import StoreLock, StoreLockedError
+from tests.engine.test_crash import batches_for, fingerprint, train
 from tests.engine.test_resume import nvme, run
 from tests.training import tiny_gpt
-from tests.engine.test_crash import batches_for, fingerprint, train
 
 OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=64", "micro_batch=4", "log_every=1", "optim.decay_steps=1000"]
 STEPS = 40
