@@ -17,16 +17,10 @@ import torch
 from engine.partition import ModelLayout, UnitLayout
 from engine.state import ShardState
 from engine.step_record import check_step_record
-from engine.store_state import (
-    KINDS,
-    create_arrays,
-    first_difference,
-    naming_way_out,
-    read_shard,
-    write_shard_async,
-)
+from engine.store_state import KINDS, first_difference, naming_way_out
 from offload.generations import Generations, generation_prefix
 from offload.io import IORunner
+from offload.shards import create_arrays, read_shard, write_shard_async
 from offload.store import ShardStore
 
 logger = logging.getLogger(__name__)
@@ -105,7 +99,7 @@ class MemoryCheckpoints:
         def shards() -> Iterator[tuple[UnitLayout, ShardState]]:
             for unit in self.layout.units:
                 state = ShardState(*(torch.empty(unit.shard_numel, dtype=torch.float32) for _ in KINDS))
-                read_shard(self.store, prefix, unit, self.rank, state)
+                read_shard(self.store, prefix, unit, self.rank, state.views())
                 yield unit, state
 
         return record, shards()
@@ -121,12 +115,14 @@ class MemoryCheckpoints:
         self._barrier()
         if self._leader:
             self.generations.drop_uncommitted()
-            self.store.build(prefix, lambda staging: create_arrays(self.store, staging, self.layout))
+            self.store.build(
+                prefix, lambda staging: create_arrays(self.store, staging, self.layout.units, KINDS, torch.float32)
+            )
         self._barrier()
         writes = {}
         for unit, state in states:
             host = ShardState(*(t.cpu() for t in state.tensors()))  # a copy only from an accelerator
-            writes[unit.name] = (host, write_shard_async(self.store, prefix, unit, self.rank, host))
+            writes[unit.name] = (host, write_shard_async(self.store, prefix, unit, self.rank, host.views()))
 
         def keep_it() -> None:
             self.store.sync()

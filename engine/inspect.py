@@ -30,7 +30,6 @@ from engine.store_state import (
     KINDS,
     MODE_ATTR,
     DirtyStoreError,
-    array_name,
     check_clean,
     naming_way_out,
 )
@@ -38,6 +37,7 @@ from offload.generations import CHECKPOINTS, Generations, generation_prefix
 from offload.io import IORunner
 from offload.lock import describe_holder, read_holder
 from offload.manifest import ManifestError, read_committed
+from offload.shards import array_name
 from offload.store import FORMAT_VERSION, ChecksumError, ShardStore
 
 logger = logging.getLogger(__name__)

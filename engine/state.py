@@ -8,6 +8,7 @@ and write them back behind the update, so the step's code is the same on every t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,14 @@ class ShardState:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.master, self.exp_avg, self.exp_avg_sq
+
+    def views(self) -> list[tuple[str, torch.Tensor]]:
+        """Each kind's name (its store array's) with its tensor."""
+        return list(zip(STATE_KINDS, self.tensors(), strict=True))
+
+
+STATE_KINDS = tuple(field.name for field in dataclasses.fields(ShardState))
+"""The kinds of optimizer state a unit has, by name: the names of its arrays in a store."""
 
 
 class OptimizerState(Protocol):

@@ -35,24 +35,24 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from engine.partition import ModelLayout, UnitLayout
-from engine.state import ShardState
+from engine.state import STATE_KINDS, ShardState
 from engine.step_record import check_step_record
 from offload.buffers import BufferPool, HostBuffer
 from offload.generations import KEEP, Generations, generation_prefix
 from offload.io import IORunner
 from offload.manifest import ManifestError
 from offload.pipeline import Pipeline, PipelineStats, Stream
+from offload.shards import array_in_layout, array_name, create_arrays, read_shard, write_shard
 from offload.store import ChecksumError, ShardStore
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+KINDS = STATE_KINDS
 FP32 = 4
 GENERATIONS = "generations"
 IN_PLACE = "in-place"
@@ -186,62 +186,6 @@ def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> N
             f"store {path} does not match this model: the {which} has {len(longer) - min(len(stored_params), len(current_params))} "
             f"more parameter(s), first {longer[min(len(stored_params), len(current_params))][1]!r}"
         )
-
-
-def array_name(prefix: str, unit: str, kind: str) -> str:
-    """The store array holding one kind of state of one unit under ``prefix`` (a generation
-    or a checkpoint)."""
-    return f"{prefix}/{unit}/{kind}"
-
-
-def create_arrays(store: ShardStore, prefix: str, layout: ModelLayout) -> None:
-    """Every unit's state arrays under ``prefix``, cut for ``layout``'s shards."""
-    for unit in layout.units:
-        for kind in KINDS:
-            store.create_array(array_name(prefix, unit.name, kind), unit.padded_numel, unit.chunk_numel, torch.float32)
-
-
-def array_in_layout(store: ShardStore, name: str, unit: UnitLayout) -> bool:
-    """Whether array ``name`` exists cut as ``unit`` is in this layout: then this rank's
-    shard is whole chunks of it, read and written in place."""
-    if not store.has_array(name):
-        return False
-    info = store.array_info(name)
-    return info.numel == unit.padded_numel and info.chunk_elems == unit.chunk_numel
-
-
-def read_shard(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, state: ShardState) -> None:
-    """Rank ``rank``'s shard of ``unit``'s state under ``prefix`` into ``state`` (host tensors).
-
-    An array cut for other shards (another world size) is read range by range: the unit is
-    the array's first ``numel`` elements whatever its padding, so the part of them this
-    shard covers is read and the rest of the shard, padding, zeroed."""
-    start = unit.shard_slice(rank).start
-    count = min(max(unit.numel - start, 0), unit.shard_numel)
-    for kind, view in zip(KINDS, state.tensors(), strict=True):
-        name = array_name(prefix, unit.name, kind)
-        if array_in_layout(store, name, unit):
-            store.read_into(name, start, view)
-            continue
-        if count:
-            store.read_range(name, start, view[:count])
-        view[count:].zero_()
-
-
-def write_shard(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, state: ShardState) -> None:
-    """Rank ``rank``'s shard of ``unit``'s state (host tensors) into the arrays under ``prefix``."""
-    start = unit.shard_slice(rank).start
-    for kind, view in zip(KINDS, state.tensors(), strict=True):
-        store.write_from(array_name(prefix, unit.name, kind), start, view)
-
-
-def write_shard_async(store: ShardStore, prefix: str, unit: UnitLayout, rank: int, state: ShardState) -> list[Future]:
-    """Start writing ``write_shard``'s bytes; ``state`` must not change until the futures complete."""
-    start = unit.shard_slice(rank).start
-    return [
-        store.write_async(array_name(prefix, unit.name, kind), start, view)
-        for kind, view in zip(KINDS, state.tensors(), strict=True)
-    ]
 
 
 class StoreOptimizerState:
@@ -436,7 +380,7 @@ class StoreOptimizerState:
                 self.store.delete(generation_prefix(generation))
 
     def _create_arrays(self, prefix: str) -> None:
-        create_arrays(self.store, prefix, self.layout)
+        create_arrays(self.store, prefix, self.layout.units, KINDS, torch.float32)
 
     def add_unit(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """Write the unit's initial master and zero moments to generation 0."""
@@ -462,11 +406,11 @@ class StoreOptimizerState:
 
     def _load(self, unit: UnitLayout, buf: HostBuffer) -> None:
         with naming_way_out(self.generations):
-            read_shard(self.store, self._read_prefix, unit, self.rank, self._views(unit, buf))
+            read_shard(self.store, self._read_prefix, unit, self.rank, self._views(unit, buf).views())
 
     def _save(self, unit: UnitLayout, buf: HostBuffer, generation: int | None = None) -> None:
         prefix = generation_prefix(self._target if generation is None else generation)
-        write_shard(self.store, prefix, unit, self.rank, self._views(unit, buf))
+        write_shard(self.store, prefix, unit, self.rank, self._views(unit, buf).views())
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """Each unit's committed master shard, streamed (to rebuild parameters on resume)."""

@@ -1,0 +1,67 @@
+"""Shards in a store, against any unit layout that says its sizes: named, cut, moved by rank,
+and read back from another cutting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offload.io import IORunner
+from offload.shards import array_in_layout, array_name, create_arrays, read_shard, write_shard, write_shard_async
+from offload.store import ShardStore
+
+KINDS = ("master", "exp_avg")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A unit of ``numel`` elements cut into ``ranks`` shards of whole ``chunk_numel`` chunks."""
+
+    name: str
+    numel: int
+    chunk_numel: int
+    ranks: int
+
+    @property
+    def shard_numel(self) -> int:
+        chunks = -(-self.numel // (self.chunk_numel * self.ranks))
+        return chunks * self.chunk_numel
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.ranks
+
+    def shard_slice(self, rank: int) -> slice:
+        return slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+
+
+def values(unit: Unit, kind: str) -> torch.Tensor:
+    """The unit's content of ``kind``, padding zero."""
+    full = torch.zeros(unit.padded_numel)
+    full[: unit.numel] = torch.arange(unit.numel, dtype=torch.float32) + (1000.0 if kind == "exp_avg" else 0.0)
+    return full
+
+
+def test_each_rank_writes_its_shard_and_another_cutting_reads_it_back(tmp_path) -> None:
+    with IORunner(threads=2) as runner:
+        store = ShardStore.create(tmp_path / "store", {}, runner=runner)
+        two = Unit("blocks.0", numel=5000, chunk_numel=1024, ranks=2)
+        create_arrays(store, "gen-0", [two], KINDS, torch.float32)
+        for rank in range(2):
+            views = [(kind, values(two, kind)[two.shard_slice(rank)].clone()) for kind in KINDS]
+            if rank == 0:
+                write_shard(store, "gen-0", two, rank, views)
+            else:  # the asynchronous form, waited for
+                for future in write_shard_async(store, "gen-0", two, rank, views):
+                    future.result()
+        store.sync()
+        assert array_in_layout(store, array_name("gen-0", "blocks.0", "master"), two)
+
+        three = Unit("blocks.0", numel=5000, chunk_numel=512, ranks=3)  # another world size and chunk size
+        assert not array_in_layout(store, array_name("gen-0", "blocks.0", "master"), three)
+        for rank in range(3):
+            views = [(kind, torch.full((three.shard_numel,), -1.0)) for kind in KINDS]
+            read_shard(store, "gen-0", three, rank, views)
+            for kind, view in views:
+                assert torch.equal(view, values(three, kind)[three.shard_slice(rank)]), (rank, kind)
