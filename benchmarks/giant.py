@@ -50,7 +50,7 @@ from benchmarks.runs import disk_usage
 from engine.config import Config
 from engine.estimate import estimate, gpt_of, measured_baseline_bytes, plan_of, run_shape
 from engine.models.gpt import Block, GPTConfig
-from offload.manifest import read_committed
+from offload import read_committed
 
 GB = 1e9
 GIB = 2**30

@@ -66,7 +66,7 @@ from engine.config import OffloadConfig, OptimConfig
 from engine.optim import ShardAdamW
 from engine.partition import ModelLayout, build_layout
 from engine.store_state import StoreOptimizerState, unit_state_bytes
-from offload.pipeline import PipelineStats
+from offload import PipelineStats
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v
 STATE_BYTES_PER_PARAM = 16  # fp32 p, g, m, v

@@ -31,9 +31,7 @@ from tqdm import tqdm
 from benchmarks.bandwidth import drop_page_cache, memcpy_gbps, raw_disk_gbps
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from engine.config import OffloadConfig
-from offload.buffers import BufferPool
-from offload.io import IORunner
-from offload.store import ShardStore
+from offload import BufferPool, IORunner, ShardStore
 
 GOAL = 0.85
 TIE = 0.05  # relative step cost below which two configurations count as equally fast

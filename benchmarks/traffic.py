@@ -39,12 +39,7 @@ from engine.config import Config, OffloadConfig
 from engine.partition import ModelLayout, UnitLayout
 from engine.precision import compute_dtype
 from engine.store_state import KINDS as STATE_KINDS
-from offload.buffers import BufferPool, HostBuffer
-from offload.generations import generation_prefix
-from offload.io import IORunner
-from offload.pipeline import Pipeline
-from offload.shards import array_name
-from offload.store import ShardStore
+from offload import BufferPool, HostBuffer, IORunner, Pipeline, ShardStore, array_name, generation_prefix
 
 MIB = 1 << 20
 PARAM_KIND = "param"

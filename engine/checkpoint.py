@@ -18,10 +18,7 @@ from engine.partition import ModelLayout, UnitLayout
 from engine.state import ShardState
 from engine.step_record import check_step_record
 from engine.store_state import KINDS, first_difference, naming_way_out
-from offload.generations import Generations, generation_prefix
-from offload.io import IORunner
-from offload.shards import create_arrays, read_shard, write_shard_async
-from offload.store import ShardStore
+from offload import Generations, IORunner, ShardStore, create_arrays, generation_prefix, read_shard, write_shard_async
 
 logger = logging.getLogger(__name__)
 

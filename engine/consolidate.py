@@ -40,9 +40,7 @@ from engine.inspect import (
     store_layout,
 )
 from engine.partition import ModelLayout
-from offload.generations import Generations
-from offload.io import IORunner
-from offload.store import ShardStore
+from offload import Generations, IORunner, ShardStore
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ from engine.state import MemoryOptimizerState, OptimizerState, ShardState
 from engine.stats import StepStats
 from engine.store_state import StoreOptimizerState
 from engine.update import Update, overlaps_backward
-from offload.lock import StoreLock
+from offload import StoreLock
 
 logger = logging.getLogger(__name__)
 

@@ -33,12 +33,20 @@ from engine.store_state import (
     check_clean,
     naming_way_out,
 )
-from offload.generations import CHECKPOINTS, Generations, generation_prefix
-from offload.io import IORunner
-from offload.lock import describe_holder, read_holder
-from offload.manifest import ManifestError, read_committed
-from offload.shards import array_name
-from offload.store import FORMAT_VERSION, ChecksumError, ShardStore
+from offload import (
+    CHECKPOINTS,
+    FORMAT_VERSION,
+    ChecksumError,
+    Generations,
+    IORunner,
+    ManifestError,
+    ShardStore,
+    array_name,
+    describe_holder,
+    generation_prefix,
+    read_committed,
+    read_holder,
+)
 
 logger = logging.getLogger(__name__)
 

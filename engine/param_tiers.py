@@ -24,9 +24,7 @@ import torch
 from engine.budget import DeviceBudget
 from engine.device import Device
 from engine.partition import ModelLayout, UnitLayout
-from offload.buffers import BufferPool
-from offload.io import IORunner
-from offload.store import ShardStore
+from offload import BufferPool, IORunner, ShardStore
 
 PARAM_STORE = "params"
 """The sub-folder of ``offload.nvme_path`` holding the ``nvme`` tier's parameter shards."""

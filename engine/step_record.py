@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from engine import rng
-from offload.manifest import ManifestError
+from offload import ManifestError
 
 COUNTS = ("step", "skipped_steps", "optimizer_steps", "world_size")
 """Fields that are non-negative integers; only ``step`` is required."""

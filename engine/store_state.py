@@ -42,13 +42,25 @@ import torch
 from engine.partition import ModelLayout, UnitLayout
 from engine.state import STATE_KINDS, ShardState
 from engine.step_record import check_step_record
-from offload.buffers import BufferPool, HostBuffer
-from offload.generations import KEEP, Generations, generation_prefix
-from offload.io import IORunner
-from offload.manifest import ManifestError
-from offload.pipeline import Pipeline, PipelineStats, Stream
-from offload.shards import array_in_layout, array_name, create_arrays, read_shard, write_shard
-from offload.store import ChecksumError, ShardStore
+from offload import (
+    KEEP,
+    BufferPool,
+    ChecksumError,
+    Generations,
+    HostBuffer,
+    IORunner,
+    ManifestError,
+    Pipeline,
+    PipelineStats,
+    ShardStore,
+    Stream,
+    array_in_layout,
+    array_name,
+    create_arrays,
+    generation_prefix,
+    read_shard,
+    write_shard,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,7 @@ from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine
 from engine.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.store_state import resume_point
-from offload.generations import CheckpointExistsError
-from offload.manifest import read_committed
+from offload import CheckpointExistsError, read_committed
 
 logger = logging.getLogger(__name__)
 

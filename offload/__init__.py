@@ -1,0 +1,53 @@
+"""How bytes move between tiers: host buffers, asynchronous I/O, the zarr shard store, its
+generations and commits, and the shards of units in it. Knows flat tensors and stores, never
+the engine; this is its public surface, the one the engine and the benchmarks use."""
+
+from offload.buffers import BufferPool, HostBuffer
+from offload.generations import CHECKPOINTS, KEEP, CheckpointExistsError, Generations, generation_prefix
+from offload.io import IORunner, OffloadIOError
+from offload.lock import StoreLock, StoreLockedError, describe_holder, read_holder
+from offload.manifest import ManifestError, commit, read_committed
+from offload.pipeline import Pipeline, PipelineStats, Stream
+from offload.shards import (
+    ShardedUnit,
+    array_in_layout,
+    array_name,
+    create_arrays,
+    read_shard,
+    write_shard,
+    write_shard_async,
+)
+from offload.store import FORMAT_VERSION, ChecksumError, FileOps, ShardStore
+
+__all__ = [
+    "CHECKPOINTS",
+    "FORMAT_VERSION",
+    "KEEP",
+    "BufferPool",
+    "CheckpointExistsError",
+    "ChecksumError",
+    "FileOps",
+    "Generations",
+    "HostBuffer",
+    "IORunner",
+    "ManifestError",
+    "OffloadIOError",
+    "Pipeline",
+    "PipelineStats",
+    "ShardStore",
+    "ShardedUnit",
+    "StoreLock",
+    "StoreLockedError",
+    "Stream",
+    "array_in_layout",
+    "array_name",
+    "commit",
+    "create_arrays",
+    "describe_holder",
+    "generation_prefix",
+    "read_committed",
+    "read_holder",
+    "read_shard",
+    "write_shard",
+    "write_shard_async",
+]
