@@ -65,12 +65,12 @@ from benchmarks.report import Row, bar_chart, base_parser, print_table, save_jso
 from engine.config import OffloadConfig, OptimConfig
 from engine.optim import ShardAdamW
 from engine.partition import ModelLayout, build_layout
+from engine.sizes import MIB
 from engine.store_state import StoreOptimizerState, unit_state_bytes
 from offload import PipelineStats
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v
 STATE_BYTES_PER_PARAM = 16  # fp32 p, g, m, v
-MIB = 1 << 20
 NVME_GOAL = 0.8
 RAW_MAX_BYTES = 1 << 30  # enough to reach the disk's steady rate; more only adds minutes
 

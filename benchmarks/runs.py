@@ -38,9 +38,9 @@ from engine.engine import Engine
 from engine.heap import return_freed_buffers
 from engine.models.gpt import GPT
 from engine.partition import ModelLayout, build_layout, find_units, unit_parameters
+from engine.sizes import MIB
 from engine.train import meta_model, peak_rss_bytes
 
-MIB = 1 << 20
 DEFAULT_THREADS = os.cpu_count() or 1
 """What `python -m engine train` gives one rank: every core."""
 REPO_ROOT = Path(__file__).resolve().parents[1]

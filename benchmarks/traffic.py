@@ -38,10 +38,10 @@ from benchmarks.plans import TierPlan
 from engine.config import Config, OffloadConfig
 from engine.partition import ModelLayout, UnitLayout
 from engine.precision import compute_dtype
+from engine.sizes import MIB
 from engine.store_state import KINDS as STATE_KINDS
 from offload import BufferPool, HostBuffer, IORunner, Pipeline, ShardStore, array_name, generation_prefix
 
-MIB = 1 << 20
 PARAM_KIND = "param"
 PARAM_PREFIX = "params"
 

@@ -40,11 +40,11 @@ from engine.inspect import (
     store_layout,
 )
 from engine.partition import ModelLayout
+from engine.sizes import FP32
 from offload import Generations, IORunner, ShardStore
 
 logger = logging.getLogger(__name__)
 
-FP32 = 4
 HEADER_ALIGN = 8  # safetensors pads its header with spaces so the data starts 8-byte aligned
 
 

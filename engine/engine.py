@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from engine import rng
-from engine.budget import MIB, DeviceBudget
+from engine.budget import DeviceBudget
 from engine.checkpoint import MemoryCheckpoints, PendingCheckpoint
 from engine.comm import Comm
 from engine.config import Config
@@ -56,6 +56,7 @@ from engine.partition import (
 from engine.phase import BETWEEN_UPDATES, StepPhase, expect
 from engine.precision import LossScaler, compute_dtype
 from engine.recompute import checkpoint_forward
+from engine.sizes import MIB
 from engine.state import MemoryOptimizerState, OptimizerState, ShardState
 from engine.stats import StepStats
 from engine.store_state import StoreOptimizerState

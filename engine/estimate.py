@@ -52,13 +52,12 @@ from engine.partition import (
     unit_parameters,
 )
 from engine.precision import compute_dtype
+from engine.sizes import FP32, MIB
 from engine.store_state import unit_state_bytes
 from engine.train import build_model
 from engine.update import overlaps_backward
 
-MIB = 1 << 20
 GIB = 1 << 30
-FP32 = 4
 ADAM_KINDS = 3
 """fp32 tensors per parameter the optimizer tier holds: master, exp_avg, exp_avg_sq."""
 HEADROOM = 0.2

@@ -28,12 +28,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from engine.budget import MIB, DeviceBudget, DeviceMemoryError
+from engine.budget import DeviceBudget, DeviceMemoryError
 from engine.comm import Comm, Work
 from engine.device import Device, Event
 from engine.order import TracedOrder
 from engine.param_tiers import Fetch, ParamTier
 from engine.partition import ROOT_UNIT, ModelLayout, UnitLayout
+from engine.sizes import MIB
 
 logger = logging.getLogger(__name__)
 

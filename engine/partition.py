@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from offload import DIRECT_ALIGN
+
 ROOT_UNIT = "root"
-ALIGN_BYTES = 4096
-# Shards are aligned for the narrowest dtype a shard is stored in (2-byte bf16/fp16).
-ALIGN_ELEMS = ALIGN_BYTES // 2
+# Shards are aligned, for O_DIRECT, for the narrowest dtype a shard is stored in (2-byte bf16/fp16).
+ALIGN_ELEMS = DIRECT_ALIGN // 2
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from engine.partition import ModelLayout, UnitLayout
+from engine.sizes import FP32
 from engine.state import STATE_KINDS, ShardState
 from engine.step_record import check_step_record
 from offload import (
@@ -65,7 +66,6 @@ from offload import (
 logger = logging.getLogger(__name__)
 
 KINDS = STATE_KINDS
-FP32 = 4
 GENERATIONS = "generations"
 IN_PLACE = "in-place"
 MODES = (GENERATIONS, IN_PLACE)

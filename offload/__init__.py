@@ -2,7 +2,7 @@
 generations and commits, and the shards of units in it. Knows flat tensors and stores, never
 the engine; this is its public surface, the one the engine and the benchmarks use."""
 
-from offload.buffers import BufferPool, HostBuffer
+from offload.buffers import DIRECT_ALIGN, BufferPool, HostBuffer
 from offload.generations import CHECKPOINTS, KEEP, CheckpointExistsError, Generations, generation_prefix
 from offload.io import IORunner, OffloadIOError
 from offload.lock import StoreLock, StoreLockedError, describe_holder, read_holder
@@ -21,6 +21,7 @@ from offload.store import FORMAT_VERSION, ChecksumError, FileOps, ShardStore
 
 __all__ = [
     "CHECKPOINTS",
+    "DIRECT_ALIGN",
     "FORMAT_VERSION",
     "KEEP",
     "BufferPool",

@@ -22,6 +22,10 @@ from types import TracebackType
 
 import torch
 
+DIRECT_ALIGN = 4096
+"""O_DIRECT wants buffer address, length and file offset aligned to the logical block size;
+4096 covers every common device."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -118,7 +122,7 @@ class BufferPool:
     cached buffers first when they stand between it and the budget.
     """
 
-    def __init__(self, budget_bytes: int, *, pin: bool | None = None, alignment: int = 4096) -> None:
+    def __init__(self, budget_bytes: int, *, pin: bool | None = None, alignment: int = DIRECT_ALIGN) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         if alignment <= 0 or alignment & (alignment - 1):

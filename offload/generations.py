@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from offload.buffers import DIRECT_ALIGN
 from offload.manifest import ManifestError, commit, read_committed
 from offload.store import ShardStore
 
@@ -56,7 +57,6 @@ DIRTY = "DIRTY"
 """The file marking the committed generation as being rewritten: ``{"generation", "step", "over"}``,
 ``over`` the serial of the commit it overwrites."""
 _BOOKKEEPING = (KEEP, SUPERSEDED, SERIAL)
-_DIRECT_ALIGN = 4096  # each half of a copy buffer starts aligned, so both halves may use O_DIRECT
 
 
 class CheckpointExistsError(FileExistsError):
@@ -268,7 +268,7 @@ class Generations:
         used in two halves, the reads into one overlapping the writes from the other.
         Durable at the store's next ``sync()``."""
         index, parts = part
-        half = buffer.numel() // 2 // _DIRECT_ALIGN * _DIRECT_ALIGN
+        half = buffer.numel() // 2 // DIRECT_ALIGN * DIRECT_ALIGN  # each half starts aligned, for O_DIRECT
         halves = (buffer[:half], buffer[half : 2 * half])
         writes: list[Future | None] = [None, None]
         turn = 0
@@ -277,7 +277,7 @@ class Generations:
                 info = self.store.array_info(name)
                 per_batch = half // info.chunk_bytes
                 if per_batch == 0:
-                    need = 2 * -(-info.chunk_bytes // _DIRECT_ALIGN) * _DIRECT_ALIGN
+                    need = 2 * -(-info.chunk_bytes // DIRECT_ALIGN) * DIRECT_ALIGN
                     raise ValueError(
                         f"a copy buffer of {buffer.numel()} bytes cannot hold two {info.chunk_bytes}-byte chunks of "
                         f"array {name!r}; pass a buffer of at least {need} bytes"

@@ -42,6 +42,7 @@ import zarr
 from zarr.codecs import BytesCodec, Crc32cCodec
 from zarr.storage import LocalStore
 
+from offload.buffers import DIRECT_ALIGN
 from offload.io import IORunner, OffloadIOError
 from offload.lock import LOCK_FILE
 
@@ -51,9 +52,6 @@ FORMAT_KEY = "offload_store"
 FORMAT_VERSION = 1
 TORCH_DTYPE_ATTR = "torch_dtype"
 
-# O_DIRECT wants buffer address, length and file offset aligned to the logical
-# block size; 4096 covers every common device.
-_DIRECT_ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CRC_BYTES = 4
 # Top-level names of groups being built or removed: never a valid node name, swept by the writer.
@@ -564,7 +562,7 @@ class ShardStore:
                 f"boundary and cover whole chunks (read_range reads any range)"
             )
         buf = _byte_view(t)
-        aligned = buf.ctypes.data % _DIRECT_ALIGN == 0 and info.chunk_bytes % _DIRECT_ALIGN == 0
+        aligned = buf.ctypes.data % DIRECT_ALIGN == 0 and info.chunk_bytes % DIRECT_ALIGN == 0
         return info, start // info.chunk_elems, buf, aligned
 
     def _submit_chunks(

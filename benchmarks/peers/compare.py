@@ -70,11 +70,11 @@ from benchmarks.report import (
     save_json,
     setup_logging,
 )
+from engine.sizes import MIB
 
 RANK_MODULE = "benchmarks.peers.rank"
 INSTALL = 'DS_BUILD_OPS=0 pip install --no-build-isolation -e ".[peers]"'
 REPO = Path(__file__).resolve().parents[2]
-MIB = 1 << 20
 LOG_TAIL_LINES = 20
 
 CONTESTANTS = (

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.budget import MIB
 from engine.engine import Engine
 from engine.estimate import activation_bytes, run_shape
 from engine.models.gpt import GPT, GPTConfig
+from engine.sizes import MIB
 from tests.gpu import needs_cuda
 from tests.training import SEQ_LEN, batches, config
 
