@@ -88,33 +88,10 @@ class Engine:
         self.total_steps = total_steps or config.train.steps
         self.module = model
         self.budget = DeviceBudget(int(config.zero.device_memory_limit_mb * MIB))
-
-        units = find_units(model, config.zero.unit_classes)
-        if config.zero.activation_checkpointing:
-            for name, module in units:
-                if name != ROOT_UNIT:
-                    checkpoint_forward(module)
-        owned = unit_parameters(model, units)
-        max_chunk = config.offload.chunk_mb * MIB // 4
-        self.layout: ModelLayout = build_layout(owned, self.comm.world_size, max_chunk)
-        owned = {u.name: owned[u.name] for u in self.layout.units}
-        self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
-        """The model's own parameter order, which torch's gradient norm follows."""
-
+        units, owned = self._units(model)
         tier = config.offload.optimizer
         opt_device = self.device.device if tier == "device" else torch.device("cpu")
-        if resume and tier != "nvme" and checkpoint is None:
-            raise ValueError(
-                f"resuming needs the state on disk: offload.optimizer = {tier!r} keeps it in memory, so it "
-                f"resumes only from a checkpoint saved in offload.nvme_path (checkpoint=tag); or train with "
-                f'offload.optimizer = "nvme" to resume from its store\'s last step'
-            )
-        on_meta = any(p.is_meta for p in model.parameters())
-        if on_meta and init_unit is None and not resume:
-            raise ValueError(
-                "the model's parameters are on the meta device: pass init_unit=, a function that "
-                "initialises named parameters in place, so the engine can build the model unit by unit"
-            )
+        on_meta = self._check_start(model, resume, checkpoint, init_unit)
         self._checkpoints: MemoryCheckpoints | None = None
         """Where a memory tier's checkpoints are written, opened by the first that needs it."""
         self._saving: PendingCheckpoint | None = None
@@ -130,27 +107,73 @@ class Engine:
         if tier == "device":
             self.budget.charge(self.optimizer_state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
         self.params = self._params()
-        modules = dict(units)
         self._build_units(owned, init_unit if on_meta and not resume else None, materialize=on_meta, resume=resume)
+        self.grads = self._gradients(owned, opt_device)
+        self.params.hook(dict(units), unit_needs(model, units, owned))
+        self.params.check_fits({u.name: bucket_bytes(u) for u in self.layout.units}, MAX_IN_FLIGHT)
+        self.adam = ShardAdamW(config.optim)
+        self._step_counters = {u.name: self.adam.new_step_counter(opt_device) for u in self.layout.units}
+        self.scaler = LossScaler(config.precision)
+        self._start_counting()
+        if resume:
+            assert self.optimizer_state.resumed_from is not None  # a resumed tier holds its record
+            self._restore(self.optimizer_state.resumed_from)
+        else:
+            self.optimizer_state.seal()
+        self.params.io_bytes()  # what building wrote is not the first step's traffic
+        self._log_start()
 
-        self.grads = GradientShards(
+    def _gradients(self, owned: dict[str, list[tuple[str, nn.Parameter]]], opt_device: torch.device) -> GradientShards:
+        """The gradient buckets and shards, on the optimizer's device."""
+        on_device = self.config.offload.optimizer == "device"
+        return GradientShards(
             self.layout,
             owned,
             self.comm,
             self.device,
             opt_device,
-            reduce_per_micro_batch=config.zero.stage >= 2,
+            reduce_per_micro_batch=self.config.zero.stage >= 2,
             budget=self.budget,
-            shards_on_device=tier == "device",
+            shards_on_device=on_device,
             pin_memory=self.device.pin_memory and opt_device.type == "cpu",
             after_reduce=self.params.release_after_backward,
         )
-        if isinstance(self.params, ShardedParams):
-            self.params.hook(modules, unit_needs(model, units, owned))
-            self.params.check_fits({u.name: bucket_bytes(u) for u in self.layout.units}, MAX_IN_FLIGHT)
-        self.adam = ShardAdamW(config.optim)
-        self._step_counters = {u.name: self.adam.new_step_counter(opt_device) for u in self.layout.units}
-        self.scaler = LossScaler(config.precision)
+
+    def _units(self, model: nn.Module) -> tuple[list[tuple[str, nn.Module]], dict[str, list[tuple[str, nn.Parameter]]]]:
+        """The model's units (recomputing their activations if asked), the parameters each owns,
+        and the layout of their flat buffers and shards (``self.layout``)."""
+        config = self.config
+        units = find_units(model, config.zero.unit_classes)
+        if config.zero.activation_checkpointing:
+            for name, module in units:
+                if name != ROOT_UNIT:
+                    checkpoint_forward(module)
+        owned = unit_parameters(model, units)
+        max_chunk = config.offload.chunk_mb * MIB // 4
+        self.layout: ModelLayout = build_layout(owned, self.comm.world_size, max_chunk)
+        self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
+        """The model's own parameter order, which torch's gradient norm follows."""
+        return units, {u.name: owned[u.name] for u in self.layout.units}
+
+    def _check_start(self, model: nn.Module, resume: bool, checkpoint: str | None, init_unit: Callable | None) -> bool:
+        """Refuse a start the engine cannot make; whether the model is on the meta device."""
+        tier = self.config.offload.optimizer
+        if resume and tier != "nvme" and checkpoint is None:
+            raise ValueError(
+                f"resuming needs the state on disk: offload.optimizer = {tier!r} keeps it in memory, so it "
+                f"resumes only from a checkpoint saved in offload.nvme_path (checkpoint=tag); or train with "
+                f'offload.optimizer = "nvme" to resume from its store\'s last step'
+            )
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and init_unit is None and not resume:
+            raise ValueError(
+                "the model's parameters are on the meta device: pass init_unit=, a function that "
+                "initialises named parameters in place, so the engine can build the model unit by unit"
+            )
+        return on_meta
+
+    def _start_counting(self) -> None:
+        """The counters and per-step records of a run that has taken no step yet."""
         self.global_step = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -168,14 +191,11 @@ class Engine:
         self._micro_batches = 0
         self._update: Update | None = None
         self._step_started: float | None = None
-        self._overlap = overlaps_backward(config)
+        self._overlap = overlaps_backward(self.config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
-        if resume:
-            assert self.optimizer_state.resumed_from is not None  # a resumed tier holds its record
-            self._restore(self.optimizer_state.resumed_from)
-        else:
-            self.optimizer_state.seal()
-        self.params.io_bytes()  # what building wrote is not the first step's traffic
+
+    def _log_start(self) -> None:
+        config = self.config
         logger.info(
             "engine: stage %d, %d units, %.1fM params, compute %s, optimizer on %s, parameters on %s, rank %d of %d",
             config.zero.stage,
@@ -584,7 +604,7 @@ class Engine:
     def _record_stats(self, update: Update) -> None:
         now = time.perf_counter()
         store = self.optimizer_state
-        reads, writes = store.take_io_bytes() if isinstance(store, StoreOptimizerState) else (0, 0)
+        reads, writes = store.take_io_bytes()
         param_reads, param_writes = self.params.io_bytes()
         hits, misses = self.params.prefetch_counts()
         self.last_step_stats = StepStats(

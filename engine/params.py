@@ -72,6 +72,12 @@ class ReplicatedParams:
     def release_after_backward(self, unit_name: str) -> None:
         return None
 
+    def hook(self, modules: dict[str, nn.Module], needs: dict[str, list[str]]) -> None:
+        return None  # every unit stays gathered: nothing to do around forward and backward
+
+    def check_fits(self, grad_bucket_bytes: dict[str, int], in_flight: int) -> None:
+        return None  # the parameters were charged whole when added
+
     def take_wait_s(self) -> float:
         return 0.0
 

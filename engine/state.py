@@ -90,6 +90,10 @@ class OptimizerState(Protocol):
         """Bytes this tier holds for the optimizer state."""
         ...
 
+    def take_io_bytes(self) -> tuple[int, int]:
+        """Bytes the steps since the last call read and wrote to disk."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -158,6 +162,9 @@ class MemoryOptimizerState:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for s in self._states.values() for t in s.tensors())
+
+    def take_io_bytes(self) -> tuple[int, int]:
+        return 0, 0  # held in memory: no disk traffic
 
     def close(self) -> None:
         return None

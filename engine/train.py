@@ -134,9 +134,11 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
         ) from err
 
 
-def _train(config: Config, checkpoint: str | None) -> TrainResult:
-    tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
-    model, init = meta_model(config, vocab_size)
+def start_engine(
+    config: Config, model: GPT, init: Callable[[dict[str, torch.Tensor]], None], checkpoint: str | None
+) -> Engine:
+    """The engine of a new run, or of one continued from its store (``resume_point``) or from
+    its checkpoint ``checkpoint``."""
     resume = checkpoint is not None
     if checkpoint is None and config.offload.optimizer == "nvme":
         resume, checkpoint = resume_point(Path(config.offload.nvme_path))
@@ -147,7 +149,50 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
                 config.offload.nvme_path,
                 checkpoint,
             )
-    engine = Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
+    return Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
+
+
+def train_step(engine: Engine, data: TokenBatches, accum: int) -> float:
+    """One optimizer step over ``accum`` micro-batches; the loss averaged over them and the ranks.
+    A loss that is not finite stops the step before it can be committed."""
+    loss_sum = 0.0
+    for _ in range(accum):
+        loss = engine(*data.next())
+        engine.backward(loss)
+        loss_sum += loss.item()
+    loss_value = engine.comm.all_reduce_value(loss_sum / accum) / engine.comm.world_size
+    if not math.isfinite(loss_value):
+        engine.abandon_step(f"the loss is {loss_value}")
+    engine.client_state = {"data": data.state_dict()}
+    engine.step()
+    return loss_value
+
+
+def write_metrics(path: str, engine: Engine, loss: float) -> None:
+    """Append the step's record to the ``train.metrics`` JSON-lines file."""
+    record = {"step": engine.global_step, "loss": loss, "peak_rss_bytes": peak_rss_bytes()}
+    with open(path, "a") as metrics:
+        metrics.write(json.dumps(record | engine.last_step_stats.to_dict()) + "\n")
+
+
+def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> None:
+    tiers = engine.memory_report()
+    logger.info(
+        "step %d loss %.4f | %.0f tokens/s | peak RSS %.2f GiB | device %.1f MiB, cpu %.1f MiB, nvme %.1f MiB",
+        step,
+        loss,
+        tokens_per_s,
+        peak_rss_bytes() / 2**30,
+        tiers["device"] / 2**20,
+        tiers["cpu"] / 2**20,
+        tiers["nvme"] / 2**20,
+    )
+
+
+def _train(config: Config, checkpoint: str | None) -> TrainResult:
+    tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
+    model, init = meta_model(config, vocab_size)
+    engine = start_engine(config, model, init, checkpoint)
     rank, world = engine.comm.rank, engine.comm.world_size
     data = TokenBatches(
         tokens,
@@ -168,20 +213,9 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
     # bar ends its line before the error is logged.
     with StopFlag() as stop, logging_redirect_tqdm(), contextlib.closing(engine), progress:
         for step in range(engine.global_step, config.train.steps):
-            loss_sum = 0.0
-            for _ in range(config.zero.grad_accum_steps):
-                loss = engine(*data.next())
-                engine.backward(loss)
-                loss_sum += loss.item()
-            loss_value = engine.comm.all_reduce_value(loss_sum / config.zero.grad_accum_steps) / world
-            if not math.isfinite(loss_value):  # before step(): a diverged step is never committed
-                engine.abandon_step(f"the loss is {loss_value}")
-            engine.client_state = {"data": data.state_dict()}
-            engine.step()
+            loss_value = train_step(engine, data, config.zero.grad_accum_steps)
             if rank == 0 and config.train.metrics:
-                record = {"step": engine.global_step, "loss": loss_value, "peak_rss_bytes": peak_rss_bytes()}
-                with open(config.train.metrics, "a") as metrics:
-                    metrics.write(json.dumps(record | engine.last_step_stats.to_dict()) + "\n")
+                write_metrics(config.train.metrics, engine, loss_value)
             result.losses.append(loss_value)
             result.steps_done = step + 1
             window_steps += 1
@@ -190,18 +224,8 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
             if rank == 0 and (
                 result.steps_done % config.train.log_every == 0 or result.steps_done == config.train.steps
             ):
-                elapsed = time.perf_counter() - window_start
-                tiers = engine.memory_report()
-                logger.info(
-                    "step %d loss %.4f | %.0f tokens/s | peak RSS %.2f GiB | device %.1f MiB, cpu %.1f MiB, nvme %.1f MiB",
-                    result.steps_done,
-                    loss_value,
-                    tokens_per_step * window_steps / elapsed,
-                    peak_rss_bytes() / 2**30,
-                    tiers["device"] / 2**20,
-                    tiers["cpu"] / 2**20,
-                    tiers["nvme"] / 2**20,
-                )
+                tokens_per_s = tokens_per_step * window_steps / (time.perf_counter() - window_start)
+                log_step(engine, result.steps_done, loss_value, tokens_per_s)
                 window_start, window_steps = time.perf_counter(), 0
             interval = config.checkpoint.interval
             if interval and engine.global_step % interval == 0:
