@@ -96,6 +96,9 @@ class Device:
         it (``wait_for``) before reading ``dst``, the host (``event.synchronize()``) before
         reusing a host buffer or letting a device tensor go."""
         self._copied += src.nbytes
+        return self._queue_copy(dst, src)
+
+    def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         if not self.is_accelerator:
             dst.copy_(src)
             return DoneEvent()
@@ -130,4 +133,5 @@ class Device:
 
 
 SIM_ENV = "OFFLOAD_SIM_DEVICE"
-"""Set (to ``seed=S,delay_ms=D``, either optional) to run on the simulated asynchronous device."""
+"""Set (to ``seed=S,delay_ms=D,gbps=B,sync=1``, each optional) to run on the simulated asynchronous
+device (see ``engine.sim_device``)."""

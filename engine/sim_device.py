@@ -95,9 +95,8 @@ class SimDevice(Device):
     def backend(self) -> str:
         return "gloo"
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> SimEvent:
+    def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor) -> SimEvent:
         """Queue the copy; the delay is drawn here, in queue order, so a seed fixes it."""
-        self._copied += src.nbytes
         duration = self._rng.uniform(0.0, 2 * self._delay_s)
         if self._bytes_per_s:
             duration += src.nbytes / self._bytes_per_s

@@ -272,7 +272,7 @@ class StoreOptimizerState:
         generations = Generations(existing)
         with naming_way_out(generations):
             live, kept = generations.committed(), generations.checkpoints()
-            lost = live is not None and not kept and generations.dirty() is not None
+            lost = live is not None and generations.dirty() is not None
         if (live is None or lost) and not kept:
             why = (
                 "was stopped mid-step while rewritten in place and keeps no checkpoint"

@@ -126,7 +126,7 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
             record = read_committed(path)
         except ValueError:
             record = None
-        holds = f"it still holds step {record['step']}" if record else "it holds no committed step yet"
+        holds = f"it still holds step {record.get('step')}" if record else "it holds no committed step yet"
         raise OSError(
             errno.ENOSPC,
             f"the disk of {path} is full ({err}): free space there, or set offload.nvme_path to a larger disk "

@@ -409,11 +409,16 @@ class Generations:
         root = self.store.path / CHECKPOINTS
         if not root.is_dir():
             return {}
-        records = {p.name: read_committed(p) for p in sorted(root.iterdir()) if p.is_dir()}
-        kept = {tag: record for tag, record in records.items() if record is not None}
-        for tag, record in kept.items():
-            _check_fields(root / tag / "COMMITTED", record, ("generation",))
-        return kept
+        records = {p.name: self._kept_record(p.name) for p in sorted(root.iterdir()) if p.is_dir()}
+        return {tag: record for tag, record in records.items() if record is not None}
+
+    def _kept_record(self, tag: str) -> dict[str, Any] | None:
+        """The record checkpoint ``tag`` was committed with, checked; None if it has none."""
+        folder = self.store.path / checkpoint_prefix(tag)
+        record = read_committed(folder)
+        if record is not None:
+            _check_fields(folder / "COMMITTED", record, ("generation",))
+        return record
 
     def checkpoint(self, tag: str) -> tuple[str, dict[str, Any]]:
         """Where checkpoint ``tag``'s arrays are and the record it was committed with: its own
@@ -423,9 +428,8 @@ class Generations:
         request = record.get(KEEP) if record else None
         if record and request and request["tag"] == tag:
             return generation_prefix(record["generation"]), _own_record(record)
-        kept = read_committed(self.store.path / checkpoint_prefix(tag))
+        kept = self._kept_record(tag)
         if kept is not None:
-            _check_fields(self.store.path / checkpoint_prefix(tag) / "COMMITTED", kept, ("generation",))
             return checkpoint_prefix(tag), kept
         present = [*self.checkpoints(), *([f"{request['tag']} (pending)"] if request else [])]
         raise FileNotFoundError(

@@ -575,13 +575,12 @@ class ShardStore:
         aligned: bool,
         task: Callable[..., None],
     ) -> Future:
-        array_dir = f"{self.path}/{name}"
         arrow = "->" if kind == "write" else "<-"
         size = info.chunk_bytes
         futures = []
         for k in range(buf.size // size):
             index = first + k
-            path = f"{array_dir}/c/{index}"
+            path = str(self.chunk_path(name, index))
             lo = index * info.chunk_elems
             what = f"{kind} {name} chunk {index} elements [{lo}, {lo + info.chunk_elems}) {arrow} {path}"
             body = buf[k * size : (k + 1) * size]
@@ -686,7 +685,7 @@ class ShardStore:
             if error is not None:
                 failed.append((name, error))
                 continue
-            chunk_files.update(f"{self.path}/{name}/c/{index}" for index in range(first, first + count))
+            chunk_files.update(str(self.chunk_path(name, index)) for index in range(first, first + count))
         self._fsync_all([*chunk_files, *files], dirs)
         if failed:
             name, error = failed[0]
