@@ -2,7 +2,7 @@
 
     python -m benchmarks.copies [--quick] [--gbps B] [--plans KEY ...]
 
-Without a GPU the copies an accelerator would make are run by `engine.sim_device`: each
+Without a GPU the copies an accelerator would make are run by `engine.runtime.sim_device`: each
 lands later on the copy stream's own thread, at `--gbps` (default: a quarter of the rate
 at which the plan computes, so that copies take a real share of the step). For each stage-3
 tier plan, three engines take turns in one process (`benchmarks.runs.run_alternating`):

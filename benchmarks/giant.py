@@ -23,7 +23,7 @@ max(compute-only time, read bytes / raw read bandwidth + written bytes / raw wri
 bandwidth), the raw bandwidths from ``benchmarks.bandwidth.raw_disk_gbps`` on the store's
 disk, the compute-only time from one block's forward and backward (and the root's) at this
 width, timed and multiplied out, with no I/O at all. The estimator's predictions of peak RSS
-and store size (``engine.estimate``) are printed beside the measurements.
+and store size (``engine.tools.estimate``) are printed beside the measurements.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from benchmarks.bandwidth import raw_disk_gbps
 from benchmarks.report import Row, base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import disk_usage
 from engine.config import Config
-from engine.estimate import estimate, gpt_of, measured_baseline_bytes, plan_of, run_shape
-from engine.models.gpt import Block, GPTConfig
+from engine.run.models.gpt import Block, GPTConfig
+from engine.tools.estimate import estimate, gpt_of, measured_baseline_bytes, plan_of, run_shape
 from offload import read_committed
 
 GB = 1e9

@@ -47,8 +47,8 @@ from benchmarks.bandwidth import interleaved_medians
 from benchmarks.plans import PLANS, TierPlan
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import RunResult, Schedule, add_schedule_arguments, run_isolated, schedule_from
-from engine.device import Device
-from engine.sizes import MIB
+from engine.runtime.device import Device
+from engine.runtime.sizes import MIB
 
 NO_DEVICE_EXIT = 2
 SEARCH_PLAN = PLANS["s3-nvme-nvme"]

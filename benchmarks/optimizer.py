@@ -63,10 +63,10 @@ from benchmarks.bandwidth import (
 )
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from engine.config import OffloadConfig, OptimConfig
-from engine.optim import ShardAdamW
-from engine.partition import ModelLayout, build_layout
-from engine.sizes import MIB
-from engine.store_state import StoreOptimizerState, unit_state_bytes
+from engine.runtime.sizes import MIB
+from engine.tiers.optimizer_store import StoreOptimizerState, unit_state_bytes
+from engine.zero.optim import ShardAdamW
+from engine.zero.partition import ModelLayout, build_layout
 from offload import PipelineStats
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v

@@ -32,14 +32,14 @@ import torch
 
 from benchmarks.optimizer import threads_restored
 from engine.config import Config
-from engine.data import TokenBatches, load_tokens
-from engine.device import SIM_ENV
 from engine.engine import Engine
-from engine.heap import return_freed_buffers
-from engine.models.gpt import GPT
-from engine.partition import ModelLayout, build_layout, find_units, unit_parameters
-from engine.sizes import MIB
-from engine.train import meta_model, peak_rss_bytes
+from engine.run.data import TokenBatches, load_tokens
+from engine.run.models.gpt import GPT
+from engine.run.train import meta_model, peak_rss_bytes
+from engine.runtime.device import SIM_ENV
+from engine.runtime.heap import return_freed_buffers
+from engine.runtime.sizes import MIB
+from engine.zero.partition import ModelLayout, build_layout, find_units, unit_parameters
 
 DEFAULT_THREADS = os.cpu_count() or 1
 """What `python -m engine train` gives one rank: every core."""
@@ -188,7 +188,7 @@ ALTERNATION_BLOCK = 4
 @contextlib.contextmanager
 def simulated_device(spec: str | None) -> Iterator[None]:
     """Engines built inside run on the simulated asynchronous device ``spec`` (see
-    ``engine.sim_device``), or with None on the machine's own."""
+    ``engine.runtime.sim_device``), or with None on the machine's own."""
     before = os.environ.pop(SIM_ENV, None)
     if spec is not None:
         os.environ[SIM_ENV] = spec

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from benchmarks.bandwidth import drop_page_cache, memcpy_gbps, raw_disk_gbps
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from engine.config import OffloadConfig
-from engine.sizes import MIB
+from engine.runtime.sizes import MIB
 from offload import BufferPool, IORunner, ShardStore
 
 GOAL = 0.85

@@ -36,10 +36,10 @@ import torch
 
 from benchmarks.plans import TierPlan
 from engine.config import Config, OffloadConfig
-from engine.partition import ModelLayout, UnitLayout
-from engine.precision import compute_dtype
-from engine.sizes import MIB
-from engine.store_state import KINDS as STATE_KINDS
+from engine.runtime.sizes import MIB
+from engine.tiers.optimizer_store import KINDS as STATE_KINDS
+from engine.zero.partition import ModelLayout, UnitLayout
+from engine.zero.precision import compute_dtype
 from offload import BufferPool, HostBuffer, IORunner, Pipeline, ShardStore, array_name, generation_prefix
 
 PARAM_KIND = "param"

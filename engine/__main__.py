@@ -1,7 +1,7 @@
-"""``python -m engine``: see ``engine.cli``."""
+"""``python -m engine``: see ``engine.run.cli``."""
 
 import sys
 
-from engine.cli import main
+from engine.run.cli import main
 
 sys.exit(main())

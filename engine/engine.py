@@ -7,12 +7,12 @@
         eng.step()
 
 The model computes with compute-dtype parameters that are views into one flat buffer per
-unit on the device (at stage 3 gathered only while the unit runs, see ``engine.params``).
+unit on the device (at stage 3 gathered only while the unit runs, see ``engine.zero.params``).
 The fp32 masters and AdamW moments are sharded across ranks on the optimizer tier; each
 step reduces the gradients to shards, updates the shards there and hands the new
 compute-dtype shards back to the parameters.
 
-Each public call runs only in the phases of the step cycle it belongs to (``engine.phase``)
+Each public call runs only in the phases of the step cycle it belongs to (``engine.zero.phase``)
 and moves the engine on to the next; a call out of order raises ``PhaseError``.
 """
 
@@ -30,18 +30,21 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from engine import rng
-from engine.budget import DeviceBudget
-from engine.checkpoint import MemoryCheckpoints, PendingCheckpoint
-from engine.comm import Comm
 from engine.config import Config
-from engine.device import Device
-from engine.divergence import DivergedError, diverged_message, nonfinite_units
-from engine.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
-from engine.optim import ShardAdamW, clip_grads_, grad_norm, lr_factor
-from engine.param_tiers import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
-from engine.params import ReplicatedParams, ShardedParams
-from engine.partition import (
+from engine.runtime.budget import DeviceBudget
+from engine.runtime.comm import Comm
+from engine.runtime.device import Device
+from engine.runtime.sizes import MIB
+from engine.tiers import rng
+from engine.tiers.checkpoint import MemoryCheckpoints, PendingCheckpoint
+from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState, ShardState
+from engine.tiers.optimizer_store import StoreOptimizerState
+from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
+from engine.zero.divergence import DivergedError, diverged_message, nonfinite_units
+from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
+from engine.zero.optim import ShardAdamW, clip_grads_, grad_norm, lr_factor
+from engine.zero.params import ReplicatedParams, ShardedParams
+from engine.zero.partition import (
     ROOT_UNIT,
     ModelLayout,
     UnitLayout,
@@ -53,14 +56,11 @@ from engine.partition import (
     unit_needs,
     unit_parameters,
 )
-from engine.phase import BETWEEN_UPDATES, StepPhase, expect
-from engine.precision import LossScaler, compute_dtype
-from engine.recompute import checkpoint_forward
-from engine.sizes import MIB
-from engine.state import MemoryOptimizerState, OptimizerState, ShardState
-from engine.stats import StepStats
-from engine.store_state import StoreOptimizerState
-from engine.update import Update, overlaps_backward
+from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
+from engine.zero.precision import LossScaler, compute_dtype
+from engine.zero.recompute import checkpoint_forward
+from engine.zero.stats import StepStats
+from engine.zero.update import Update, overlaps_backward
 from offload import StoreLock
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class Engine:
         """Why this engine stopped, once a step diverged: it takes no further step."""
         self._phase = StepPhase.IDLE
         self.last_step_stats = StepStats()
-        """What the last optimizer step cost (see ``engine.stats``)."""
+        """What the last optimizer step cost (see ``engine.zero.stats``)."""
         self.client_state: dict[str, Any] = {}
         """Saved with every committed step and restored on resume (e.g. the data position)."""
         self._micro_batches = 0
@@ -386,7 +386,7 @@ class Engine:
 
     @property
     def phase(self) -> StepPhase:
-        """Where the engine is in its step cycle (see ``engine.phase``)."""
+        """Where the engine is in its step cycle (see ``engine.zero.phase``)."""
         return self._phase
 
     def _expect(self, call: str, *allowed: StepPhase) -> None:
@@ -436,7 +436,7 @@ class Engine:
         writes went on behind this step's forward: ``store.defer_commit``), since this step
         reads the state it wrote; then the optimizer state starts streaming in, and without
         clipping or loss scaling each unit is updated as soon as its gradient is reduced
-        (``engine.update``). Each forward's loss goes backward once."""
+        (``engine.zero.update``). Each forward's loss goes backward once."""
         self._expect("backward(loss)", StepPhase.FORWARD)
         if not loss.requires_grad:
             raise ValueError(

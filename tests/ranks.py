@@ -33,7 +33,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
     try:
         # Pickled by value: torch would otherwise share tensors through this process's memory.
         queue.put((rank, True, pickle.dumps(fn(*args))))
-    except BaseException:  # noqa: BLE001 - the parent re-raises it with the child's traceback
+    except BaseException:
         queue.put((rank, False, traceback.format_exc()))
 
 

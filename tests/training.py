@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from engine.config import Config
-from engine.data import TokenBatches
 from engine.engine import Engine
-from engine.models.gpt import GPT, GPTConfig
-from engine.optim import lr_factor
+from engine.run.data import TokenBatches
+from engine.run.models.gpt import GPT, GPTConfig
+from engine.zero.optim import lr_factor
 
 # A random 1000-token phrase repeated: random enough to exercise every embedding row,
 # predictable enough that a few steps visibly lower the loss.

@@ -70,7 +70,7 @@ from benchmarks.report import (
     save_json,
     setup_logging,
 )
-from engine.sizes import MIB
+from engine.runtime.sizes import MIB
 
 RANK_MODULE = "benchmarks.peers.rank"
 INSTALL = 'DS_BUILD_OPS=0 pip install --no-build-isolation -e ".[peers]"'

@@ -15,8 +15,8 @@ from typing import Any, Literal
 import numpy as np
 
 from engine.config import OptimConfig, Tier
-from engine.data import TokenBatches, load_tokens
-from engine.models.gpt import GPT, GPTConfig
+from engine.run.data import TokenBatches, load_tokens
+from engine.run.models.gpt import GPT, GPTConfig
 
 System = Literal["plain", "fsdp2", "deepspeed", "ours"]
 

@@ -16,7 +16,7 @@ import torch
 
 from engine.config import Config
 from engine.engine import Engine
-from engine.models.gpt import GPT, GPTConfig
+from engine.run.models.gpt import GPT, GPTConfig
 
 
 def high_water_bytes() -> int:

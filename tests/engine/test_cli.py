@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from engine import cli as engine_cli
+from engine.run import cli as engine_cli
 from tests.ranks import free_port
 
 DONE = re.compile(r"done: (\d+) steps, loss ([-\d.naninf]+) -> ([-\d.naninf]+)")

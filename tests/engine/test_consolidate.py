@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine.consolidate import consolidate
+from engine.tools.consolidate import consolidate
 from offload.store import ChecksumError
 from tests.engine.test_inspect import (
     CHUNK_ELEMS,

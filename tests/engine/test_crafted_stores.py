@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main as cli
 from engine.engine import Engine
+from engine.run.cli import main as cli
 from offload.lock import LOCK_FILE
 from offload.manifest import ManifestError
 from offload.store import ChecksumError

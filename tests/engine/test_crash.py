@@ -23,10 +23,10 @@ import time
 import pytest
 
 from engine.config import Config
-from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine
-from engine.store_state import resume_point
-from engine.train import build_model, meta_model
+from engine.run.data import TokenBatches, load_tokens
+from engine.run.train import build_model, meta_model
+from engine.tiers.optimizer_store import resume_point
 from offload.manifest import read_committed
 
 # decay_steps fixes the schedule, so the last run may stop at any step and stay on the trajectory.

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import data
-from engine.data import (
+from engine.run import data
+from engine.run.data import (
     ByteTokenizer,
     TokenBatches,
     load_tokens,

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from engine.config import Config
-from engine.divergence import DivergedError, nonfinite_units
 from engine.engine import Engine
-from engine.models.gpt import GPT
-from engine.store_state import DirtyStoreError
-from engine.train import train
+from engine.run.models.gpt import GPT
+from engine.run.train import train
+from engine.tiers.optimizer_store import DirtyStoreError
+from engine.zero.divergence import DivergedError, nonfinite_units
 from offload.manifest import read_committed
 from tests.engine.test_cli import run as run_cli
 from tests.engine.test_in_place import same_params

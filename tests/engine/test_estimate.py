@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cli import main
 from engine.config import Config, ConfigError
 from engine.engine import Engine
-from engine.estimate import (
+from engine.run.cli import main
+from engine.run.train import build_model
+from engine.tiers.optimizer_store import store_bytes as engine_store_bytes
+from engine.tools.estimate import (
     ADAM_KINDS,
     FP32,
     GIB,
@@ -45,8 +47,6 @@ from engine.estimate import (
     store_bytes,
     why_none_fits,
 )
-from engine.store_state import store_bytes as engine_store_bytes
-from engine.train import build_model
 
 TOLERANCE = 0.15
 SIZE = ["--params", "30e6", "--seq_len", "128", "--micro_batch", "2", "--steps", "2", "--log_every", "100"]
@@ -58,7 +58,7 @@ RUNS = {
 # Trains through the CLI, then prints the process's high-water resident set in bytes.
 PEAK_RSS_PROBE = """
 import resource, sys
-from engine.cli import main
+from engine.run.cli import main
 code = main(["train", *sys.argv[1:]])
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 sys.exit(code)

@@ -9,7 +9,7 @@ import pytest
 
 import offload.generations
 from engine.config import Config
-from engine.train import train
+from engine.run.train import train
 
 OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=32", "micro_batch=2", "log_every=1"]
 

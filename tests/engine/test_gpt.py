@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.models.gpt import GPT, Block, GPTConfig, init_parameters_
+from engine.run.models.gpt import GPT, Block, GPTConfig, init_parameters_
 
 SMALL_PRESETS = ["tiny", "small"]
 NOMINAL = {"tiny": 0.24e6, "small": 4.9e6, "medium": 25e6, "large": 125e6, "1b": 1e9, "3b": 3e9}

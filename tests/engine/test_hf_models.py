@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from engine.engine import Engine  # noqa: E402
-from engine.optim import lr_factor  # noqa: E402
+from engine.zero.optim import lr_factor  # noqa: E402
 from tests.training import SEQ_LEN, batches, config  # noqa: E402
 
 STEPS = 3

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from engine.config import Config
-from engine.consolidate import consolidate
-from engine.data import load_tokens
 from engine.engine import Engine
-from engine.inspect import inspect_store
-from engine.store_state import DirtyStoreError, check_nvme_path, store_bytes
-from engine.train import build_model
+from engine.run.data import load_tokens
+from engine.run.train import build_model
+from engine.tiers.optimizer_store import DirtyStoreError, check_nvme_path, store_bytes
+from engine.tools.consolidate import consolidate
+from engine.tools.inspect import inspect_store
 from offload.generations import CheckpointExistsError
 from offload.io import IORunner, OffloadIOError
 from offload.manifest import read_committed
@@ -253,7 +253,7 @@ CHILD = """
 import os, signal, sys
 from offload.manifest import read_committed
 from offload.store import ShardStore
-from engine.cli import main
+from engine.run.cli import main
 
 sent = []
 write_from = ShardStore.write_from

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.inspect import committed_record, format_report, inspect_store
-from engine.models.gpt import GPT, GPTConfig
-from engine.partition import ModelLayout
-from engine.store_state import KINDS, DirtyStoreError
+from engine.run.models.gpt import GPT, GPTConfig
+from engine.tiers.optimizer_store import KINDS, DirtyStoreError
+from engine.tools.inspect import committed_record, format_report, inspect_store
+from engine.zero.partition import ModelLayout
 from offload.generations import Generations
 from offload.io import IORunner
 from offload.manifest import ManifestError, commit

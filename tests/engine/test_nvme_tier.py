@@ -11,7 +11,7 @@ import torch
 import zarr
 
 from engine.engine import Engine
-from engine.partition import flatten_into
+from engine.zero.partition import flatten_into
 from offload.io import OffloadIOError
 from offload.store import FileOps
 from tests.ranks import run_ranks
@@ -107,7 +107,7 @@ def test_existing_store_is_not_overwritten(tmp_path) -> None:
 def test_budget_smaller_than_a_unit_is_refused(tmp_path) -> None:
     cfg = nvme_config(tmp_path, offload={"buffer_mb": 3, "chunk_mb": 1})
     torch.manual_seed(0)
-    from engine.models.gpt import GPT, GPTConfig
+    from engine.run.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(n_layer=1, d_model=512, n_head=8, seq_len=32))
     with pytest.raises(ValueError, match=r"unit 'blocks.0' needs .* set offload.buffer_mb >= \d+"):
@@ -116,7 +116,7 @@ def test_budget_smaller_than_a_unit_is_refused(tmp_path) -> None:
 
 def test_read_only_path_is_refused(tmp_path, monkeypatch) -> None:
     # As root every folder is writable, so the kernel's answer is simulated.
-    monkeypatch.setattr("engine.store_state.os.access", lambda path, mode: False)
+    monkeypatch.setattr("engine.tiers.optimizer_store.os.access", lambda path, mode: False)
     with pytest.raises(PermissionError, match="is not writable; choose a writable folder"):
         Engine(tiny_gpt(), nvme_config(tmp_path), total_steps=1)
 

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from engine.config import Config
-from engine.data import load_tokens
 from engine.engine import Engine
-from engine.inspect import format_report, inspect_store
-from engine.train import build_model
+from engine.run.data import load_tokens
+from engine.run.train import build_model
+from engine.tools.inspect import format_report, inspect_store
 from offload.lock import StoreLock, StoreLockedError
 from tests.engine.test_crash import batches_for, fingerprint, train
 from tests.engine.test_resume import nvme, run

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.budget import DeviceMemoryError
 from engine.engine import Engine
-from engine.models.gpt import GPT, GPTConfig
+from engine.run.models.gpt import GPT, GPTConfig
+from engine.runtime.budget import DeviceMemoryError
 from tests.ranks import run_ranks
 from tests.training import (
     SEQ_LEN,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.partition import ALIGN_ELEMS, build_layout
+from engine.zero.partition import ALIGN_ELEMS, build_layout
 
 MAX_CHUNK = 1 << 18
 

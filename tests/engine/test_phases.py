@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from engine.config import Config
-from engine.divergence import DivergedError
 from engine.engine import Engine
-from engine.params import ShardedParams, UnitState, UnitStateError
-from engine.phase import PhaseError, StepPhase
+from engine.zero.divergence import DivergedError
+from engine.zero.params import ShardedParams, UnitState, UnitStateError
+from engine.zero.phase import PhaseError, StepPhase
 from tests.engine.test_divergence import poison
 from tests.engine.test_resume import nvme, params
 from tests.training import batches, config, tiny_gpt, train_engine

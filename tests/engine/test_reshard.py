@@ -17,8 +17,8 @@ import zarr
 
 from engine.config import Config
 from engine.engine import Engine
-from engine.partition import ModelLayout
-from engine.store_state import KINDS
+from engine.tiers.optimizer_store import KINDS
+from engine.zero.partition import ModelLayout
 from offload.manifest import read_committed
 from tests.ranks import run_ranks
 from tests.training import batches, config, rel_diff, tiny_gpt, train_reference

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.models.gpt import GPT, GPTConfig
+from engine.run.models.gpt import GPT, GPTConfig
 from tests.training import batches, config, tiny_gpt
 
 

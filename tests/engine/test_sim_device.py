@@ -15,11 +15,11 @@ import time
 import pytest
 import torch
 
-from engine.device import SIM_ENV, Device
-from engine.divergence import DivergedError
-from engine.grads import GradientShards
-from engine.params import ShardedParams, UnitState
-from engine.sim_device import CopyRaceError, SimDevice
+from engine.runtime.device import SIM_ENV, Device
+from engine.runtime.sim_device import CopyRaceError, SimDevice
+from engine.zero.divergence import DivergedError
+from engine.zero.grads import GradientShards
+from engine.zero.params import ShardedParams, UnitState
 from tests.ranks import run_ranks
 from tests.training import config, rel_diff, train_engine, train_engine_on_ranks, train_reference
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.models.gpt import GPT, init_parameters_
-from engine.params import ShardedParams, UnitState
-from engine.partition import ROOT_UNIT
+from engine.run.models.gpt import GPT, init_parameters_
+from engine.zero.params import ShardedParams, UnitState
+from engine.zero.partition import ROOT_UNIT
 from tests.training import batches, config, tiny_gpt, train_engine, train_reference
 
 

@@ -3,7 +3,7 @@ as CUDA's caching allocator counts it, not only as the engine counts itself.
 
 The limit covers what the engine holds (gathered units, shards, gradient buckets, the prefetch
 window); the activations are outside it, so the allocator's peak may exceed it by the
-activations the estimator predicts (``engine.estimate.activation_bytes``) and by ``SLACK``. The
+activations the estimator predicts (``engine.tools.estimate.activation_bytes``) and by ``SLACK``. The
 model is made four times the limit and the activations small (one sequence, activation
 checkpointing), so an engine that held the whole model at once would break the bound.
 """
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.estimate import activation_bytes, run_shape
-from engine.models.gpt import GPT, GPTConfig
-from engine.sizes import MIB
+from engine.run.models.gpt import GPT, GPTConfig
+from engine.runtime.sizes import MIB
+from engine.tools.estimate import activation_bytes, run_shape
 from tests.gpu import needs_cuda
 from tests.training import SEQ_LEN, batches, config
 

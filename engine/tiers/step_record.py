@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine import rng
+from engine.tiers import rng
 from offload import ManifestError
 
 COUNTS = ("step", "skipped_steps", "optimizer_steps", "world_size")

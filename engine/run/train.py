@@ -30,10 +30,10 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from engine.config import Config
-from engine.data import TokenBatches, load_tokens
 from engine.engine import Engine
-from engine.models.gpt import GPT, GPTConfig, init_parameters_
-from engine.store_state import resume_point
+from engine.run.data import TokenBatches, load_tokens
+from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
+from engine.tiers.optimizer_store import resume_point
 from offload import CheckpointExistsError, read_committed
 
 logger = logging.getLogger(__name__)

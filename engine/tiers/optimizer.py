@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from engine.partition import UnitLayout
+from engine.zero.partition import UnitLayout
 
 
 @dataclass

@@ -10,7 +10,7 @@ the limit is an error naming what asked for it.
 
 from __future__ import annotations
 
-from engine.sizes import MIB
+from engine.runtime.sizes import MIB
 
 
 class DeviceMemoryError(MemoryError):

@@ -31,7 +31,8 @@ from typing import BinaryIO
 import torch
 from tqdm import tqdm
 
-from engine.inspect import (
+from engine.runtime.sizes import FP32
+from engine.tools.inspect import (
     IO_THREADS,
     ChunkReader,
     committed_record,
@@ -39,8 +40,7 @@ from engine.inspect import (
     open_store,
     store_layout,
 )
-from engine.partition import ModelLayout
-from engine.sizes import FP32
+from engine.zero.partition import ModelLayout
 from offload import Generations, IORunner, ShardStore
 
 logger = logging.getLogger(__name__)

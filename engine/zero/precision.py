@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.comm import Comm
 from engine.config import PrecisionConfig
+from engine.runtime.comm import Comm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

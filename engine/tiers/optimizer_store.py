@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-from engine.partition import ModelLayout, UnitLayout
-from engine.sizes import FP32
-from engine.state import STATE_KINDS, ShardState
-from engine.step_record import check_step_record
+from engine.runtime.sizes import FP32
+from engine.tiers.optimizer import STATE_KINDS, ShardState
+from engine.tiers.step_record import check_step_record
+from engine.zero.partition import ModelLayout, UnitLayout
 from offload import (
     KEEP,
     BufferPool,

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 from engine.config import Config, ConfigError
 
 if TYPE_CHECKING:  # torch loads only once a command needs it
-    from engine.comm import Comm
-    from engine.estimate import Plan
+    from engine.runtime.comm import Comm
+    from engine.tools.estimate import Plan
 
 logger = logging.getLogger("engine")
 
@@ -107,7 +107,7 @@ def _set_threads() -> None:
 
 def _recommended_plan(config: Config, world_size: int) -> Plan:
     """The least offload that fits this machine, logged; ConfigError naming what is short if none."""
-    from engine.estimate import (
+    from engine.tools.estimate import (
         Machine,
         estimate_plans,
         measured_baseline_bytes,
@@ -136,10 +136,10 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
     """``--plan auto``: the config with the recommended plan, the same on every rank (rank 0's
     choice: RAM and disk measured a moment apart could tip ranks to different plans), and the
     process group it was agreed in, for the engine to join and the caller to close."""
-    from engine.comm import Comm
-    from engine.device import Device
-    from engine.estimate import plan_of
-    from engine.train import resumable
+    from engine.run.train import resumable
+    from engine.runtime.comm import Comm
+    from engine.runtime.device import Device
+    from engine.tools.estimate import plan_of
 
     if resumable(config):  # the store's run continues as it was planned
         logger.info("--plan auto: resuming from %s keeps its plan (%s)", config.offload.nvme_path, plan_of(config))
@@ -162,8 +162,8 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
-    from engine.heap import return_freed_buffers
-    from engine.train import train
+    from engine.run.train import train
+    from engine.runtime.heap import return_freed_buffers
 
     return_freed_buffers()  # before any model memory: host RSS is what is live, not what was
     group = None
@@ -188,7 +188,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _estimate(args: argparse.Namespace, extra: list[str]) -> int:
     config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
-    from engine.estimate import (
+    from engine.tools.estimate import (
         Machine,
         estimate_plans,
         format_table,
@@ -208,7 +208,7 @@ def _estimate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _inspect(args: argparse.Namespace, extra: list[str]) -> int:
-    from engine.inspect import format_report, inspect_store
+    from engine.tools.inspect import format_report, inspect_store
 
     report = inspect_store(args.store, verify=args.verify)
     print(format_report(report))
@@ -216,7 +216,7 @@ def _inspect(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _consolidate(args: argparse.Namespace, extra: list[str]) -> int:
-    from engine.consolidate import consolidate
+    from engine.tools.consolidate import consolidate
 
     count = consolidate(args.store, args.out, generation=args.generation)
     logger.info("wrote %d tensors to %s", count, args.out)

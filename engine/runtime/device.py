@@ -7,7 +7,7 @@ compute stream, and returns an event; whoever reads the destination or reuses th
 waits for that event first, the compute stream with ``wait_for``, the host with the event's
 ``synchronize``. On an accelerator that is what lets copies overlap compute; on CPU copies
 are synchronous and the events are already complete, so a missing wait is invisible there:
-``engine.sim_device`` runs copies later, on worker threads, to make it visible in tests.
+``engine.runtime.sim_device`` runs copies later, on worker threads, to make it visible in tests.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Device:
         benchmarks)."""
         sim = os.environ.get(SIM_ENV)
         if sim is not None:
-            from engine.sim_device import SimDevice  # only tests and benchmarks pay for it
+            from engine.runtime.sim_device import SimDevice  # only tests and benchmarks pay for it
 
             return SimDevice.from_spec(sim)
         accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -134,4 +134,4 @@ class Device:
 
 SIM_ENV = "OFFLOAD_SIM_DEVICE"
 """Set (to ``seed=S,delay_ms=D,gbps=B,sync=1``, each optional) to run on the simulated asynchronous
-device (see ``engine.sim_device``)."""
+device (see ``engine.runtime.sim_device``)."""

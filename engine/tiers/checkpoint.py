@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from engine.partition import ModelLayout, UnitLayout
-from engine.state import ShardState
-from engine.step_record import check_step_record
-from engine.store_state import KINDS, first_difference, naming_way_out
+from engine.tiers.optimizer import ShardState
+from engine.tiers.optimizer_store import KINDS, first_difference, naming_way_out
+from engine.tiers.step_record import check_step_record
+from engine.zero.partition import ModelLayout, UnitLayout
 from offload import Generations, IORunner, ShardStore, create_arrays, generation_prefix, read_shard, write_shard_async
 
 logger = logging.getLogger(__name__)

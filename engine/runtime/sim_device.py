@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from engine.device import Device
+from engine.runtime.device import Device
 
 
 class CopyRaceError(RuntimeError):

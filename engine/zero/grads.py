@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.budget import DeviceBudget
-from engine.comm import Comm, Work
-from engine.device import Device, Event
-from engine.order import TracedOrder
-from engine.partition import ModelLayout, ParamSlot, UnitLayout
+from engine.runtime.budget import DeviceBudget
+from engine.runtime.comm import Comm, Work
+from engine.runtime.device import Device, Event
+from engine.zero.order import TracedOrder
+from engine.zero.partition import ModelLayout, ParamSlot, UnitLayout
 
 # Reductions in flight at once during backward: enough to overlap one with the next
 # unit's backward, few enough that reduced shards never pile up for the whole model.

@@ -6,12 +6,12 @@ buffer exists:
 
 - ``ReplicatedParams`` keeps every unit gathered for the whole run and all-gathers each
   unit right after its shard is updated.
-- ``ShardedParams`` keeps only the rank's shard, on its tier (``engine.param_tiers``). A
+- ``ShardedParams`` keeps only the rank's shard, on its tier (``engine.tiers.parameters``). A
   unit is gathered just before its forward and again just before its backward, and
   released right after each; releasing frees the buffer's storage (resized to zero bytes)
   while the parameter views, and any views autograd saved for backward, stay valid
   objects that the next gather refills in place. The units that come next in the traced
-  order (``engine.order``) are fetched and gathered ahead, within ``zero.prefetch_mb`` and
+  order (``engine.zero.order``) are fetched and gathered ahead, within ``zero.prefetch_mb`` and
   the device budget.
 """
 
@@ -28,13 +28,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from engine.budget import DeviceBudget, DeviceMemoryError
-from engine.comm import Comm, Work
-from engine.device import Device, Event
-from engine.order import TracedOrder
-from engine.param_tiers import Fetch, ParamTier
-from engine.partition import ROOT_UNIT, ModelLayout, UnitLayout
-from engine.sizes import MIB
+from engine.runtime.budget import DeviceBudget, DeviceMemoryError
+from engine.runtime.comm import Comm, Work
+from engine.runtime.device import Device, Event
+from engine.runtime.sizes import MIB
+from engine.tiers.parameters import Fetch, ParamTier
+from engine.zero.order import TracedOrder
+from engine.zero.partition import ROOT_UNIT, ModelLayout, UnitLayout
 
 logger = logging.getLogger(__name__)
 

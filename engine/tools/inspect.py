@@ -9,7 +9,7 @@ store written in place that is dirty is described, not refused: the report says 
 checkpoint to resume from instead.
 
 The read-side helpers here (opening a store, its layout, its committed record, a
-chunk-at-a-time reader) are shared with ``engine.consolidate``.
+chunk-at-a-time reader) are shared with ``engine.tools.consolidate``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from engine.partition import ModelLayout
-from engine.store_state import (
+from engine.tiers.optimizer_store import (
     GENERATIONS,
     IN_PLACE,
     KINDS,
@@ -33,6 +32,7 @@ from engine.store_state import (
     check_clean,
     naming_way_out,
 )
+from engine.zero.partition import ModelLayout
 from offload import (
     CHECKPOINTS,
     FORMAT_VERSION,

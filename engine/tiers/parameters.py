@@ -21,9 +21,9 @@ from typing import Protocol
 
 import torch
 
-from engine.budget import DeviceBudget
-from engine.device import Device
-from engine.partition import ModelLayout, UnitLayout
+from engine.runtime.budget import DeviceBudget
+from engine.runtime.device import Device
+from engine.zero.partition import ModelLayout, UnitLayout
 from offload import BufferPool, IORunner, ShardStore
 
 PARAM_STORE = "params"

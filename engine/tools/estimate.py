@@ -17,7 +17,7 @@ The prediction follows the engine's life cycle, one phase at a time, and takes t
 
 Each term is a small named function of the layout and the config, so a change in how the
 engine holds memory is a change to one function. The layout is the engine's own
-(``engine.partition``), computed from the model built on the ``meta`` device, so padding and
+(``engine.zero.partition``), computed from the model built on the ``meta`` device, so padding and
 unit sizes are exact. Two terms are measured rather than derived: the baseline of a Python
 process that has loaded torch and the engine (measured once, in a subprocess), and the memory
 glibc's heap keeps after the engine frees it (a documented fraction; see ``HEAP_RETENTION``).
@@ -40,22 +40,22 @@ import psutil
 import torch
 
 from engine.config import Config, ConfigError, Tier
-from engine.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
-from engine.grads import MAX_IN_FLIGHT
-from engine.heap import MMAP_THRESHOLD
-from engine.models.gpt import GPT, HEAD_DIM, GPTConfig
-from engine.partition import (
+from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
+from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
+from engine.run.train import build_model
+from engine.runtime.heap import MMAP_THRESHOLD
+from engine.runtime.sizes import FP32, MIB
+from engine.tiers.optimizer_store import unit_state_bytes
+from engine.zero.grads import MAX_IN_FLIGHT
+from engine.zero.partition import (
     ROOT_UNIT,
     ModelLayout,
     build_layout,
     find_units,
     unit_parameters,
 )
-from engine.precision import compute_dtype
-from engine.sizes import FP32, MIB
-from engine.store_state import unit_state_bytes
-from engine.train import build_model
-from engine.update import overlaps_backward
+from engine.zero.precision import compute_dtype
+from engine.zero.update import overlaps_backward
 
 GIB = 1 << 30
 ADAM_KINDS = 3
@@ -72,7 +72,7 @@ holes are reused but seldom returned. Measured on 20-40M-parameter GPTs after 2-
 0.2-0.6x on one rank, 1-2x on two; growing to 1.7x after 20 steps of the nvme tier (whose
 peak this then under-predicts by 15%). Activations (many smaller tensors) add little."""
 HEAP_BUFFER_LIMIT = MMAP_THRESHOLD
-"""``python -m engine train`` pins glibc's mmap threshold (``engine.heap``): a buffer at least this
+"""``python -m engine train`` pins glibc's mmap threshold (``engine.runtime.heap``): a buffer at least this
 large is mapped on its own and returned to the system when freed; only smaller ones stay in the heap."""
 
 TIER_ORDER: tuple[tuple[Tier, Tier], ...] = (
@@ -280,7 +280,7 @@ def grad_shard_bytes(run: RunShape) -> int:
     """The rank's fp32 gradient shards at their peak, each made when its unit's gradient is first
     reduced and freed once the optimizer has used it. With clipping, loss scaling or accumulation
     every one waits for the step; when one micro-batch's update overlaps backward
-    (``engine.update``), each is used as it is reduced, so only those in flight wait."""
+    (``engine.zero.update``), each is used as it is reduced, so only those in flight wait."""
     if overlaps_backward(run.config) and run.config.zero.grad_accum_steps == 1:
         return MAX_IN_FLIGHT * FP32 * run.largest_shard
     return FP32 * run.shard
@@ -525,8 +525,8 @@ def estimate_plans(
 
 _BASELINE_PROBE = """
 import psutil, torch
-import engine.train
-from engine.models.gpt import GPT, GPTConfig
+import engine.run.train
+from engine.run.models.gpt import GPT, GPTConfig
 model = GPT(GPTConfig.preset("tiny"))
 x = torch.randint(0, 256, (1, 16))
 model(x, x).backward()

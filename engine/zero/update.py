@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.config import Config
-from engine.partition import UnitLayout
-from engine.state import OptimizerState, ShardState
+from engine.tiers.optimizer import OptimizerState, ShardState
+from engine.zero.partition import UnitLayout
 
 
 def overlaps_backward(config: Config) -> bool:

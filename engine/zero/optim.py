@@ -14,8 +14,8 @@ import math
 import torch
 from torch.optim.adamw import adamw
 
-from engine.comm import Comm
 from engine.config import OptimConfig
+from engine.runtime.comm import Comm
 
 
 def lr_factor(step: int, config: OptimConfig, total_steps: int) -> float:
