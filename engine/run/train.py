@@ -168,6 +168,28 @@ def train_step(engine: Engine, data: TokenBatches, accum: int) -> float:
     return loss_value
 
 
+def micro_batch_for(config: Config, saved: dict[str, Any] | None, world: int) -> int:
+    """The per-rank micro-batch: a run resumed on another number of ranks keeps its global batch,
+    so the same rows make each step (and the loss curve goes on), whatever ``data.micro_batch`` says."""
+    saved_world = (saved or {}).get("world_size")
+    global_batch = (saved or {}).get("global_batch")
+    if saved_world in (None, world) or not isinstance(global_batch, int) or global_batch < 1:
+        return config.data.micro_batch  # same ranks, or a state the batches themselves will refuse
+    if global_batch % world:
+        raise ValueError(
+            f"the run was saved with a global batch of {global_batch} rows on {saved_world} rank(s), which "
+            f"{world} ranks cannot share evenly: resume on a number of ranks that divides {global_batch}"
+        )
+    logger.info(
+        "resuming a %s-rank run on %d rank(s): keeping its global batch of %d rows, data.micro_batch %d per rank",
+        saved_world,
+        world,
+        global_batch,
+        global_batch // world,
+    )
+    return global_batch // world
+
+
 def write_metrics(path: str, engine: Engine, loss: float) -> None:
     """Append the step's record to the ``train.metrics`` JSON-lines file."""
     record = {"step": engine.global_step, "loss": loss, "peak_rss_bytes": peak_rss_bytes()}
@@ -197,7 +219,7 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
     data = TokenBatches(
         tokens,
         seq_len=config.data.seq_len,
-        micro_batch=config.data.micro_batch,
+        micro_batch=micro_batch_for(config, engine.client_state.get("data"), world),
         rank=rank,
         world_size=world,
         seed=config.data.seed,
