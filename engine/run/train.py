@@ -31,7 +31,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from engine.config import Config
 from engine.engine import Engine
-from engine.run.data import TokenBatches, load_tokens
+from engine.run.data import TokenBatches, load_tokens, split
+from engine.run.evaluate import Validation, perplexity
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.tiers.optimizer_store import resume_point
 from offload import CheckpointExistsError, read_committed
@@ -47,6 +48,8 @@ class TrainResult:
     steps_done: int = 0
     stopped_early: bool = False
     seconds_per_step: float = 0.0
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    """``(step, validation loss)`` of each evaluation."""
 
 
 def build_model(config: Config, vocab_size: int) -> GPT:
@@ -190,9 +193,12 @@ def micro_batch_for(config: Config, saved: dict[str, Any] | None, world: int) ->
     return global_batch // world
 
 
-def write_metrics(path: str, engine: Engine, loss: float) -> None:
+def write_metrics(path: str, engine: Engine, loss: float, val_loss: float | None) -> None:
     """Append the step's record to the ``train.metrics`` JSON-lines file."""
-    record = {"step": engine.global_step, "loss": loss, "peak_rss_bytes": peak_rss_bytes()}
+    record = {"step": engine.global_step, "loss": loss, "lr": engine.last_lr, "grad_norm": engine.last_grad_norm}
+    if val_loss is not None:
+        record |= {"val_loss": val_loss, "val_perplexity": perplexity(val_loss)}
+    record["peak_rss_bytes"] = peak_rss_bytes()
     with open(path, "a") as metrics:
         metrics.write(json.dumps(record | engine.last_step_stats.to_dict()) + "\n")
 
@@ -213,19 +219,30 @@ def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> Non
 
 def _train(config: Config, checkpoint: str | None) -> TrainResult:
     tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
+    validation = None
+    if config.data.val_fraction > 0:
+        tokens, held_out = split(tokens, config.data.val_fraction)
+        every = config.train.eval_every or config.train.steps
+        validation = Validation(
+            held_out, config.data.seq_len, config.data.micro_batch, config.train.eval_batches, every
+        )
     model, init = meta_model(config, vocab_size)
     engine = start_engine(config, model, init, checkpoint)
-    rank, world = engine.comm.rank, engine.comm.world_size
     data = TokenBatches(
         tokens,
         seq_len=config.data.seq_len,
-        micro_batch=micro_batch_for(config, engine.client_state.get("data"), world),
-        rank=rank,
-        world_size=world,
+        micro_batch=micro_batch_for(config, engine.client_state.get("data"), engine.comm.world_size),
+        rank=engine.comm.rank,
+        world_size=engine.comm.world_size,
         seed=config.data.seed,
     )
     if "data" in engine.client_state:
         data.load_state_dict(engine.client_state["data"])
+    return _run_steps(config, engine, data, validation)
+
+
+def _run_steps(config: Config, engine: Engine, data: TokenBatches, validation: Validation | None) -> TrainResult:
+    rank = engine.comm.rank
     tokens_per_step = data.global_batch * config.data.seq_len * config.zero.grad_accum_steps
     result = TrainResult()
     progress = tqdm(total=config.train.steps, initial=engine.global_step, desc="train", unit="step", disable=rank != 0)
@@ -236,19 +253,25 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
     with StopFlag() as stop, logging_redirect_tqdm(), contextlib.closing(engine), progress:
         for step in range(engine.global_step, config.train.steps):
             loss_value = train_step(engine, data, config.zero.grad_accum_steps)
-            if rank == 0 and config.train.metrics:
-                write_metrics(config.train.metrics, engine, loss_value)
             result.losses.append(loss_value)
             result.steps_done = step + 1
+            val_loss = None
+            if validation and validation.due(result.steps_done, config.train.steps):
+                val_loss = validation.loss(engine, config.data.seed)
+                result.val_losses.append((result.steps_done, val_loss))
+            if rank == 0 and config.train.metrics:
+                write_metrics(config.train.metrics, engine, loss_value, val_loss)
             window_steps += 1
             progress.update(1)
-            progress.set_postfix(loss=f"{loss_value:.3f}")
+            progress.set_postfix(loss=f"{loss_value:.3f}", **({"val": f"{val_loss:.3f}"} if val_loss else {}))
             if rank == 0 and (
                 result.steps_done % config.train.log_every == 0 or result.steps_done == config.train.steps
             ):
                 tokens_per_s = tokens_per_step * window_steps / (time.perf_counter() - window_start)
                 log_step(engine, result.steps_done, loss_value, tokens_per_s)
                 window_start, window_steps = time.perf_counter(), 0
+            if rank == 0 and val_loss is not None:
+                logger.info("step %d validation loss %.4f, perplexity %.2f", step + 1, val_loss, perplexity(val_loss))
             interval = config.checkpoint.interval
             if interval and engine.global_step % interval == 0:
                 save_checkpoint(engine, f"step-{engine.global_step}")
