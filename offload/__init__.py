@@ -3,10 +3,12 @@ generations and commits, and the shards of units in it. Knows flat tensors and s
 the engine; this is its public surface, the one the engine and the benchmarks use."""
 
 from offload.buffers import DIRECT_ALIGN, BufferPool, HostBuffer
+from offload.chunks import ChecksumError, FileOps
 from offload.generations import CHECKPOINTS, KEEP, CheckpointExistsError, Generations, generation_prefix
 from offload.io import IORunner, OffloadIOError
 from offload.lock import StoreLock, StoreLockedError, describe_holder, read_holder
 from offload.manifest import ManifestError, commit, read_committed
+from offload.metadata import FORMAT_VERSION, ArrayInfo
 from offload.pipeline import Pipeline, PipelineStats, Stream
 from offload.shards import (
     ShardedUnit,
@@ -17,13 +19,14 @@ from offload.shards import (
     write_shard,
     write_shard_async,
 )
-from offload.store import FORMAT_VERSION, ChecksumError, FileOps, ShardStore
+from offload.store import ShardStore
 
 __all__ = [
     "CHECKPOINTS",
     "DIRECT_ALIGN",
     "FORMAT_VERSION",
     "KEEP",
+    "ArrayInfo",
     "BufferPool",
     "CheckpointExistsError",
     "ChecksumError",
