@@ -11,11 +11,17 @@ from offload.manifest import ManifestError, commit, read_committed
 from offload.metadata import FORMAT_VERSION, ArrayInfo
 from offload.pipeline import Pipeline, PipelineStats, Stream
 from offload.shards import (
+    TOP,
+    ChunkReader,
     ShardedUnit,
+    array_bytes,
     array_in_layout,
     array_name,
     create_arrays,
     read_shard,
+    read_shard_async,
+    shard_bytes,
+    unit_arrays,
     write_shard,
     write_shard_async,
 )
@@ -26,10 +32,12 @@ __all__ = [
     "DIRECT_ALIGN",
     "FORMAT_VERSION",
     "KEEP",
+    "TOP",
     "ArrayInfo",
     "BufferPool",
     "CheckpointExistsError",
     "ChecksumError",
+    "ChunkReader",
     "FileOps",
     "Generations",
     "HostBuffer",
@@ -43,6 +51,7 @@ __all__ = [
     "StoreLock",
     "StoreLockedError",
     "Stream",
+    "array_bytes",
     "array_in_layout",
     "array_name",
     "commit",
@@ -52,6 +61,9 @@ __all__ = [
     "read_committed",
     "read_holder",
     "read_shard",
+    "read_shard_async",
+    "shard_bytes",
+    "unit_arrays",
     "write_shard",
     "write_shard_async",
 ]
