@@ -76,9 +76,14 @@ def crc32c_of(buf: np.ndarray) -> int:
     return crc32c.crc32c(buf.data)
 
 
+def chunk_dir(root: Path, name: str) -> Path:
+    """The directory of array `name`'s chunk files in the store at `root`."""
+    return root / name / "c"
+
+
 def chunk_path(root: Path, name: str, index: int) -> Path:
     """The file of chunk `index` of array `name` in the store at `root`."""
-    return root / name / "c" / str(index)
+    return chunk_dir(root, name) / str(index)
 
 
 class ChunkFiles:

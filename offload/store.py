@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from offload.buffers import DIRECT_ALIGN
-from offload.chunks import ChunkFiles, FileOps, byte_view, chunk_path
+from offload.chunks import ChunkFiles, FileOps, byte_view, chunk_dir, chunk_path
 from offload.io import IORunner, OffloadIOError
 from offload.lock import LOCK_FILE
 from offload.metadata import (
@@ -225,13 +225,13 @@ class ShardStore(NodeOps):
             )
         create_array_meta(self.path, name, numel, chunk_elems, dtype, self.checksum)
         # Made here, not on first write, so the chunk writers never race to create it.
-        (array_dir / "c").mkdir()
+        chunk_dir(self.path, name).mkdir()
         info = ArrayInfo(numel=numel, chunk_elems=chunk_elems, dtype=dtype, checksum=self.checksum)
         # zarr may have created parent groups too. Fsyncing one that already
         # existed costs little, and the sets keep each path once.
         groups = [p for p in array_dir.parents if under(str(p), str(self.path)) and p != self.path]
         meta_files = [str(d / "zarr.json") for d in (array_dir, *groups)]
-        dirs = [str(d) for d in (array_dir / "c", array_dir, *groups, self.path)]
+        dirs = [str(d) for d in (chunk_dir(self.path, name), array_dir, *groups, self.path)]
         with self._lock:
             self._infos[name] = info
             self._pending_files.update(meta_files)
@@ -301,7 +301,7 @@ class ShardStore(NodeOps):
         future = self._submit_chunks("write", name, info, first, buf, aligned, self._files.write)
         with self._lock:
             self._pending_writes.append((name, first, buf.size // info.chunk_bytes, future))
-            self._pending_dirs.add(str(self.path / name / "c"))
+            self._pending_dirs.add(str(chunk_dir(self.path, name)))
         return future
 
     def read_range(self, name: str, start: int, out: torch.Tensor) -> None:
