@@ -2,7 +2,8 @@
 
 A unit's state of each kind (an fp32 master, a moment, a compute-dtype parameter...) is one
 1-D array of ``padded_numel`` elements in chunks of ``chunk_numel``, named
-``<prefix>/<unit>/<kind>`` under a generation or checkpoint ``prefix``; rank ``r`` owns the
+``<prefix>/<unit>/<kind>`` under a generation or checkpoint ``prefix`` (or ``<unit>/<kind>``
+at the top of a store that keeps one copy, ``TOP``); rank ``r`` owns the
 elements ``shard_slice(r)``, whole chunks of it. The trainer's unit layout only has to say
 those few numbers (``ShardedUnit``): this module, and so the on-disk format, needs nothing
 else from it.
@@ -24,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from offload.metadata import ArrayInfo, under
+from offload.metadata import ArrayInfo
 from offload.store import ShardStore
 
 TOP = ""
@@ -57,10 +58,11 @@ def array_name(prefix: str, unit: str, kind: str) -> str:
 def unit_arrays(store: ShardStore, prefix: str) -> dict[str, tuple[str, str]]:
     """Every array under ``prefix``, each with the ``(unit, kind)`` its name says (the inverse
     of ``array_name``)."""
+    lead = f"{prefix}/" if prefix else ""
     arrays = {}
     for name in store.array_names():
-        if name != prefix and under(name, prefix):
-            unit, _, kind = name[len(prefix) + 1 :].rpartition("/")
+        if name.startswith(lead):
+            unit, _, kind = name[len(lead) :].rpartition("/")
             arrays[name] = (unit, kind)
     return arrays
 

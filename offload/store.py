@@ -50,7 +50,7 @@ __all__ = ["ShardStore"]
 log = logging.getLogger(__name__)
 
 
-def describe_request(kind: str, name: str, start: int, n: int, info: ArrayInfo) -> str:
+def _describe_request(kind: str, name: str, start: int, n: int, info: ArrayInfo) -> str:
     """A read or write request as its errors name it."""
     return f"{kind} {name!r} elements [{start}, {start + n}) (array numel {info.numel}, chunk size {info.chunk_elems})"
 
@@ -342,7 +342,7 @@ class ShardStore(NodeOps):
         """Validate the buffer and that the range is non-empty and inside the array; return the array's info."""
         info = self.array_info(name)
         n = t.numel() if isinstance(t, torch.Tensor) else 0
-        where = describe_request(kind, name, start, n, info)
+        where = _describe_request(kind, name, start, n, info)
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"{where}: the buffer must be a contiguous 1-D CPU tensor")
         if t.dtype != info.dtype:
@@ -356,7 +356,7 @@ class ShardStore(NodeOps):
         info = self._check_request(kind, name, start, t)
         if start % info.chunk_elems or t.numel() % info.chunk_elems:
             raise ValueError(
-                f"{describe_request(kind, name, start, t.numel(), info)}: the range must start on a chunk "
+                f"{_describe_request(kind, name, start, t.numel(), info)}: the range must start on a chunk "
                 f"boundary and cover whole chunks (read_range reads any range)"
             )
         buf = byte_view(t)

@@ -88,6 +88,7 @@ def test_arrays_at_the_top_are_read_ahead_and_named_back(tmp_path) -> None:
         create_arrays(store, "gen-1", [unit], KINDS, torch.float32)
         assert array_name(TOP, "blocks.0", "param") == "blocks.0/param"
         assert unit_arrays(store, "gen-1") == {f"gen-1/blocks.0/{kind}": ("blocks.0", kind) for kind in KINDS}
+        assert unit_arrays(store, TOP)["blocks.0/param"] == ("blocks.0", "param")
         full = values(unit, "master")
         for rank in range(2):
             write_shard(store, TOP, unit, rank, [("param", full[unit.shard_slice(rank)].clone())])
