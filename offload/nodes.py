@@ -40,9 +40,11 @@ class NodeOps:
     _pending_dirs: set[str]
 
     def sync(self) -> None:
+        """Make every pending write durable (the store's own)."""
         raise NotImplementedError
 
     def _fsync_all(self, files: list[str], dirs: set[str]) -> None:
+        """Fsync files and directories in parallel (the store's own)."""
         raise NotImplementedError
 
     def _node_dir(self, prefix: str, what: str) -> Path:
