@@ -49,11 +49,11 @@ from benchmarks.report import Row, base_parser, print_table, save_json, setup_lo
 from benchmarks.runs import disk_usage
 from engine.config import Config
 from engine.run.models.gpt import Block, GPTConfig
+from engine.runtime.sizes import GIB, MIB
 from engine.tools.estimate import estimate, gpt_of, measured_baseline_bytes, plan_of, run_shape
 from offload import read_committed
 
 GB = 1e9
-GIB = 2**30
 POLL_S = 0.25
 
 
@@ -196,7 +196,7 @@ def step_rows(records: list[dict[str, Any]], runs: list[str], bound: dict[str, f
                 "disk GB/s": (record["bytes_read"] + record["bytes_written"]) / GB / record["seconds"],
                 "hit rate": record["prefetch_hit_rate"],
                 "RSS GiB": record["peak_rss_bytes"] / GIB,
-                "device hw MiB": record["device_high_water"] / 2**20,
+                "device hw MiB": record["device_high_water"] / MIB,
                 "bound s": step_bound,
                 "step/bound": record["seconds"] / step_bound,
             }
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"RAM {psutil.virtual_memory().total / GIB:.1f} GiB; predicted peak RSS {predicted.peak_rss_bytes / GIB:.2f} GiB, "
         f"store {predicted.disk_bytes / GIB:.1f} GiB"
     )
-    disk = raw_disk_gbps(work, (64 if args.quick else 1024) * 2**20, threads=config.offload.io_threads, reps=1 if args.quick else 3)
+    disk = raw_disk_gbps(work, (64 if args.quick else 1024) * MIB, threads=config.offload.io_threads, reps=1 if args.quick else 3)
     bound = {
         "read_gbps": disk["read"],
         "write_gbps": disk["write"],

@@ -65,8 +65,9 @@ from benchmarks.report import Row, bar_chart, base_parser, print_table, save_jso
 from engine.config import OffloadConfig, OptimConfig
 from engine.runtime.sizes import MIB
 from engine.tiers.optimizer_store import StoreOptimizerState, unit_state_bytes
+from engine.tiers.sizing import optimizer_buffer_bytes
 from engine.zero.optim import ShardAdamW
-from engine.zero.partition import ModelLayout, build_layout
+from engine.zero.partition import ModelLayout, build_layout, max_chunk_numel
 from offload import PipelineStats
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v
@@ -231,7 +232,7 @@ def synthetic_layout(sizes: list[int], chunk_mb: int) -> ModelLayout:
     units = {
         f"block{i}": [("weight", nn.Parameter(torch.empty(n, device="meta")))] for i, n in enumerate(sizes)
     }
-    return build_layout(units, world_size=1, max_chunk_numel=chunk_mb * MIB // 4)
+    return build_layout(units, world_size=1, max_chunk_numel=max_chunk_numel(chunk_mb))
 
 
 class NvmeOptimizer:
@@ -251,7 +252,7 @@ class NvmeOptimizer:
             path,
             layout,
             rank=0,
-            buffer_bytes=nvme.buffer_mb * MIB,
+            buffer_bytes=optimizer_buffer_bytes(nvme),
             io_threads=nvme.io_threads,
             checksum=offload.checksum,
             direct_io=offload.direct_io,

@@ -38,8 +38,7 @@ from engine.run.models.gpt import GPT
 from engine.run.train import meta_model, peak_rss_bytes
 from engine.runtime.device import SIM_ENV
 from engine.runtime.heap import return_freed_buffers
-from engine.runtime.sizes import MIB
-from engine.zero.partition import ModelLayout, build_layout, find_units, unit_parameters
+from engine.zero.partition import ModelLayout, build_layout, find_units, max_chunk_numel, unit_parameters
 
 DEFAULT_THREADS = os.cpu_count() or 1
 """What `python -m engine train` gives one rank: every core."""
@@ -121,7 +120,7 @@ def model_layout(config: Config) -> ModelLayout:
     without building an engine (so without touching a store)."""
     model, _, _ = model_and_data(config)
     owned = unit_parameters(model, find_units(model, config.zero.unit_classes))
-    return build_layout(owned, world_size=1, max_chunk_numel=config.offload.chunk_mb * MIB // 4)
+    return build_layout(owned, world_size=1, max_chunk_numel=max_chunk_numel(config.offload.chunk_mb))
 
 
 def device_peak_bytes() -> int:

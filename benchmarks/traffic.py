@@ -38,12 +38,21 @@ from benchmarks.plans import TierPlan
 from engine.config import Config, OffloadConfig
 from engine.runtime.sizes import MIB
 from engine.tiers.optimizer_store import KINDS as STATE_KINDS
+from engine.tiers.parameters import PARAM_KIND, PARAM_STORE
 from engine.zero.partition import ModelLayout, UnitLayout
 from engine.zero.precision import compute_dtype
-from offload import BufferPool, HostBuffer, IORunner, Pipeline, ShardStore, array_name, generation_prefix
-
-PARAM_KIND = "param"
-PARAM_PREFIX = "params"
+from offload import (
+    BufferPool,
+    HostBuffer,
+    IORunner,
+    Pipeline,
+    ShardStore,
+    create_arrays,
+    generation_prefix,
+    read_shard,
+    shard_bytes,
+    write_shard,
+)
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,7 @@ def _packed(unit: UnitLayout, kinds: list[tuple[str, torch.dtype]]) -> tuple[Seg
     segments, offset = [], 0
     for kind, dtype in kinds:
         segments.append(Segment(kind, unit.shard_numel, dtype, offset))
-        offset += unit.shard_numel * dtype.itemsize
+        offset += shard_bytes(unit, dtype)
     return tuple(segments)
 
 
@@ -126,13 +135,12 @@ class StoreTraffic:
         self._read_generation = 0
         arrays = {(t.unit.name, s.kind): (t.unit, s) for t in transfers for s in (*t.reads, *t.writes)}
         for unit, segment in arrays.values():
-            for name in {self._array(generation, unit, segment) for generation in {0, self._written()}}:
-                self.store.create_array(name, unit.padded_numel, unit.chunk_numel, segment.dtype)
+            for prefix in {self._prefix(generation, segment) for generation in {0, self._written()}}:
+                create_arrays(self.store, prefix, [unit], (segment.kind,), segment.dtype)
         for unit, segment in arrays.values():  # the first step reads generation 0: give it chunks
             with self.pool.acquire(segment.nbytes) as buf:
-                self.store.write_from(
-                    self._array(0, unit, segment), 0, buf.view(segment.dtype, segment.numel)
-                )
+                view = buf.view(segment.dtype, segment.numel)
+                write_shard(self.store, self._prefix(0, segment), unit, 0, [(segment.kind, view)])
         self.store.sync()
 
     def _written(self) -> int:
@@ -140,21 +148,17 @@ class StoreTraffic:
         return self._read_generation if self.in_place else 1 - self._read_generation
 
     @staticmethod
-    def _array(generation: int, unit: UnitLayout, segment: Segment) -> str:
-        """Where a segment lives: optimizer state in a generation, parameter shards in their one copy."""
-        if segment.kind == PARAM_KIND:
-            return f"{PARAM_PREFIX}/{unit.name}"
-        return array_name(generation_prefix(generation), unit.name, segment.kind)
+    def _prefix(generation: int, segment: Segment) -> str:
+        """Where a segment lives: optimizer state in a generation, parameter shards in their one
+        copy (the engine's parameter store, here a group of the one store)."""
+        return PARAM_STORE if segment.kind == PARAM_KIND else generation_prefix(generation)
 
     def _move(self, generation: int, write: bool, transfer: Transfer, buf: HostBuffer) -> None:
         """Read or write the transfer's segments (one rank: a shard is its whole array)."""
         for segment in transfer.writes if write else transfer.reads:
-            name = self._array(generation, transfer.unit, segment)
-            view = buf.view(segment.dtype, segment.numel, segment.offset)
-            if write:
-                self.store.write_from(name, 0, view)
-            else:
-                self.store.read_into(name, 0, view)
+            views = [(segment.kind, buf.view(segment.dtype, segment.numel, segment.offset))]
+            move = write_shard if write else read_shard
+            move(self.store, self._prefix(generation, segment), transfer.unit, 0, views)
 
     def step(self) -> tuple[float, float]:
         """Move one step's bytes and make the writes durable; the seconds it took, and the CPU

@@ -40,6 +40,7 @@ from engine.tiers.checkpoint import MemoryCheckpoints, PendingCheckpoint
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState, ShardState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
+from engine.tiers.sizing import optimizer_buffer_bytes, param_window_bytes, prefetch_bytes
 from engine.zero.divergence import DivergedError, diverged_message, nonfinite_units
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
 from engine.zero.optim import ShardAdamW, clip_grads_, grad_norm, lr_factor
@@ -52,6 +53,7 @@ from engine.zero.partition import (
     find_units,
     flatten_into,
     materialize_,
+    max_chunk_numel,
     param_views,
     unit_needs,
     unit_parameters,
@@ -149,7 +151,7 @@ class Engine:
                 if name != ROOT_UNIT:
                     checkpoint_forward(module)
         owned = unit_parameters(model, units)
-        max_chunk = config.offload.chunk_mb * MIB // 4
+        max_chunk = max_chunk_numel(config.offload.chunk_mb)
         self.layout: ModelLayout = build_layout(owned, self.comm.world_size, max_chunk)
         self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
         """The model's own parameter order, which torch's gradient norm follows."""
@@ -263,7 +265,7 @@ class Engine:
                 self.layout,
                 self.comm.rank,
                 self.dtype,
-                buffer_bytes=int(zero.prefetch_mb * MIB) // max(self.comm.world_size, 1),
+                buffer_bytes=param_window_bytes(zero, self.comm.world_size),
                 io_threads=offload.io_threads,
                 checksum=offload.checksum,
                 direct_io=offload.direct_io,
@@ -277,7 +279,7 @@ class Engine:
             tier,
             self.budget,
             self.device,
-            prefetch_bytes=int(zero.prefetch_mb * MIB),
+            prefetch_bytes=prefetch_bytes(zero),
             persistence_threshold=zero.persistence_threshold,
             reserve_bytes=self._required_headroom(),
         )
@@ -348,7 +350,7 @@ class Engine:
             Path(offload.nvme_path),
             self.layout,
             self.comm.rank,
-            buffer_bytes=offload.buffer_mb * MIB,
+            buffer_bytes=optimizer_buffer_bytes(offload),
             io_threads=offload.io_threads,
             checksum=offload.checksum,
             direct_io=offload.direct_io,

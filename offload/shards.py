@@ -2,7 +2,8 @@
 
 A unit's state of each kind (an fp32 master, a moment, a compute-dtype parameter...) is one
 1-D array of ``padded_numel`` elements in chunks of ``chunk_numel``, named
-``<prefix>/<unit>/<kind>`` under a generation or checkpoint ``prefix``; rank ``r`` owns the
+``<prefix>/<unit>/<kind>`` under a generation or checkpoint ``prefix`` (or ``<unit>/<kind>``
+at the top of a store that keeps one copy, ``TOP``); rank ``r`` owns the
 elements ``shard_slice(r)``, whole chunks of it. The trainer's unit layout only has to say
 those few numbers (``ShardedUnit``): this module, and so the on-disk format, needs nothing
 else from it.
@@ -10,17 +11,26 @@ else from it.
 A store written for another cutting (another world size or chunk size) stays readable: a
 unit's content is the first ``numel`` elements of its arrays whatever their padding, so a
 shard is read range by range from the chunks that cover it, its padding zeroed.
+
+Tools that read a whole array without a model (verifying a store, consolidating its weights)
+go one chunk at a time through a ``ChunkReader``, so their memory is one chunk whatever the
+model's size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
 import torch
 
+from offload.metadata import ArrayInfo
 from offload.store import ShardStore
+
+TOP = ""
+"""The prefix of arrays at a store's top: a store that keeps one copy of each unit's state,
+outside any generation."""
 
 
 class ShardedUnit(Protocol):
@@ -41,8 +51,31 @@ class ShardedUnit(Protocol):
 
 def array_name(prefix: str, unit: str, kind: str) -> str:
     """The store array holding one kind of state of one unit under ``prefix`` (a generation
-    or a checkpoint)."""
-    return f"{prefix}/{unit}/{kind}"
+    or a checkpoint; empty in a store that keeps one copy of each, at its top)."""
+    return f"{prefix}/{unit}/{kind}" if prefix else f"{unit}/{kind}"
+
+
+def unit_arrays(store: ShardStore, prefix: str) -> dict[str, tuple[str, str]]:
+    """Every array under ``prefix``, each with the ``(unit, kind)`` its name says (the inverse
+    of ``array_name``)."""
+    lead = f"{prefix}/" if prefix else ""
+    arrays = {}
+    for name in store.array_names():
+        if name.startswith(lead):
+            unit, _, kind = name[len(lead) :].rpartition("/")
+            arrays[name] = (unit, kind)
+    return arrays
+
+
+def shard_bytes(unit: ShardedUnit, dtype: torch.dtype) -> int:
+    """Bytes of one rank's shard of one kind of ``unit``'s state, stored as ``dtype``."""
+    return unit.shard_numel * dtype.itemsize
+
+
+def array_bytes(unit: ShardedUnit, dtype: torch.dtype) -> int:
+    """Bytes of one kind of ``unit``'s state on disk for all ranks (padding included, CRC
+    trailers not), stored as ``dtype``."""
+    return unit.padded_numel * dtype.itemsize
 
 
 def create_arrays(
@@ -80,6 +113,16 @@ def read_shard(
         view[count:].zero_()
 
 
+def read_shard_async(
+    store: ShardStore, prefix: str, unit: ShardedUnit, rank: int, views: Sequence[tuple[str, torch.Tensor]]
+) -> list[Future]:
+    """Start reading rank ``rank``'s shard of each ``(kind, view)`` of ``unit`` under ``prefix``
+    from arrays cut as ``unit`` is (whole chunks, in place); the views must not be touched
+    until the futures complete."""
+    start = unit.shard_slice(rank).start
+    return [store.read_async(array_name(prefix, unit.name, kind), start, view) for kind, view in views]
+
+
 def write_shard_async(
     store: ShardStore, prefix: str, unit: ShardedUnit, rank: int, views: Sequence[tuple[str, torch.Tensor]]
 ) -> list[Future]:
@@ -96,3 +139,32 @@ def write_shard(
     start = unit.shard_slice(rank).start
     for kind, view in views:
         store.write_from(array_name(prefix, unit.name, kind), start, view)
+
+
+class ChunkReader:
+    """Reads single chunks into one reused buffer, grown to the largest chunk read so far, so
+    memory stays one chunk whatever the size of the arrays or the model. A chunk's file is
+    checked against its metadata before the buffer grows for it: metadata claiming a huge
+    chunk allocates nothing."""
+
+    def __init__(self, store: ShardStore, names: Iterable[str]):
+        self.store = store
+        self.infos: dict[str, ArrayInfo] = {name: store.array_info(name) for name in names}
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def read(self, name: str, index: int) -> torch.Tensor:
+        """Chunk ``index`` of array ``name``, checksum verified; valid until the next read."""
+        info = self.infos[name]
+        if info.chunk_bytes > self._buffer.numel():
+            self.store.check_chunk_file(name, index)
+            self._buffer = torch.empty(info.chunk_bytes, dtype=torch.uint8)
+        out = self._buffer[: info.chunk_bytes].view(info.dtype)
+        self.store.read_into(name, index * info.chunk_elems, out)
+        return out
+
+    def content(self, name: str, numel: int) -> Iterator[torch.Tensor]:
+        """The first ``numel`` elements of array ``name`` (a unit's content, its padding left
+        out), chunk by chunk; each piece is valid until the next."""
+        size = self.infos[name].chunk_elems
+        for index in range(-(-numel // size)):
+            yield self.read(name, index)[: min(size, numel - index * size)]

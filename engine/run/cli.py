@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.config import Config, ConfigError
+from engine.runtime.sizes import GIB
 
 if TYPE_CHECKING:  # torch loads only once a command needs it
     from engine.runtime.comm import Comm
@@ -126,8 +127,8 @@ def _recommended_plan(config: Config, world_size: int) -> Plan:
     logger.info(
         "--plan auto: %s (predicted peak RSS %.2f GiB per rank, store %.2f GiB)",
         best.plan,
-        best.peak_rss_bytes / 2**30,
-        best.disk_bytes / 2**30,
+        best.peak_rss_bytes / GIB,
+        best.disk_bytes / GIB,
     )
     return best.plan
 

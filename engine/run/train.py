@@ -34,6 +34,7 @@ from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens, split
 from engine.run.evaluate import Validation, perplexity
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
+from engine.runtime.sizes import GIB, MIB
 from engine.tiers.optimizer_store import resume_point
 from offload import CheckpointExistsError, read_committed
 
@@ -210,10 +211,10 @@ def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> Non
         step,
         loss,
         tokens_per_s,
-        peak_rss_bytes() / 2**30,
-        tiers["device"] / 2**20,
-        tiers["cpu"] / 2**20,
-        tiers["nvme"] / 2**20,
+        peak_rss_bytes() / GIB,
+        tiers["device"] / MIB,
+        tiers["cpu"] / MIB,
+        tiers["nvme"] / MIB,
     )
 
 

@@ -5,3 +5,6 @@ MIB = 1 << 20
 
 FP32 = 4
 """Bytes of one fp32 element: masters, moments and gradient shards."""
+
+GIB = 1 << 30
+"""Bytes in a gibibyte: what the estimate and disk checks report in."""

@@ -55,11 +55,13 @@ from offload import (
     PipelineStats,
     ShardStore,
     Stream,
+    array_bytes,
     array_in_layout,
     array_name,
     create_arrays,
     generation_prefix,
     read_shard,
+    shard_bytes,
     write_shard,
 )
 
@@ -82,12 +84,12 @@ class DirtyStoreError(ValueError):
 
 def unit_state_bytes(unit: UnitLayout) -> int:
     """Host bytes to stage one unit's optimizer state on one rank."""
-    return len(KINDS) * unit.shard_numel * FP32
+    return len(KINDS) * shard_bytes(unit, torch.float32)
 
 
 def store_bytes(layout: ModelLayout, mode: str = GENERATIONS) -> int:
     """Disk the optimizer state takes for all ranks, in the live generations of ``mode``."""
-    return GENERATIONS_ON_DISK[mode] * len(KINDS) * FP32 * sum(u.padded_numel for u in layout.units)
+    return GENERATIONS_ON_DISK[mode] * len(KINDS) * sum(array_bytes(u, torch.float32) for u in layout.units)
 
 
 def check_mode(mode: str) -> None:

@@ -23,11 +23,23 @@ import torch
 
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.device import Device
+from engine.tiers.sizing import param_pool_bytes
 from engine.zero.partition import ModelLayout, UnitLayout
-from offload import BufferPool, IORunner, ShardStore
+from offload import (
+    TOP,
+    BufferPool,
+    IORunner,
+    ShardStore,
+    create_arrays,
+    read_shard_async,
+    shard_bytes,
+    write_shard_async,
+)
 
 PARAM_STORE = "params"
 """The sub-folder of ``offload.nvme_path`` holding the ``nvme`` tier's parameter shards."""
+PARAM_KIND = "param"
+"""The kind of state of the parameter shards' arrays, one per unit at the store's top."""
 
 
 class Fetch:
@@ -141,8 +153,7 @@ class StoreParamTier:
         barrier: Callable[[], None],
     ):
         self._rank, self._dtype = rank, dtype
-        largest = max(u.shard_numel for u in layout.units) * dtype.itemsize
-        self.pool = BufferPool(buffer_bytes + 2 * largest)
+        self.pool = BufferPool(param_pool_bytes(layout.units, dtype, buffer_bytes))
         self.runner = IORunner(threads=io_threads)
         if rank == 0:
             # Derived data: whatever an earlier run left here is replaced, never resumed from.
@@ -155,8 +166,7 @@ class StoreParamTier:
                 direct_io=direct_io,
                 overwrite=True,
             )
-            for unit in layout.units:
-                store.create_array(unit.name, unit.padded_numel, unit.chunk_numel, dtype)
+            create_arrays(store, TOP, layout.units, (PARAM_KIND,), dtype)
             store.sync()
         barrier()
         self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
@@ -171,11 +181,10 @@ class StoreParamTier:
         self._write(unit, master)
 
     def _write(self, unit: UnitLayout, values: torch.Tensor) -> None:
-        buf = self.pool.acquire(unit.shard_numel * self._dtype.itemsize)
+        buf = self.pool.acquire(shard_bytes(unit, self._dtype))
         staged = buf.view(self._dtype, unit.shard_numel)
         staged.copy_(values)
-        start = unit.shard_slice(self._rank).start
-        future = self.store.write_async(unit.name, start, staged)
+        [future] = write_shard_async(self.store, TOP, unit, self._rank, [(PARAM_KIND, staged)])
         future.add_done_callback(lambda _: self.pool.release(buf))  # the next write may need it at once
         self._writes.append(future)
         self._bytes_written += buf.nbytes
@@ -189,9 +198,9 @@ class StoreParamTier:
         self.store.sync()
 
     def fetch(self, unit: UnitLayout) -> Fetch:
-        buf = self.pool.acquire(unit.shard_numel * self._dtype.itemsize)
+        buf = self.pool.acquire(shard_bytes(unit, self._dtype))
         shard = buf.view(self._dtype, unit.shard_numel)
-        future = self.store.read_async(unit.name, unit.shard_slice(self._rank).start, shard)
+        [future] = read_shard_async(self.store, TOP, unit, self._rank, [(PARAM_KIND, shard)])
         self._bytes_read += buf.nbytes
         return Fetch(shard, future, lambda: self.pool.release(buf))
 

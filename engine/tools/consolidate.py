@@ -32,16 +32,9 @@ import torch
 from tqdm import tqdm
 
 from engine.runtime.sizes import FP32
-from engine.tools.inspect import (
-    IO_THREADS,
-    ChunkReader,
-    committed_record,
-    generation_array,
-    open_store,
-    store_layout,
-)
+from engine.tools.inspect import IO_THREADS, committed_record, generation_array, open_store, store_layout
 from engine.zero.partition import ModelLayout
-from offload import Generations, IORunner, ShardStore
+from offload import ChunkReader, Generations, IORunner, ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +146,6 @@ def _write_masters(reader: ChunkReader, layout: ModelLayout, generation: int, ou
                     f"array {name!r} in {reader.store.path} holds {info.numel} {info.dtype} elements, but unit "
                     f"{unit.name!r} needs {unit.numel} float32 masters; the store does not match its layout"
                 )
-            for index in range(math.ceil(unit.numel / info.chunk_elems)):
-                chunk = reader.read(name, index)
-                real = min(info.chunk_elems, unit.numel - index * info.chunk_elems)
-                out.write(chunk[:real].numpy().data)
-                bar.update(real * FP32)
+            for piece in reader.content(name, unit.numel):
+                out.write(piece.numpy().data)
+                bar.update(piece.numel() * FP32)

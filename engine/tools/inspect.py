@@ -8,19 +8,18 @@ bad chunk rather than stopping at the first (a damaged disk rarely damages only 
 store written in place that is dirty is described, not refused: the report says which
 checkpoint to resume from instead.
 
-The read-side helpers here (opening a store, its layout, its committed record, a
-chunk-at-a-time reader) are shared with ``engine.tools.consolidate``.
+The read-side helpers here (opening a store, its layout, its committed record) are shared
+with ``engine.tools.consolidate``; how arrays are named and read chunk by chunk is
+``offload``'s (``unit_arrays``, ``ChunkReader``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from engine.tiers.optimizer_store import (
@@ -37,6 +36,7 @@ from offload import (
     CHECKPOINTS,
     FORMAT_VERSION,
     ChecksumError,
+    ChunkReader,
     Generations,
     IORunner,
     ManifestError,
@@ -46,6 +46,7 @@ from offload import (
     generation_prefix,
     read_committed,
     read_holder,
+    unit_arrays,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,28 +110,6 @@ def generation_array(generation: int, unit: str, kind: str) -> str:
     return array_name(generation_prefix(generation), unit, kind)
 
 
-class ChunkReader:
-    """Reads single chunks into one reused buffer, grown to the largest chunk read so far, so
-    memory stays one chunk whatever the size of the arrays or the model. A chunk's file is
-    checked against its metadata before the buffer grows for it: metadata claiming a huge
-    chunk allocates nothing."""
-
-    def __init__(self, store: ShardStore, names: Iterable[str]):
-        self.store = store
-        self.infos = {name: store.array_info(name) for name in names}
-        self._buffer = torch.empty(0, dtype=torch.uint8)
-
-    def read(self, name: str, index: int) -> torch.Tensor:
-        """Chunk ``index`` of array ``name``, checksum verified; valid until the next read."""
-        info = self.infos[name]
-        if info.chunk_bytes > self._buffer.numel():
-            self.store.check_chunk_file(name, index)
-            self._buffer = torch.empty(info.chunk_bytes, dtype=torch.uint8)
-        out = self._buffer[: info.chunk_bytes].view(info.dtype)
-        self.store.read_into(name, index * info.chunk_elems, out)
-        return out
-
-
 def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[str, Any]:
     """Describe the store at ``path`` as plain data (see ``format_report`` for the text form).
 
@@ -186,23 +165,14 @@ def _scalars(record: dict[str, Any]) -> dict[str, Any]:
 
 def _generation_arrays(store: ShardStore, generation: int | None) -> dict[str, tuple[str, str]]:
     """The arrays of one generation, each with its (unit, kind)."""
-    if generation is None:
-        return {}
-    prefix = generation_prefix(generation) + "/"
-    arrays = {}
-    for name in store.array_names():
-        if name.startswith(prefix):
-            unit, _, kind = name[len(prefix) :].rpartition("/")
-            arrays[name] = (unit, kind)
-    return arrays
+    return {} if generation is None else unit_arrays(store, generation_prefix(generation))
 
 
 def _bytes_per_kind(store: ShardStore, arrays: dict[str, tuple[str, str]]) -> dict[str, int]:
     """Logical bytes (padding included, checksums not) of each kind of state, parameters first."""
     sizes: dict[str, int] = {}
     for name, (_, kind) in arrays.items():
-        info = store.array_info(name)
-        sizes[kind] = sizes.get(kind, 0) + info.numel * info.dtype.itemsize
+        sizes[kind] = sizes.get(kind, 0) + store.array_info(name).nbytes
     order = {kind: i for i, kind in enumerate(("param", *KINDS))}
     return dict(sorted(sizes.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
 

@@ -29,6 +29,7 @@ from torch import nn
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm, Work
 from engine.runtime.device import Device, Event
+from engine.runtime.sizes import FP32
 from engine.zero.order import TracedOrder
 from engine.zero.partition import ModelLayout, ParamSlot, UnitLayout
 
@@ -39,7 +40,12 @@ MAX_IN_FLIGHT = 2
 
 def bucket_bytes(unit: UnitLayout) -> int:
     """Device bytes of a unit's fp32 gradient bucket."""
-    return unit.padded_numel * 4
+    return unit.padded_numel * FP32
+
+
+def grad_shard_bytes(unit: UnitLayout) -> int:
+    """Bytes of this rank's fp32 gradient shard of a unit."""
+    return unit.shard_numel * FP32
 
 
 @dataclass
@@ -195,7 +201,7 @@ class GradientShards:
         if shard is None:
             shard = torch.empty(unit.shard_numel, dtype=torch.float32, device=self._shard_device, pin_memory=self._pin)
             if self._shards_on_device:
-                self._budget.charge(shard.nbytes, f"the gradient shard of unit {unit.name!r}")
+                self._budget.charge(grad_shard_bytes(unit), f"the gradient shard of unit {unit.name!r}")
             self.shards[unit.name] = shard
         return shard
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from engine.runtime.sizes import FP32, MIB
 from offload import DIRECT_ALIGN
 
 ROOT_UNIT = "root"
@@ -148,6 +149,12 @@ def unit_needs(
         used = [owner[id(p)] for p in reachable(module, top=True) if id(p) in owner]
         needs[name] = list(dict.fromkeys([name, *used] if owned.get(name) else used))
     return needs
+
+
+def max_chunk_numel(chunk_mb: int) -> int:
+    """Elements in a store chunk of at most ``chunk_mb`` MiB (``offload.chunk_mb``), counted
+    in fp32, the widest dtype a shard is stored in."""
+    return chunk_mb * MIB // FP32
 
 
 def build_layout(

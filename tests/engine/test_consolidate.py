@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.tools.consolidate import consolidate
-from offload.store import ChecksumError
+from offload.chunks import ChecksumError
 from tests.engine.test_inspect import (
     CHUNK_ELEMS,
     STEPS,

@@ -21,7 +21,7 @@ from engine.engine import Engine
 from engine.run.cli import main as cli
 from offload.lock import LOCK_FILE
 from offload.manifest import ManifestError
-from offload.store import ChecksumError
+from offload.chunks import ChecksumError
 from tests.engine.test_resume import nvme, run
 from tests.training import tiny_gpt
 

@@ -13,7 +13,7 @@ import zarr
 from engine.engine import Engine
 from engine.zero.partition import flatten_into
 from offload.io import OffloadIOError
-from offload.store import FileOps
+from offload.chunks import FileOps
 from tests.ranks import run_ranks
 from tests.training import batches, config, tiny_gpt, train_engine_on_ranks
 

@@ -88,7 +88,7 @@ def test_resume_needs_the_nvme_tier(tmp_path) -> None:
 def test_resume_catches_a_flipped_byte(tmp_path) -> None:
     import json
 
-    from offload.store import ChecksumError
+    from offload.chunks import ChecksumError
 
     eng = Engine(tiny_gpt(), nvme(tmp_path), total_steps=2)
     run(eng, 2)

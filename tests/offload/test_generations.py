@@ -8,7 +8,8 @@ import torch
 
 from offload.generations import DIRTY, KEEP, Generations
 from offload.io import IORunner
-from offload.store import ChecksumError, ShardStore
+from offload.chunks import ChecksumError
+from offload.store import ShardStore
 
 
 def make(tmp_path):

@@ -8,7 +8,20 @@ from dataclasses import dataclass
 import torch
 
 from offload.io import IORunner
-from offload.shards import array_in_layout, array_name, create_arrays, read_shard, write_shard, write_shard_async
+from offload.shards import (
+    TOP,
+    ChunkReader,
+    array_bytes,
+    array_in_layout,
+    array_name,
+    create_arrays,
+    read_shard,
+    read_shard_async,
+    shard_bytes,
+    unit_arrays,
+    write_shard,
+    write_shard_async,
+)
 from offload.store import ShardStore
 
 KINDS = ("master", "exp_avg")
@@ -65,3 +78,38 @@ def test_each_rank_writes_its_shard_and_another_cutting_reads_it_back(tmp_path) 
             read_shard(store, "gen-0", three, rank, views)
             for kind, view in views:
                 assert torch.equal(view, values(three, kind)[three.shard_slice(rank)]), (rank, kind)
+
+
+def test_arrays_at_the_top_are_read_ahead_and_named_back(tmp_path) -> None:
+    with IORunner(threads=2) as runner:
+        store = ShardStore.create(tmp_path / "store", {}, runner=runner)
+        unit = Unit("blocks.0", numel=3000, chunk_numel=1024, ranks=2)
+        create_arrays(store, TOP, [unit], ("param",), torch.float32)
+        create_arrays(store, "gen-1", [unit], KINDS, torch.float32)
+        assert array_name(TOP, "blocks.0", "param") == "blocks.0/param"
+        assert unit_arrays(store, "gen-1") == {f"gen-1/blocks.0/{kind}": ("blocks.0", kind) for kind in KINDS}
+        assert unit_arrays(store, TOP)["blocks.0/param"] == ("blocks.0", "param")
+        full = values(unit, "master")
+        for rank in range(2):
+            write_shard(store, TOP, unit, rank, [("param", full[unit.shard_slice(rank)].clone())])
+        out = torch.empty(unit.shard_numel)
+        [future] = read_shard_async(store, TOP, unit, 1, [("param", out)])
+        future.result()
+        assert torch.equal(out, full[unit.shard_slice(1)])
+        assert shard_bytes(unit, torch.bfloat16) == 2 * unit.shard_numel
+        assert array_bytes(unit, torch.float32) == 4 * unit.padded_numel == store.array_info("blocks.0/param").nbytes
+
+
+def test_a_chunk_reader_gives_a_units_content_chunk_by_chunk(tmp_path) -> None:
+    with IORunner(threads=2) as runner:
+        store = ShardStore.create(tmp_path / "store", {}, runner=runner)
+        unit = Unit("root", numel=2500, chunk_numel=1024, ranks=2)  # 4 chunks, the content ends in the third
+        create_arrays(store, "gen-0", [unit], ("master",), torch.float32)
+        write_shard(store, "gen-0", unit, 0, [("master", values(unit, "master")[: unit.shard_numel].clone())])
+        write_shard(store, "gen-0", unit, 1, [("master", values(unit, "master")[unit.shard_numel :].clone())])
+        name = array_name("gen-0", "root", "master")
+        reader = ChunkReader(store, [name])
+        pieces = [piece.clone() for piece in reader.content(name, unit.numel)]
+        assert [p.numel() for p in pieces] == [1024, 1024, 452]
+        assert torch.equal(torch.cat(pieces), values(unit, "master")[: unit.numel])
+        assert torch.equal(reader.read(name, 3), torch.zeros(1024)), "padding reads as zeros"

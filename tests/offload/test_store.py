@@ -13,7 +13,8 @@ import torch
 import zarr
 
 from offload.io import IORunner, OffloadIOError
-from offload.store import ChecksumError, FileOps, ShardStore
+from offload.chunks import ChecksumError, FileOps
+from offload.store import ShardStore
 
 TIMEOUT = 10
 CHUNK = 4096  # elements: 8 or 16 KiB per chunk, a multiple of the O_DIRECT alignment

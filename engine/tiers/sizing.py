@@ -1,0 +1,46 @@
+"""How many bytes the tiers hold, as pure functions of the layout and the config.
+
+The engine sizes its pools and windows with these, and ``engine.tools.estimate`` predicts a
+run's memory and disk with the same functions, so a change in how a tier holds memory is
+made once and the estimate follows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from engine.config import OffloadConfig, ZeroConfig
+from engine.runtime.sizes import MIB
+from engine.tiers.optimizer_store import IN_PLACE, store_bytes
+from engine.zero.partition import ModelLayout, UnitLayout
+from offload import shard_bytes
+
+
+def prefetch_bytes(zero: ZeroConfig) -> int:
+    """Stage 3: device bytes of the units gathered ahead of use (``zero.prefetch_mb``)."""
+    return int(zero.prefetch_mb * MIB)
+
+
+def param_window_bytes(zero: ZeroConfig, world_size: int) -> int:
+    """The ``nvme`` parameter tier: host bytes of shards read ahead, this rank's share of the
+    prefetch window."""
+    return prefetch_bytes(zero) // max(world_size, 1)
+
+
+def param_pool_bytes(units: Iterable[UnitLayout], dtype: torch.dtype, window_bytes: int) -> int:
+    """The ``nvme`` parameter tier's host pool: the read-ahead window plus two of the largest
+    shards, one for a fetch the window did not foresee and one for a write."""
+    return window_bytes + 2 * max(shard_bytes(u, dtype) for u in units)
+
+
+def optimizer_buffer_bytes(offload: OffloadConfig) -> int:
+    """The ``nvme`` optimizer tier's host pool budget (``offload.buffer_mb``)."""
+    return offload.buffer_mb * MIB
+
+
+def checkpoint_bytes(layout: ModelLayout) -> int:
+    """Disk of one kept checkpoint, all ranks: one generation of optimizer state (what the
+    in-place mode keeps live), whichever tier wrote it."""
+    return store_bytes(layout, IN_PLACE)

@@ -1,0 +1,226 @@
+"""The memory model: the engine's life cycle phase by phase (construction, the start and the
+end of backward, the optimizer step), what each holds on the device and in host memory, and
+the peak that decides whether a plan fits."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.config import Tier
+from engine.tiers.optimizer_store import unit_state_bytes
+from engine.tools.estimate.shape import Plan, RunShape, all_plans
+from engine.tools.estimate.terms import (
+    HEAP_BUFFER_LIMIT,
+    activation_bytes,
+    construction_transient_bytes,
+    grad_bucket_bytes,
+    grad_shard_bytes,
+    heap_retention_bytes,
+    optimizer_staging_bytes,
+    optimizer_state_bytes,
+    param_grad_bytes,
+    param_shard_bytes,
+    param_staging_bytes,
+    prefetch_window_bytes,
+    replicated_param_bytes,
+    running_units_bytes,
+    store_bytes,
+)
+from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
+from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
+from offload import array_bytes
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes on the compute device and in host memory at one moment."""
+
+    device: int = 0
+    host: int = 0
+
+    def __add__(self, other: Footprint) -> Footprint:
+        return Footprint(self.device + other.device, self.host + other.host)
+
+    def __sub__(self, other: Footprint) -> Footprint:
+        return Footprint(self.device - other.device, self.host - other.host)
+
+    def rss(self, device_is_host: bool) -> int:
+        """Resident bytes of the process (the device's are host memory on a CPU build)."""
+        return self.host + (self.device if device_is_host else 0)
+
+
+def _on(tier: Tier, nbytes: int) -> Footprint:
+    """``nbytes`` in the tier's memory (``nvme`` holds none: its staging is a term of its own)."""
+    return {"device": Footprint(device=nbytes), "cpu": Footprint(host=nbytes)}.get(tier, Footprint())
+
+
+def _total(terms: Iterable[Footprint]) -> Footprint:
+    return sum(terms, Footprint())
+
+
+def _grad_tier(plan: Plan) -> Tier:
+    """Gradient shards live beside the optimizer state, in memory."""
+    return "device" if plan.optimizer == "device" else "cpu"
+
+
+def _held_state(run: RunShape, plan: Plan) -> dict[str, Footprint]:
+    """What the engine builds and keeps for the whole run, by term."""
+    terms = {"optimizer state": _on(plan.optimizer, optimizer_state_bytes(run))}
+    if plan.optimizer == "nvme":
+        terms["optimizer staging"] = Footprint(host=optimizer_staging_bytes(run))
+    if plan.stage < 3:
+        terms["parameters"] = Footprint(device=replicated_param_bytes(run))
+    else:
+        terms["parameter shards"] = _on(plan.param, param_shard_bytes(run))
+    if plan.param == "nvme":
+        terms["parameter staging"] = Footprint(host=param_staging_bytes(run))
+    return terms
+
+
+def _construction_end(run: RunShape, plan: Plan) -> dict[str, Footprint]:
+    """What ``Engine`` has built when it flattens its last unit: the held state, with the nvme
+    tier's pool having staged only one unit's optimizer state at a time so far."""
+    built = _held_state(run, plan)
+    if plan.optimizer == "nvme":
+        built["optimizer staging"] = Footprint(host=max(unit_state_bytes(u) for u in run.layout.units))
+    return built
+
+
+def _backward_start(run: RunShape, plan: Plan) -> dict[str, Footprint]:
+    """Backward's first moment: every activation saved and the loss's gradients, the units
+    gathered ahead, no gradient of the engine's yet."""
+    terms = {
+        "activations": Footprint(device=activation_bytes(run)),
+        "parameter gradient": Footprint(device=param_grad_bytes(run)),
+    }
+    if plan.stage == 3:
+        terms["gathered units"] = Footprint(device=running_units_bytes(run) + prefetch_window_bytes(run))
+    return terms
+
+
+def _backward_end(run: RunShape, plan: Plan) -> dict[str, Footprint]:
+    """Backward's last moment: activations freed, every gradient reduced into a shard (stages 2
+    and 3, buckets still in flight) or kept in its bucket until the step (stage 1, whose step
+    then turns bucket after bucket into a shard)."""
+    shards = grad_shard_bytes(run) if plan.stage > 1 else max(unit_grad_shard_bytes(u) for u in run.layout.units)
+    terms = {
+        "gradient shards": _on(_grad_tier(plan), shards),
+        "gradient buckets": Footprint(device=grad_bucket_bytes(run)),
+        "parameter gradient": Footprint(device=param_grad_bytes(run)),
+    }
+    if plan.stage == 3:
+        terms["gathered units"] = Footprint(device=running_units_bytes(run))
+    return terms
+
+
+def _optimizer_step(run: RunShape, plan: Plan) -> dict[str, Footprint]:
+    """The step: every gradient shard, no bucket."""
+    return {"gradient shards": _on(_grad_tier(plan), grad_shard_bytes(run))}
+
+
+def _heap_retention(run: RunShape, plan: Plan, device_is_host: bool) -> Footprint:
+    """The host heap's share of the unit-sized buffers every step frees and makes again:
+    gradient shards and buckets, and at stage 3 the gathered units. Only buffers under
+    ``HEAP_BUFFER_LIMIT`` count: glibc maps larger ones on their own and unmaps them when freed."""
+    units = run.layout.units
+    shards = [unit_grad_shard_bytes(u) for u in units]
+    buckets = sorted((bucket_bytes(u) for u in units), reverse=True)[:MAX_IN_FLIGHT]
+    churn = _on(_grad_tier(plan), _heap_sized(shards)) + Footprint(device=_heap_sized(buckets))
+    if plan.stage == 3:
+        flats = [array_bytes(u, run.dtype) for u in units]
+        gathered = running_units_bytes(run) + prefetch_window_bytes(run)
+        churn += Footprint(device=gathered * _heap_sized(flats) // sum(flats))
+    return Footprint(host=heap_retention_bytes(churn.rss(device_is_host)))
+
+
+def _heap_sized(buffers: Iterable[int]) -> int:
+    """Bytes of the buffers small enough for glibc to serve from its heap."""
+    return sum(b for b in buffers if b < HEAP_BUFFER_LIMIT)
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """One plan's predicted memory, per rank unless named ``node``."""
+
+    plan: Plan
+    world_size: int
+    device_bytes: int
+    """Engine state on the device at its peak: parameters, gathered units, gradient buckets,
+    state of the ``device`` tiers (what ``zero.device_memory_limit_mb`` limits)."""
+    activation_bytes: int
+    """Activations at their peak, on the device too but outside the engine's budget."""
+    host_bytes: int
+    """Host memory of the state at its peak, besides the process baseline (and the device's)."""
+    peak_rss_bytes: int
+    """Resident set of the rank's process at its peak: the baseline, host state, and on a CPU
+    build everything on the "device" too."""
+    disk_bytes: int
+    """The store under ``offload.nvme_path``, all ranks."""
+    peak_phase: str
+    """When the peak RSS comes: construction, backward start or end, optimizer step."""
+    terms: dict[str, int] = field(default_factory=dict)
+    """What is held at the peak of training, by term (device and host bytes together)."""
+
+    @property
+    def node_rss_bytes(self) -> int:
+        return self.world_size * self.peak_rss_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"node_rss_bytes": self.node_rss_bytes}
+
+
+def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: bool | None = None) -> PlanEstimate:
+    """Predicted memory of ``plan`` for ``run`` (the stage and tiers in ``run.config`` are replaced).
+
+    ``baseline_bytes`` is the resident set of a process that has loaded torch and the engine
+    (``measured_baseline_bytes``); ``device_is_host`` defaults to this machine's answer (True
+    on a CPU build)."""
+    if device_is_host is None:
+        device_is_host = not torch.accelerator.is_available()
+    run = dataclasses.replace(run, config=plan.apply(run.config))
+
+    def size(footprint: Footprint) -> int:
+        return footprint.rss(device_is_host)
+
+    # The model comes on the meta device; construction materialises it unit by unit, so its
+    # high point is at its end, with the last unit being flattened.
+    construction = _total(_construction_end(run, plan).values())
+    held = _held_state(run, plan) | {"heap retention": _heap_retention(run, plan, device_is_host)}
+    moments = {
+        "backward start": _backward_start(run, plan),
+        "backward end": _backward_end(run, plan),
+        "optimizer step": _optimizer_step(run, plan),
+    }
+    phases = {
+        "construction": construction + Footprint(device=construction_transient_bytes(run)),
+    } | {name: _total([*held.values(), *terms.values()]) for name, terms in moments.items()}
+    peak = max(phases, key=lambda name: size(phases[name]))
+    activations = activation_bytes(run)
+    state = {name: f - Footprint(device=activations) if name == "backward start" else f for name, f in phases.items()}
+    terms = held | moments.get(peak, {})
+    return PlanEstimate(
+        plan=plan,
+        world_size=run.layout.world_size,
+        device_bytes=max(f.device for f in state.values()),
+        activation_bytes=activations,
+        host_bytes=max(f.host for f in phases.values()),
+        peak_rss_bytes=baseline_bytes + size(phases[peak]),
+        disk_bytes=store_bytes(run, plan),
+        peak_phase=peak,
+        terms={name: f.device + f.host for name, f in terms.items() if f.device + f.host},
+    )
+
+
+def estimate_plans(
+    run: RunShape, *, baseline_bytes: int, device_is_host: bool | None = None, plans: Iterable[Plan] | None = None
+) -> list[PlanEstimate]:
+    """``estimate`` of every plan (default: ``all_plans()``)."""
+    return [
+        estimate(run, plan, baseline_bytes=baseline_bytes, device_is_host=device_is_host)
+        for plan in (all_plans() if plans is None else plans)
+    ]

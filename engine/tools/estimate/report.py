@@ -1,0 +1,66 @@
+"""The estimate as ``python -m engine estimate`` prints it: a table of every plan, or JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+from engine.tools.estimate.machine import HEADROOM, Machine, gib, why_none_fits
+from engine.tools.estimate.memory import PlanEstimate
+from engine.tools.estimate.shape import RunShape
+
+
+def format_table(
+    run: RunShape, estimates: Sequence[PlanEstimate], machine: Machine, choice: PlanEstimate | None
+) -> str:
+    """Every plan's bytes per tier, and the recommendation, as ``python -m engine estimate`` prints them."""
+    gpt, world = run.gpt, run.layout.world_size
+    lines = [
+        (
+            f"model: {run.layout.numel / 1e6:.1f}M params ({gpt.n_layer} layers, d_model {gpt.d_model}, "
+            f"vocab {gpt.vocab_size}, seq {gpt.seq_len}), {len(run.layout.units)} units, "
+            f"{run.config.precision.compute_dtype}, micro-batch {run.config.data.micro_batch}, {world} rank(s)"
+        ),
+        f"machine: {gib(machine.ram_bytes)} GiB RAM available, {gib(machine.disk_free_bytes)} GiB free disk, "
+        + (f"{gib(machine.device_bytes)} GiB per device" if machine.device_bytes else "device memory is host memory"),
+        "GiB; device, host and RSS per rank; node RAM for all ranks; disk for the store",
+        "",
+        (
+            f"{'stage':>5}  {'optimizer':<9}  {'param':<6}  {'device':>7}  {'activ.':>7}  {'host':>7}  "
+            f"{'peak RSS':>8}  {'node RAM':>8}  {'disk':>7}  fits"
+        ),
+    ]
+    for est in estimates:
+        p = est.plan
+        mark = " <- recommended" if choice is not None and est.plan == choice.plan else ""
+        lines.append(
+            f"{p.stage:>5}  {p.optimizer:<9}  {p.param:<6}  {gib(est.device_bytes):>7}  {gib(est.activation_bytes):>7}  "
+            f"{gib(est.host_bytes):>7}  {gib(est.peak_rss_bytes):>8}  {gib(est.node_rss_bytes):>8}  "
+            f"{gib(est.disk_bytes):>7}  {'yes' if machine.fits(est) else 'no'}{mark}"
+        )
+    lines.append("")
+    if choice is None:
+        lines.append(why_none_fits(estimates, machine, run.config))
+    else:
+        lines.append(
+            f"recommended: {choice.plan} (zero.stage = {choice.plan.stage}, offload.optimizer = "
+            f'"{choice.plan.optimizer}", offload.param = "{choice.plan.param}"): the least offload that '
+            f"fits with {HEADROOM:.0%} headroom"
+        )
+    return "\n".join(lines)
+
+
+def report_json(run: RunShape, estimates: Sequence[PlanEstimate], machine: Machine, choice: PlanEstimate | None) -> str:
+    """The same as ``format_table``, as JSON."""
+    return json.dumps(
+        {
+            "model": dataclasses.asdict(run.gpt) | {"params": run.layout.numel, "units": len(run.layout.units)},
+            "world_size": run.layout.world_size,
+            "machine": machine.to_dict(),
+            "headroom": HEADROOM,
+            "plans": [e.to_dict() | {"fits": machine.fits(e)} for e in estimates],
+            "recommended": dataclasses.asdict(choice.plan) if choice else None,
+        },
+        indent=2,
+    )

@@ -1,0 +1,161 @@
+"""The memory model's terms: each a small function of the run giving the bytes one part of
+the engine holds, per rank, sized by the engine's own functions wherever the engine sizes
+that part itself (its pools, windows, shards, buckets and store), so the estimate follows
+the engine when it changes."""
+
+from __future__ import annotations
+
+from engine.runtime.heap import MMAP_THRESHOLD
+from engine.runtime.sizes import FP32
+from engine.tiers.optimizer_store import KINDS, unit_state_bytes
+from engine.tiers.optimizer_store import store_bytes as optimizer_store_bytes
+from engine.tiers.sizing import (
+    checkpoint_bytes,
+    optimizer_buffer_bytes,
+    param_pool_bytes,
+    param_window_bytes,
+    prefetch_bytes,
+)
+from engine.tools.estimate.shape import Plan, RunShape
+from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
+from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
+from engine.zero.partition import ROOT_UNIT
+from engine.zero.update import overlaps_backward
+from offload import array_bytes, shard_bytes
+
+ADAM_KINDS = len(KINDS)
+"""fp32 tensors per parameter the optimizer tier holds: master, exp_avg, exp_avg_sq."""
+HEAP_RETENTION = 0.8
+"""Fraction of the unit-sized host buffers a step frees and makes again (gradient shards and
+buckets, gathered units) that glibc's heap keeps resident besides the live ones. Once its
+dynamic mmap threshold has risen past a unit's size such buffers come from the heap, whose
+holes are reused but seldom returned. Measured on 20-40M-parameter GPTs after 2-3 steps:
+0.2-0.6x on one rank, 1-2x on two; growing to 1.7x after 20 steps of the nvme tier (whose
+peak this then under-predicts by 15%). Activations (many smaller tensors) add little."""
+HEAP_BUFFER_LIMIT = MMAP_THRESHOLD
+"""``python -m engine train`` pins glibc's mmap threshold (``engine.runtime.heap``): a buffer at least this
+large is mapped on its own and returned to the system when freed; only smaller ones stay in the heap."""
+
+
+def construction_transient_bytes(run: RunShape) -> int:
+    """The unit being flattened: its fp32 flat and the compute-dtype copy cast from it
+    (the same buffer in fp32)."""
+    cast = run.itemsize * run.largest_unit if run.itemsize != FP32 else 0
+    return FP32 * run.largest_unit + cast
+
+
+def replicated_param_bytes(run: RunShape) -> int:
+    """Stages 1 and 2: every unit's full compute-dtype flat, on every rank."""
+    return sum(array_bytes(u, run.dtype) for u in run.layout.units)
+
+
+def param_shard_bytes(run: RunShape) -> int:
+    """Stage 3 with parameters in memory (``device`` or ``cpu``): the rank's compute-dtype shards."""
+    return sum(shard_bytes(u, run.dtype) for u in run.layout.units)
+
+
+def running_units_bytes(run: RunShape) -> int:
+    """Stage 3: full units on the device however short the prefetch window. The root stays
+    gathered from its forward to the end of backward; a block is gathered while it runs, and
+    in backward the next is gathered before the last is released; units under
+    ``zero.persistence_threshold`` parameters are never released."""
+    zero, units = run.config.zero, run.layout.units
+    root = sum(u.padded_numel for u in units if u.name == ROOT_UNIT)
+    blocks = [u.padded_numel for u in units if u.name != ROOT_UNIT]
+    persistent = sum(u.padded_numel for u in units if u.numel < zero.persistence_threshold and u.name != ROOT_UNIT)
+    return run.itemsize * (root + sum(sorted(blocks, reverse=True)[:2]) + persistent)
+
+
+def prefetch_window_bytes(run: RunShape) -> int:
+    """Stage 3: the units gathered ahead of use, within ``zero.prefetch_mb``. The window looks
+    ahead in the iteration only, so it is full at the start of backward and empty at its end."""
+    blocks = sum(u.padded_numel for u in run.layout.units if u.name != ROOT_UNIT)
+    return min(prefetch_bytes(run.config.zero), run.itemsize * blocks)
+
+
+def param_staging_bytes(run: RunShape) -> int:
+    """Stage 3, ``offload.param = "nvme"``: the host pool shards are read into, the rank's share
+    of the prefetch window plus two of the largest shards (one fetch not foreseen, one write)."""
+    window = param_window_bytes(run.config.zero, run.layout.world_size)
+    return param_pool_bytes(run.layout.units, run.dtype, window)
+
+
+def optimizer_state_bytes(run: RunShape) -> int:
+    """``device`` and ``cpu`` optimizer tiers: fp32 master, exp_avg and exp_avg_sq of the rank's shards."""
+    return sum(unit_state_bytes(u) for u in run.layout.units)
+
+
+def optimizer_staging_bytes(run: RunShape) -> int:
+    """``nvme`` optimizer tier: its buffer pool, which grows up to ``offload.buffer_mb`` (or
+    to all of the rank's state, if that is smaller) and keeps what it allocated."""
+    return min(optimizer_buffer_bytes(run.config.offload), optimizer_state_bytes(run))
+
+
+def grad_shard_bytes(run: RunShape) -> int:
+    """The rank's fp32 gradient shards at their peak, each made when its unit's gradient is first
+    reduced and freed once the optimizer has used it. With clipping, loss scaling or accumulation
+    every one waits for the step; when one micro-batch's update overlaps backward
+    (``engine.zero.update``), each is used as it is reduced, so only those in flight wait."""
+    shards = [unit_grad_shard_bytes(u) for u in run.layout.units]
+    if overlaps_backward(run.config) and run.config.zero.grad_accum_steps == 1:
+        return MAX_IN_FLIGHT * max(shards)
+    return sum(shards)
+
+
+def grad_bucket_bytes(run: RunShape) -> int:
+    """fp32 gradient buckets on the device: stage 1 keeps every unit's through the accumulation
+    window; stages 2 and 3 one being filled while ``MAX_IN_FLIGHT - 1`` are being reduced."""
+    buckets = [bucket_bytes(u) for u in run.layout.units]
+    if run.config.zero.stage == 1:
+        return sum(buckets)
+    return MAX_IN_FLIGHT * max(buckets)
+
+
+def param_grad_bytes(run: RunShape) -> int:
+    """Autograd's compute-dtype gradient of the largest parameter, before the engine's hook
+    copies it into its bucket and drops it."""
+    return run.itemsize * run.largest_param
+
+
+def activation_bytes(run: RunShape) -> int:
+    """Peak activation memory of one micro-batch of the built-in GPT.
+
+    Per token, a block saves for backward 16 x d_model compute-dtype values (LayerNorm inputs
+    and outputs, qkv, the attention output, the MLP's 4d input and GELU output, the residual)
+    plus fp32 LayerNorm statistics and the attention's log-sum-exp per head; SDPA's fused CPU
+    and CUDA kernels never hold the seq x seq scores. The root saves the final LayerNorm's
+    input and output and the fp32 log-softmax over the vocabulary. At the peak, the start of
+    backward, the fp32 gradients of the log-softmax and the logits exist too; later, inside a
+    block's backward, about 10 x d_model of gradients. With activation checkpointing a block
+    saves only its input and recomputes its 16 x d_model in its backward.
+    """
+    gpt, data = run.gpt, run.config.data
+    tokens, e, d = data.micro_batch * data.seq_len, run.itemsize, gpt.d_model
+    block_saved = 16 * d * e + 4 * FP32 + gpt.n_head * FP32
+    root_saved = 2 * d * e + FP32 * gpt.vocab_size
+    logit_grads = max(2 * FP32, FP32 + e) * gpt.vocab_size
+    block_grads = 10 * d * e
+    if run.config.zero.activation_checkpointing:
+        saved = gpt.n_layer * d * e + root_saved
+        block_grads += block_saved  # the block recomputed for its backward
+    else:
+        saved = gpt.n_layer * block_saved + root_saved
+    return tokens * (saved + max(logit_grads, block_grads))
+
+
+def heap_retention_bytes(churn: int) -> int:
+    """What glibc's heap keeps of ``churn``, the bytes allocated and freed every step."""
+    return int(HEAP_RETENTION * churn)
+
+
+def store_bytes(run: RunShape, plan: Plan) -> int:
+    """Disk under ``offload.nvme_path`` for all ranks: the nvme tier's generations of optimizer
+    state (two with ``store.mode = "generations"``, one ``"in-place"``), one copy of the
+    compute-dtype parameters under ``params`` for the nvme parameter tier (derived data, not
+    versioned), and the checkpoints ``[checkpoint]`` keeps (any tier writes those)."""
+    config, layout = run.config, run.layout
+    live = optimizer_store_bytes(layout, config.store.mode) if plan.optimizer == "nvme" else 0
+    params = sum(array_bytes(u, run.dtype) for u in layout.units) if plan.param == "nvme" else 0
+    ckpt = config.checkpoint
+    kept = ckpt.keep if ckpt.keep else (config.train.steps // ckpt.interval if ckpt.interval else 0)
+    return live + kept * checkpoint_bytes(layout) + params

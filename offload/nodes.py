@@ -1,0 +1,164 @@
+"""Reorganising a store's nodes: a group built whole or not at all, a node moved or deleted
+durably, and the leftovers of interrupted operations swept away.
+
+Groups and arrays are directories, so each of these is a rename made durable by fsyncing
+the directories it changed; zarr metadata holds no paths, so it stays valid wherever a
+node goes. A crash mid-operation leaves only a top-level leftover under a name no node
+can have (`.staging-*`, `.trash-*`), which the store's one writer sweeps before it writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+from offload.metadata import ArrayInfo, check_name, create_subgroup, read_json, under
+
+log = logging.getLogger("offload.store")
+
+# Top-level names of groups being built or removed: never a valid node name, swept by the writer.
+STAGING = ".staging-"
+TRASH = ".trash-"
+
+
+class NodeOps:
+    """The store's verbs on whole nodes (`move`, `build`, `delete`, `sweep`), over the state
+    `ShardStore` keeps: its cached array metadata and what its next `sync` must make durable."""
+
+    path: Path
+    _lock: threading.Lock
+    _infos: dict[str, ArrayInfo]
+    _pending_writes: list[tuple[str, int, int, Future]]
+    _pending_files: set[str]
+    _pending_dirs: set[str]
+
+    def sync(self) -> None:
+        """Make every pending write durable (the store's own)."""
+        raise NotImplementedError
+
+    def _fsync_all(self, files: list[str], dirs: set[str]) -> None:
+        """Fsync files and directories in parallel (the store's own)."""
+        raise NotImplementedError
+
+    def _node_dir(self, prefix: str, what: str) -> Path:
+        check_name(prefix, what)
+        node = self.path / prefix
+        if not (node / "zarr.json").exists():
+            raise FileNotFoundError(
+                errno.ENOENT, f"no group or array {prefix!r} in offload store {self.path}", str(node)
+            )
+        return node
+
+    def move(self, src_prefix: str, dst_prefix: str) -> None:
+        """Rename the group or array `src_prefix` to `dst_prefix` atomically; durable on return.
+
+        Everything pending is synced first, so the data is durable before it
+        appears under its new name (what keeping a checkpoint needs). zarr
+        metadata holds no paths, so it stays valid; missing parent groups of
+        the destination are created.
+        """
+        src = self._node_dir(src_prefix, "source prefix")
+        check_name(dst_prefix, "destination prefix")
+        if under(dst_prefix, src_prefix):
+            raise ValueError(f"cannot move {src_prefix!r} into itself ({dst_prefix!r})")
+        dst = self.path / dst_prefix
+        if dst.exists():
+            raise FileExistsError(
+                errno.EEXIST,
+                f"cannot move {src_prefix!r} to {dst_prefix!r}: the destination exists; delete it first",
+                str(dst),
+            )
+        self.sync()
+        made = self._make_parent_groups(dst_prefix)
+        os.rename(src, dst)
+        with self._lock:
+            for name in [n for n in self._infos if under(n, src_prefix)]:
+                self._infos[dst_prefix + name[len(src_prefix) :]] = self._infos.pop(name)
+        # New directory entries: in both parents, and for each new group its
+        # zarr.json and its own entry.
+        dirs = {str(src.parent), str(dst.parent)}
+        for meta in made:
+            dirs.update((str(Path(meta).parent), str(Path(meta).parent.parent)))
+        self._fsync_all(made, dirs)
+        log.debug("moved %s -> %s in %s", src_prefix, dst_prefix, self.path)
+
+    def _make_parent_groups(self, prefix: str) -> list[str]:
+        """Create the missing groups above `prefix`; return their new metadata files."""
+        made = []
+        parts = prefix.split("/")[:-1]
+        for depth in range(1, len(parts) + 1):
+            group = "/".join(parts[:depth])
+            meta = self.path / group / "zarr.json"
+            if not meta.exists():
+                create_subgroup(self.path, group)
+                made.append(str(meta))
+            elif read_json(meta).get("node_type") != "group":
+                raise ValueError(f"cannot place {prefix!r} under {group!r}: {group!r} is an array, not a group")
+        return made
+
+    def build(self, prefix: str, fill: Callable[[str], None]) -> None:
+        """Create the group `prefix` whole or not at all: `fill(staging)` creates its arrays
+        under a staging name, which is made durable and then renamed to `prefix`. A crash
+        before the rename leaves only a leftover that `sweep` removes, never a half-made
+        `prefix`."""
+        check_name(prefix, "prefix")
+        staging = f"{STAGING}{uuid.uuid4().hex}"
+        fill(staging)
+        self.move(staging, prefix)
+
+    def delete(self, prefix: str) -> None:
+        """Delete the group or array `prefix` and everything under it; durable at the next `sync()`.
+
+        The node is first renamed out of the way (durably), then removed: a crash mid-removal
+        leaves no partial node under its name, only a leftover that `sweep` removes. A node
+        without metadata (a leftover itself) is deleted too. Writes still in flight under
+        `prefix` are waited for first, so none lands in a directory being removed.
+        """
+        check_name(prefix, "prefix")
+        node = self.path / prefix
+        if not node.is_dir() or node.is_symlink():
+            raise FileNotFoundError(
+                errno.ENOENT, f"no group or array {prefix!r} in offload store {self.path}", str(node)
+            )
+        with self._lock:
+            doomed = [w for w in self._pending_writes if under(w[0], prefix)]
+            self._pending_writes = [w for w in self._pending_writes if not under(w[0], prefix)]
+        for *_, future in doomed:
+            future.exception()  # the data is being deleted: its errors no longer matter
+        self._discard(node)
+        node_str = str(node)
+        with self._lock:
+            for name in [n for n in self._infos if under(n, prefix)]:
+                del self._infos[name]
+            self._pending_files = {f for f in self._pending_files if not under(f, node_str)}
+            self._pending_dirs = {d for d in self._pending_dirs if not under(d, node_str)}
+            self._pending_dirs.add(str(node.parent))
+        log.debug("deleted %s from %s", prefix, self.path)
+
+    def _discard(self, node: Path) -> None:
+        """Remove a directory tree: renamed to a leftover name first, durably, so that no crash
+        leaves it half-removed under its own name."""
+        trash = self.path / f"{TRASH}{uuid.uuid4().hex}"
+        os.rename(node, trash)
+        self._fsync_all([], {str(node.parent), str(self.path)})
+        shutil.rmtree(trash)
+
+    def sweep(self) -> None:
+        """Remove what interrupted operations left behind: half-built groups (`build`),
+        half-removed ones (`delete`) and temporary metadata files. For the store's one writer,
+        before it writes: nothing else refers to them."""
+        for entry in self.path.iterdir():
+            if entry.name.startswith((STAGING, TRASH)) and entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+                log.info("removed %s, left by an interrupted run", entry)
+            elif entry.is_file() and (
+                (entry.name.startswith(".") and entry.name.endswith(".tmp")) or entry.name.endswith(".partial")
+            ):
+                entry.unlink()  # an atomic metadata write's temporary: ours, or zarr's
