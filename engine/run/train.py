@@ -33,7 +33,7 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
-from engine.tiers.optimizer_store import resume_point
+from engine.tiers.store_checks import resume_point
 from offload import CheckpointExistsError, read_committed
 
 logger = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
 from engine.runtime.heap import MMAP_THRESHOLD
 from engine.runtime.sizes import FP32, MIB
-from engine.tiers.optimizer_store import unit_state_bytes
+from engine.tiers.store_checks import unit_state_bytes
 from engine.zero.grads import MAX_IN_FLIGHT
 from engine.zero.partition import (
     ROOT_UNIT,

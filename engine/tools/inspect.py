@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from engine.tiers.optimizer_store import (
+from engine.tiers.optimizer import STATE_KINDS as KINDS
+from engine.tiers.store_checks import (
     GENERATIONS,
     IN_PLACE,
-    KINDS,
     MODE_ATTR,
     DirtyStoreError,
     check_clean,
