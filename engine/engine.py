@@ -76,12 +76,9 @@ class Engine:
         self.module = model
         self.budget = DeviceBudget(int(config.zero.device_memory_limit_mb * MIB))
         units, owned, self.layout = build.model_units(model, config, self.comm.world_size)
-        param_order = [name for name, param in model.named_parameters() if param.requires_grad]
         tier = config.offload.optimizer
         opt_device = self.device.device if tier == "device" else torch.device("cpu")
         on_meta = build.check_start(config, model, resume, checkpoint, init_unit)
-        self._saving: PendingCheckpoint | None = None
-        """A checkpoint still being written in the background, committed by the next step."""
         if not on_meta:
             model.to(self.device.device)
         self._store_lock: StoreLock | None = None
@@ -109,7 +106,7 @@ class Engine:
         )
         self.params.hook(dict(units), unit_needs(model, units, owned))
         self.params.check_fits({u.name: bucket_bytes(u) for u in self.layout.units}, MAX_IN_FLIGHT)
-        self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, param_order, opt_device)
+        self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, model, opt_device)
         self.scaler = LossScaler(config.precision)
         self._start_counting()
         if resume:
@@ -151,6 +148,8 @@ class Engine:
         self.client_state: dict[str, Any] = {}
         """Saved with every committed step and restored on resume (e.g. the data position)."""
         self._micro_batches = 0
+        self._saving: PendingCheckpoint | None = None
+        """A checkpoint still being written in the background, committed by the next step."""
         self._update: Update | None = None
         self._step_started: float | None = None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from engine.config import Config
 from engine.runtime.comm import Comm
@@ -31,12 +32,12 @@ class StepMath:
         comm: Comm,
         grads: GradientShards,
         params: ReplicatedParams | ShardedParams,
-        param_order: list[str],
+        model: nn.Module,
         opt_device: torch.device,
     ):
         self._config, self._layout, self._comm = config, layout, comm
         self._grads, self._params = grads, params
-        self._param_order = param_order
+        self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
         """The model's own parameter order, which torch's gradient norm follows."""
         self.adam = ShardAdamW(config.optim)
         self._counters = {u.name: self.adam.new_step_counter(opt_device) for u in layout.units}
