@@ -64,11 +64,13 @@ from benchmarks.bandwidth import (
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from engine.config import OffloadConfig, OptimConfig
 from engine.runtime.sizes import MIB
-from engine.tiers.optimizer_store import StoreOptimizerState, unit_state_bytes
+from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.sizing import optimizer_buffer_bytes
+from engine.tiers.store_checks import unit_state_bytes
+from engine.tiers.store_io import StoreIO
 from engine.zero.optim import ShardAdamW
 from engine.zero.partition import ModelLayout, build_layout, max_chunk_numel
-from offload import PipelineStats
+from offload import IORunner, PipelineStats
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v
 STATE_BYTES_PER_PARAM = 16  # fp32 p, g, m, v
@@ -194,9 +196,7 @@ def host_memory_section(setup: Setup) -> Section:
     that their steps can interleave, round after round.
     """
     sizes = setup.shard_sizes()
-    steps = {
-        name: build(sizes) for name, build in tqdm(OPTIMIZERS.items(), desc="building", unit="optimizer")
-    }
+    steps = {name: build(sizes) for name, build in tqdm(OPTIMIZERS.items(), desc="building", unit="optimizer")}
     runs = {(name, t): _on_threads(step, t) for name, step in steps.items() for t in setup.threads}
     with threads_restored():
         seconds = interleaved_medians(runs, setup.reps, desc="steps")
@@ -248,43 +248,36 @@ class NvmeOptimizer:
         self.layout = layout
         self.config = OptimConfig()
         self.opt = ShardAdamW(self.config)
-        self.state = StoreOptimizerState(
-            path,
-            layout,
-            rank=0,
-            buffer_bytes=optimizer_buffer_bytes(nvme),
-            io_threads=nvme.io_threads,
-            checksum=offload.checksum,
-            direct_io=offload.direct_io,
-            barrier=lambda: None,
-        )
+        self.io = StoreIO(IORunner(threads=nvme.io_threads), offload.checksum, offload.direct_io, lambda: None)
+        self.state = StoreOptimizerState(path, layout, 0, self.io, buffer_bytes=optimizer_buffer_bytes(nvme))
         sizes = [unit.shard_numel for unit in layout.units]
         self.grads: dict[str, torch.Tensor] = {}
         for unit, (master, grad) in zip(layout.units, _params_and_grads(sizes), strict=True):
-            self.state.add_unit(unit, master)
+            self.state.add(unit, master)
             self.grads[unit.name] = grad
-        self.state.seal()
+        self.state.commit({"step": 0})
         self.counters = {unit.name: self.opt.new_step_counter(torch.device("cpu")) for unit in layout.units}
         self.steps = 0
 
     def step(self) -> tuple[float, float]:
-        """Stream, update and write back every unit, then commit: the step's seconds, and those in `finish`.
+        """Read, update and write back every unit, then commit: the step's seconds, and those in `commit`.
 
         `state.last_stats` then holds the step's pipeline stats.
         """
         start = time.perf_counter()
-        for unit, shard in self.state.stream(self.layout.units):
+        for unit, shard in self.state.read(self.layout.units):
             grad, counter = self.grads[unit.name], self.counters[unit.name]
             self.opt.update(shard.master, grad, shard.exp_avg, shard.exp_avg_sq, counter, self.config.lr)
-            self.state.done(unit, shard)
+            self.state.write_back(unit, shard)
         finish_start = time.perf_counter()
         self.steps += 1
-        self.state.finish({"step": self.steps})
+        self.state.commit({"step": self.steps})
         end = time.perf_counter()
         return end - start, end - finish_start
 
     def close(self) -> None:
         self.state.close()
+        self.io.close()
 
 
 @dataclass(frozen=True)
@@ -323,9 +316,7 @@ def measure_nvme(nvme: NvmeSetup, layout: ModelLayout, raw_bytes: int, reps: int
                 step_s, finish_s = optimizer.step()
                 if round_:
                     cold = cold and bool(raw["cold"])
-                    rounds.append(
-                        NvmeRound(raw, compute_s, step_s, finish_s, optimizer.state.last_stats, cold)
-                    )
+                    rounds.append(NvmeRound(raw, compute_s, step_s, finish_s, optimizer.state.last_stats, cold))
         finally:
             optimizer.close()
     return rounds
@@ -416,9 +407,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     offload = OffloadConfig()
     nvme_group = parser.add_argument_group("nvme tier")
     nvme_group.add_argument("--nvme-params", type=int, help="parameters on disk (default 200M, --quick 4M)")
-    nvme_group.add_argument(
-        "--dir", type=Path, default=Path("."), help="directory on the disk to measure (default .)"
-    )
+    nvme_group.add_argument("--dir", type=Path, default=Path("."), help="directory on the disk to measure (default .)")
     for name, help_ in {
         "buffer_mb": "host staging budget, MiB",
         "chunk_mb": "largest chunk, MiB",
@@ -447,10 +436,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bar_chart(
         args.out / "optimizer.png",
         list(OPTIMIZERS),
-        {
-            f"{t} thread{'s' * (t > 1)}": [r["Mparam/s"] for r in memory_rows if r["threads"] == t]
-            for t in args.threads
-        },
+        {f"{t} thread{'s' * (t > 1)}": [r["Mparam/s"] for r in memory_rows if r["threads"] == t] for t in args.threads},
         ylabel="Mparam/s",
         title=f"AdamW step, {params / 1e6:g}M fp32 params",
         references={"memory-bandwidth bound": setup.bound_mparams},

@@ -37,7 +37,7 @@ import torch
 from benchmarks.plans import TierPlan
 from engine.config import Config, OffloadConfig
 from engine.runtime.sizes import MIB
-from engine.tiers.optimizer_store import KINDS as STATE_KINDS
+from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.parameters import PARAM_KIND, PARAM_STORE
 from engine.zero.partition import ModelLayout, UnitLayout
 from engine.zero.precision import compute_dtype

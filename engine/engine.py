@@ -13,7 +13,8 @@ step reduces the gradients to shards, updates the shards there and hands the new
 compute-dtype shards back to the parameters.
 
 Each public call runs only in the phases of the step cycle it belongs to (``engine.zero.phase``)
-and moves the engine on to the next; a call out of order raises ``PhaseError``.
+and moves the engine on to the next; a call out of order raises ``PhaseError``. Its parts are
+built from the config by ``engine.build``; a step's arithmetic is ``engine.zero.step``'s.
 """
 
 from __future__ import annotations
@@ -21,48 +22,32 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
+from engine import build
 from engine.config import Config
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
 from engine.tiers import rng
-from engine.tiers.checkpoint import MemoryCheckpoints, PendingCheckpoint
-from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState, ShardState
-from engine.tiers.optimizer_store import StoreOptimizerState
-from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
-from engine.tiers.sizing import optimizer_buffer_bytes, param_window_bytes, prefetch_bytes
-from engine.zero.divergence import DivergedError, diverged_message, nonfinite_units
-from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
-from engine.zero.optim import ShardAdamW, clip_grads_, grad_norm, lr_factor
-from engine.zero.params import ReplicatedParams, ShardedParams
-from engine.zero.partition import (
-    ROOT_UNIT,
-    ModelLayout,
-    UnitLayout,
-    build_layout,
-    find_units,
-    flatten_into,
-    materialize_,
-    max_chunk_numel,
-    param_views,
-    unit_needs,
-    unit_parameters,
-)
+from engine.tiers.checkpoint import PendingCheckpoint
+from engine.tiers.optimizer import ShardState
+from engine.tiers.store_io import StoreIO
+from engine.zero.divergence import DivergedError, diverged_message
+from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
+from engine.zero.optim import lr_factor
+from engine.zero.partition import UnitLayout, unit_needs
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
 from engine.zero.precision import LossScaler, compute_dtype
-from engine.zero.recompute import checkpoint_forward
-from engine.zero.stats import StepStats
-from engine.zero.update import Update, overlaps_backward
+from engine.zero.stats import StepStats, measure_step
+from engine.zero.step import StepMath
+from engine.zero.update import Update, update_order
 from offload import StoreLock
 
 logger = logging.getLogger(__name__)
@@ -90,14 +75,10 @@ class Engine:
         self.total_steps = total_steps or config.train.steps
         self.module = model
         self.budget = DeviceBudget(int(config.zero.device_memory_limit_mb * MIB))
-        units, owned = self._units(model)
+        units, owned, self.layout = build.model_units(model, config, self.comm.world_size)
         tier = config.offload.optimizer
         opt_device = self.device.device if tier == "device" else torch.device("cpu")
-        on_meta = self._check_start(model, resume, checkpoint, init_unit)
-        self._checkpoints: MemoryCheckpoints | None = None
-        """Where a memory tier's checkpoints are written, opened by the first that needs it."""
-        self._saving: PendingCheckpoint | None = None
-        """A memory tier's checkpoint still being written, finished by the next step."""
+        on_meta = build.check_start(config, model, resume, checkpoint, init_unit)
         if not on_meta:
             model.to(self.device.device)
         self._store_lock: StoreLock | None = None
@@ -105,86 +86,62 @@ class Engine:
         self._store_locked = False  # on every rank: taking the lock is collective
         if tier == "nvme" or (config.zero.stage == 3 and config.offload.param == "nvme") or checkpoint is not None:
             self._lock_store(create=not resume)
-        self.optimizer_state = self._optimizer_state(opt_device, resume, checkpoint)
-        if tier == "device":
-            self.budget.charge(self.optimizer_state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
-        self.params = self._params()
-        self._build_units(owned, init_unit if on_meta and not resume else None, materialize=on_meta, resume=resume)
-        self.grads = self._gradients(owned, opt_device)
+        self.io = StoreIO.from_config(config.offload, self.comm.barrier)
+        """The I/O settings and the one I/O runner every tier's store shares, closed last."""
+        self._build_tiers(opt_device, resume, checkpoint)
+        build.build_units(
+            self.layout,
+            owned,
+            self.optimizer_state,
+            self.params,
+            device=self.device.device,
+            dtype=self.dtype,
+            rank=self.comm.rank,
+            init_unit=init_unit if on_meta and not resume else None,
+            materialize=on_meta,
+            resume=resume,
+        )
+        self.grads = build.gradients(
+            config, self.layout, owned, self.comm, self.device, self.budget, self.params, opt_device
+        )
         self.params.hook(dict(units), unit_needs(model, units, owned))
         self.params.check_fits({u.name: bucket_bytes(u) for u in self.layout.units}, MAX_IN_FLIGHT)
-        self.adam = ShardAdamW(config.optim)
-        self._step_counters = {u.name: self.adam.new_step_counter(opt_device) for u in self.layout.units}
+        self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, model, opt_device)
         self.scaler = LossScaler(config.precision)
         self._start_counting()
         if resume:
             assert self.optimizer_state.resumed_from is not None  # a resumed tier holds its record
             self._restore(self.optimizer_state.resumed_from)
         else:
-            self.optimizer_state.seal()
-        self.params.io_bytes()  # what building wrote is not the first step's traffic
+            self.optimizer_state.commit({"step": 0})  # the added units: a store is a checkpoint from here on
+        self.params.take_io_bytes()  # what building wrote is not the first step's traffic
         self._log_start()
 
-    def _gradients(self, owned: dict[str, list[tuple[str, nn.Parameter]]], opt_device: torch.device) -> GradientShards:
-        """The gradient buckets and shards, on the optimizer's device."""
-        on_device = self.config.offload.optimizer == "device"
-        return GradientShards(
-            self.layout,
-            owned,
-            self.comm,
-            self.device,
-            opt_device,
-            reduce_per_micro_batch=self.config.zero.stage >= 2,
-            budget=self.budget,
-            shards_on_device=on_device,
-            pin_memory=self.device.pin_memory and opt_device.type == "cpu",
-            after_reduce=self.params.release_after_backward,
-        )
-
-    def _units(self, model: nn.Module) -> tuple[list[tuple[str, nn.Module]], dict[str, list[tuple[str, nn.Parameter]]]]:
-        """The model's units (recomputing their activations if asked), the parameters each owns,
-        and the layout of their flat buffers and shards (``self.layout``)."""
+    def _build_tiers(self, opt_device: torch.device, resume: bool, checkpoint: str | None) -> None:
+        """The optimizer tier (restored on resume) and the parameters on theirs, as configured."""
         config = self.config
-        units = find_units(model, config.zero.unit_classes)
-        if config.zero.activation_checkpointing:
-            for name, module in units:
-                if name != ROOT_UNIT:
-                    checkpoint_forward(module)
-        owned = unit_parameters(model, units)
-        max_chunk = max_chunk_numel(config.offload.chunk_mb)
-        self.layout: ModelLayout = build_layout(owned, self.comm.world_size, max_chunk)
-        self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
-        """The model's own parameter order, which torch's gradient norm follows."""
-        return units, {u.name: owned[u.name] for u in self.layout.units}
-
-    def _check_start(self, model: nn.Module, resume: bool, checkpoint: str | None, init_unit: Callable | None) -> bool:
-        """Refuse a start the engine cannot make; whether the model is on the meta device."""
-        tier = self.config.offload.optimizer
-        if resume and tier != "nvme" and checkpoint is None:
-            raise ValueError(
-                f"resuming needs the state on disk: offload.optimizer = {tier!r} keeps it in memory, so it "
-                f"resumes only from a checkpoint saved in offload.nvme_path (checkpoint=tag); or train with "
-                f'offload.optimizer = "nvme" to resume from its store\'s last step'
-            )
-        on_meta = any(p.is_meta for p in model.parameters())
-        if on_meta and init_unit is None and not resume:
-            raise ValueError(
-                "the model's parameters are on the meta device: pass init_unit=, a function that "
-                "initialises named parameters in place, so the engine can build the model unit by unit"
-            )
-        return on_meta
+        checkpoints = build.CheckpointStore(config, self.layout, self.comm.rank, self.io, self._lock_store)
+        self.optimizer_state = build.optimizer_state(
+            config,
+            self.layout,
+            self.comm.rank,
+            self.io,
+            checkpoints,
+            device=opt_device,
+            pin_memory=self.device.pin_memory,
+            resume=resume,
+            checkpoint=checkpoint,
+        )
+        if config.offload.optimizer == "device":
+            self.budget.charge(self.optimizer_state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
+        self.params = build.parameters(config, self.layout, self.comm, self.device, self.dtype, self.budget, self.io)
 
     def _start_counting(self) -> None:
         """The counters and per-step records of a run that has taken no step yet."""
         self.global_step = 0
         self.skipped_steps = 0
-        self.last_grad_norm: float | None = None
-        """The last step's global gradient norm before clipping (None with loss scaling and no
-        clipping: nothing takes it there)."""
         self.last_lr: float | None = None
         """The learning rate of the last step's update (None before the first)."""
-        self._unit_norms: dict[str, float] = {}
-        """This step's gradient norm of each unit updated inside backward, taken before its update."""
         self._diverged: str | None = None
         """Why this engine stopped, once a step diverged: it takes no further step."""
         self._phase = StepPhase.IDLE
@@ -193,10 +150,16 @@ class Engine:
         self.client_state: dict[str, Any] = {}
         """Saved with every committed step and restored on resume (e.g. the data position)."""
         self._micro_batches = 0
+        self._saving: PendingCheckpoint | None = None
+        """A checkpoint still being written in the background, committed by the next step."""
         self._update: Update | None = None
         self._step_started: float | None = None
-        self._overlap = overlaps_backward(self.config)
-        """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (None with loss scaling and no
+        clipping: nothing takes it there)."""
+        return self.math.last_grad_norm
 
     def _log_start(self) -> None:
         config = self.config
@@ -212,88 +175,6 @@ class Engine:
             self.comm.world_size,
         )
 
-    def _build_units(
-        self,
-        owned: dict[str, list[tuple[str, nn.Parameter]]],
-        init_unit: Callable[[dict[str, torch.Tensor]], None] | None,
-        *,
-        materialize: bool,
-        resume: bool,
-    ) -> None:
-        """Unit by unit: give a meta model's parameters memory (and ``init_unit`` values), flatten
-        them, hand the fp32 shard to the optimizer tier (a resume reads it from the store instead)
-        and the compute-dtype flat to the parameters, whose views the module's parameters become.
-        At most one unit's fp32 values exist at a time, so a model larger than memory builds."""
-        units = self.layout.units
-        built, started, every = 0, time.perf_counter(), max(1, len(units) // 10)
-        for index, unit in enumerate(units, 1):
-            if materialize:
-                materialize_(owned[unit.name], self.device.device)
-            if init_unit is not None:
-                init_unit(dict(owned[unit.name]))
-            full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device.device)
-            flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
-            if not resume:
-                self.optimizer_state.add_unit(unit, full[unit.shard_slice(self.comm.rank)])
-            flat = full.to(self.dtype) if self.dtype != torch.float32 else full
-            del full
-            views = param_views(flat, unit)
-            for name, param in owned[unit.name]:
-                param.data = views[name]
-            self.params.add(unit, flat)
-            del flat, views
-            built += unit.numel
-            if index % every == 0 and self.comm.rank == 0:  # a giant model takes minutes to build
-                logger.info(
-                    "built %d of %d units, %.0fM params, in %.0f s",
-                    index,
-                    len(units),
-                    built / 1e6,
-                    time.perf_counter() - started,
-                )
-        self.params.finish_update()  # the initial shards are stored before anything fetches them
-
-    def _params(self) -> ReplicatedParams | ShardedParams:
-        """The compute-dtype parameters, sharded on their tier at stage 3."""
-        zero, offload = self.config.zero, self.config.offload
-        if zero.stage < 3:
-            return ReplicatedParams(self.layout, self.comm, self.budget, self.device)
-        tier: ParamTier
-        if offload.param == "nvme":
-            tier = StoreParamTier(
-                Path(offload.nvme_path) / PARAM_STORE,
-                self.layout,
-                self.comm.rank,
-                self.dtype,
-                buffer_bytes=param_window_bytes(zero, self.comm.world_size),
-                io_threads=offload.io_threads,
-                checksum=offload.checksum,
-                direct_io=offload.direct_io,
-                barrier=self.comm.barrier,
-            )
-        else:
-            tier = MemoryParamTier(offload.param == "device", self.device, self.dtype, self.budget)
-        return ShardedParams(
-            self.layout,
-            self.comm,
-            tier,
-            self.budget,
-            self.device,
-            prefetch_bytes=prefetch_bytes(zero),
-            persistence_threshold=zero.persistence_threshold,
-            reserve_bytes=self._required_headroom(),
-        )
-
-    def _required_headroom(self) -> int:
-        """Device bytes that gathering ahead must leave free at stage 3: what a step may still
-        have to allocate before anything optional is released (a unit gathered on demand, the
-        root's gradient bucket, which lives through all of backward, and the buckets in flight)."""
-        units = self.layout.units
-        largest_unit = max(u.padded_numel for u in units) * self.dtype.itemsize
-        largest_bucket = max(bucket_bytes(u) for u in units)
-        root_bucket = sum(bucket_bytes(u) for u in units if u.name == ROOT_UNIT)
-        return largest_unit + root_bucket + MAX_IN_FLIGHT * largest_bucket
-
     @classmethod
     def resume(
         cls, model: nn.Module, config: Config, *, total_steps: int | None = None, checkpoint: str | None = None
@@ -307,12 +188,11 @@ class Engine:
     def _restore(self, record: dict[str, Any]) -> None:
         """Parameters from the committed masters, and the counters the record holds."""
         for unit, master in self.optimizer_state.read_masters():
-            self.params.update(unit, master)
-        self.params.finish_update()
+            self.params.write_back(unit, master)
+        self.params.flush()
         self.global_step = record["step"]
         self.skipped_steps = record.get("skipped_steps", 0)
-        for counter in self._step_counters.values():
-            counter.fill_(record.get("optimizer_steps", 0))
+        self.math.restore(record.get("optimizer_steps", 0))
         if "loss_scale" in record:
             self.scaler.load_state_dict(record["loss_scale"])
         self.client_state = record.get("client_state", {})
@@ -330,35 +210,12 @@ class Engine:
         return {
             "step": step,
             "skipped_steps": self.skipped_steps,
-            "optimizer_steps": int(next(iter(self._step_counters.values())).item()),
+            "optimizer_steps": self.math.optimizer_steps(),
             "loss_scale": self.scaler.state_dict(),
             "client_state": copy.deepcopy(self.client_state),  # a deferred commit writes it later
             "rng": self.comm.all_gather_object(rng.capture()),
             "world_size": self.comm.world_size,
         }
-
-    def _optimizer_state(self, device: torch.device, resume: bool, checkpoint: str | None) -> OptimizerState:
-        """The (empty) optimizer tier the configuration asks for."""
-        offload = self.config.offload
-        if offload.optimizer != "nvme":
-            state = MemoryOptimizerState(device, pin_memory=device.type == "cpu" and self.device.pin_memory)
-            if resume:
-                assert checkpoint is not None  # __init__ refuses resuming a memory tier without one
-                state.restore(*self._memory_checkpoints(create=False).read(checkpoint))
-            return state
-        return StoreOptimizerState(
-            Path(offload.nvme_path),
-            self.layout,
-            self.comm.rank,
-            buffer_bytes=optimizer_buffer_bytes(offload),
-            io_threads=offload.io_threads,
-            checksum=offload.checksum,
-            direct_io=offload.direct_io,
-            barrier=self.comm.barrier,
-            resume=resume,
-            checkpoint=checkpoint,
-            mode=self.config.store.mode,
-        )
 
     def _lock_store(self, create: bool) -> None:
         """Take the writer lock of the store at ``offload.nvme_path`` (rank 0 holds it for the
@@ -369,24 +226,6 @@ class Engine:
             path = self.config.offload.nvme_path
             self._store_lock = self.comm.on_leader(lambda: StoreLock.acquire(path, create=create))
             self._store_locked = True
-
-    def _memory_checkpoints(self, create: bool) -> MemoryCheckpoints:
-        """The store at ``offload.nvme_path`` a memory tier keeps its checkpoints in (created
-        by the first ``save`` if ``create``)."""
-        if self._checkpoints is None:
-            self._lock_store(create)
-            offload = self.config.offload
-            self._checkpoints = MemoryCheckpoints(
-                Path(offload.nvme_path),
-                self.layout,
-                self.comm.rank,
-                io_threads=offload.io_threads,
-                checksum=offload.checksum,
-                direct_io=offload.direct_io,
-                barrier=self.comm.barrier,
-                create=create,
-            )
-        return self._checkpoints
 
     @property
     def phase(self) -> StepPhase:
@@ -452,12 +291,12 @@ class Engine:
         with self._within_step():
             self.grads.start_backward(last)  # first: it makes the last step's order the record
             if last:
-                self.optimizer_state.settle()
+                self.optimizer_state.flush()
                 lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
                 self.last_lr = lr
                 self._update = Update(self._update_order(), self.optimizer_state, lambda u, s: self._apply(u, s, lr))
-                self._unit_norms = {}
-                self.grads.on_ready = self._update.ready if self._overlap else None
+                self.math.unit_norms = {}
+                self.grads.on_ready = self._update.ready if self.math.overlap else None
             scaled = self.scaler.scale_loss(loss)
             (scaled / accum if accum > 1 else scaled).backward()
             self.grads.end_backward()
@@ -466,14 +305,8 @@ class Engine:
         self._phase = StepPhase.UPDATING if last else StepPhase.ACCUMULATING
 
     def _update_order(self) -> list[UnitLayout]:
-        """The units in the order their gradients completed last step. Before one is recorded,
-        the order backward usually takes: the last unit first, the root (embeddings, head) last.
-        A wrong guess costs memory, not correctness: shards wait for the units due before them."""
-        recorded = self.grads.order.recorded
-        if sorted(recorded) == sorted(u.name for u in self.layout.units):
-            return [self.layout.unit(name) for name in recorded]
-        units = self.layout.units
-        return [u for u in reversed(units) if u.name != ROOT_UNIT] + [u for u in units if u.name == ROOT_UNIT]
+        """The units in the order the step updates them (``update_order``)."""
+        return update_order(self.grads.order.recorded, self.layout)
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -496,7 +329,7 @@ class Engine:
             return False
         with self._within_step():
             update = self._take_update()
-            grads = self.grads.finalize()
+            grads = self.grads.final_shards()
             overflow = self.scaler.unscale_and_check(grads, self.comm)
             self.scaler.update(overflow)
             if overflow:
@@ -506,21 +339,10 @@ class Engine:
                     "step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale
                 )
             else:
-                if self._overlap:
-                    update.finish()
-                    self._check_unit_norms(update)
-                else:
-                    self._check_norm(update, grads)
-                    update.finish()
-                self.params.finish_update()
-                start = time.perf_counter()
-                self.optimizer_state.finish(
-                    self._commit_record(self.global_step + 1), defer=self.config.store.defer_commit
-                )
-                update.wait_s += time.perf_counter() - start
+                self._update_and_commit(update, grads)
             self.global_step += 1
             self._drop_grads()
-            self._finish_saving()
+            self._commit_checkpoint()
             self._record_stats(update)
         self._phase = self._between_steps()
         return not overflow
@@ -531,29 +353,22 @@ class Engine:
         assert update is not None, "entering UPDATING opens the step's update"
         return update
 
-    def _check_norm(self, update: Update, grads: list[torch.Tensor]) -> None:
-        """Before any unit is updated: the global gradient norm, which stops the step if it is
-        not finite and clips the gradients (``optim.grad_clip``). Loss scaling without clipping
-        needs neither: its overflow check has passed."""
-        clip = self.config.optim.grad_clip
-        if clip == 0 and self.scaler.enabled:
-            return
-        norm = grad_norm(self._norm_pieces(grads), self.comm)
-        self.last_grad_norm = float(norm)
-        if not math.isfinite(self.last_grad_norm):
-            self._diverge(update, f"the gradient norm is {self.last_grad_norm}")
-        if clip > 0:
-            clip_grads_(grads, clip, norm)
-
-    def _check_unit_norms(self, update: Update) -> None:
-        """After updates inside backward, each taken only if its unit's gradient norm was
-        finite: stop the step on every rank if any rank left a unit out. One all-reduce of the
-        squared norms agrees on it (nan and inf survive the sum) and gives the global norm."""
-        squares = sum(norm * norm for norm in self._unit_norms.values())
-        self.last_grad_norm = math.sqrt(self.comm.all_reduce_value(squares, op="sum"))
-        if not math.isfinite(self.last_grad_norm):
-            left_out = [(name, norm) for name, norm in self._unit_norms.items() if not math.isfinite(norm)]
-            self._diverge(update, nonfinite_units(self.comm.all_gather_object(left_out)))
+    def _update_and_commit(self, update: Update, grads: list[torch.Tensor]) -> None:
+        """Update every unit (after the norm check, or check the norms of the updates made
+        inside backward), store the new parameters and commit the step on the optimizer tier."""
+        if self.math.overlap:
+            update.apply_remaining()
+            diverged = self.math.check_unit_norms()
+        else:
+            diverged = self.math.check_norm(grads, self.scaler.enabled)
+        if diverged is not None:
+            self._diverge(update, diverged)
+        if not self.math.overlap:
+            update.apply_remaining()
+        self.params.flush()
+        start = time.perf_counter()
+        self.optimizer_state.commit(self._commit_record(self.global_step + 1), defer=self.config.store.defer_commit)
+        update.wait_s += time.perf_counter() - start
 
     def abandon_step(self, what: str) -> NoReturn:
         """Stop the step whose backward has run, instead of ``step()``, because ``what`` is not
@@ -568,61 +383,21 @@ class Engine:
         reads, let the parameter gathers every rank issued complete, never commit its writes,
         and take no further step: the model and the optimizer state may be partly updated."""
         update.abandon()
-        self.params.finish_update()
+        self.params.flush()
         where = self.optimizer_state.discard_step()
         self._diverged = diverged_message(self.global_step + 1, what, where, self.config)
         self._phase = StepPhase.DIVERGED
         raise DivergedError(self._diverged)
 
-    def _norm_pieces(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What the global gradient norm is taken over: on one rank each parameter's gradient
-        (views of the unit shards, which are whole there) in the model's parameter order, as
-        ``torch.nn.utils.clip_grad_norm_`` takes it, so that the norm is torch's bit for bit; on
-        several ranks a parameter may span shards, so each rank's shards."""
-        if self.comm.world_size > 1:
-            return grads
-        views = {}
-        for unit in self.layout.units:
-            views.update(param_views(self.grads.ready(unit.name), unit))
-        return [views[name] for name in self._param_order]
-
     def _apply(self, unit: UnitLayout, state: ShardState, lr: float) -> None:
-        """AdamW on one unit's shard, then hand the new master to the parameters.
-
-        Inside backward (overlap) nothing has seen every gradient, so the unit's own gradient
-        norm is taken first, and a unit whose norm is not finite is left as it was (``step``
-        then stops the step on every rank; raising here, in an autograd hook, would leave the
-        other ranks waiting in their collectives). Its unchanged master is still handed on:
-        every rank must take part in the same parameter gathers."""
-        grad = self.grads.ready(unit.name)
-        finite = True
-        if self._overlap:
-            norm = self._unit_norms[unit.name] = float(torch.linalg.vector_norm(grad))
-            finite = math.isfinite(norm)
-        if finite:
-            if self._saving is not None:
-                self._saving.wait_unit(unit.name)
-            self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._step_counters[unit.name], lr)
-        self.params.update(unit, state.master)
-        self.grads.release_shard(unit.name)
+        """One unit's update (``StepMath.apply``), as the step's ``Update`` calls it."""
+        self.math.apply(unit, state, lr)
 
     def _record_stats(self, update: Update) -> None:
         now = time.perf_counter()
-        store = self.optimizer_state
-        reads, writes = store.take_io_bytes()
-        param_reads, param_writes = self.params.io_bytes()
-        hits, misses = self.params.prefetch_counts()
-        self.last_step_stats = StepStats(
-            seconds=now - (self._step_started or now),
-            param_wait_s=self.params.take_wait_s(),
-            optimizer_wait_s=update.wait_s,
-            optimizer_s=update.compute_s,
-            bytes_read=reads + param_reads,
-            bytes_written=writes + param_writes,
-            prefetch_hits=hits,
-            prefetch_misses=misses,
-            device_high_water=self.budget.high_water,
-            bytes_copied=self.device.take_copied_bytes(),
+        seconds = now - (self._step_started or now)
+        self.last_step_stats = measure_step(
+            seconds, update, self.optimizer_state, self.params, self.budget, self.device
         )
         self._step_started = None
 
@@ -661,18 +436,12 @@ class Engine:
         ``step()``): the state is half updated then. On the nvme tier also after a failed
         step: the store keeps its last commit, which the step never changed (or, rewriting it in
         place, marked dirty, which the store refuses to keep)."""
-        keep = self.config.checkpoint.keep
-        if isinstance(self.optimizer_state, StoreOptimizerState):
-            self._expect("save(tag)", *BETWEEN_UPDATES, StepPhase.FAILED)
-            self._settle()
-            self.optimizer_state.save(tag, keep=keep)
-            return
-        self._expect("save(tag)", *BETWEEN_UPDATES)
-        self._finish_saving()
-        states = self.optimizer_state.stream(self.layout.units)
-        self._saving = self._memory_checkpoints(create=True).save(
-            tag, self._commit_record(self.global_step), states, keep=keep
-        )
+        durable = self.optimizer_state.durable  # its last commit outlives a failed step
+        self._expect("save(tag)", *BETWEEN_UPDATES, *((StepPhase.FAILED,) if durable else ()))
+        self._flush()
+        self._commit_checkpoint()
+        record = lambda: self._commit_record(self.global_step)  # noqa: E731
+        self._saving = self.optimizer_state.save(tag, record, keep=self.config.checkpoint.keep)
 
     def flush(self) -> None:
         """Commit the last step now if its commit was deferred (``store.defer_commit``), so that
@@ -680,21 +449,21 @@ class Engine:
         next step's last backward, its writes having gone on behind that step's forward. Every
         rank calls it at the same point: it synchronises them."""
         self._expect("flush()", *BETWEEN_UPDATES, StepPhase.UPDATING, StepPhase.DIVERGED, StepPhase.FAILED)
-        self._settle()
+        self._flush()
 
-    def _settle(self) -> None:
+    def _flush(self) -> None:
         """Commit the last step now if its commit was deferred. A commit that fails loses that
         step: its state is in the parameters but not in the store."""
         with self._within_step():
-            self.optimizer_state.settle()
+            self.optimizer_state.flush()
         if self._phase is StepPhase.COMMIT_PENDING:
             self._phase = StepPhase.IDLE
 
-    def _finish_saving(self) -> None:
-        """Make a memory tier's checkpoint in progress durable and keep it."""
+    def _commit_checkpoint(self) -> None:
+        """Make a checkpoint still being written durable and keep it (every rank: it synchronises)."""
         saving, self._saving = self._saving, None
         if saving is not None:
-            saving.finish()
+            saving.commit()
             logger.info("kept checkpoint %s", saving.tag)
 
     def memory_report(self) -> dict[str, int]:
@@ -714,14 +483,13 @@ class Engine:
         if self._phase is StepPhase.CLOSED:
             return
         try:
-            self._finish_saving()
+            self._commit_checkpoint()
             self.optimizer_state.close()
         finally:
             self._phase = StepPhase.CLOSED
             self.grads.close()
             self.params.close()
-            if self._checkpoints is not None:
-                self._checkpoints.close()
+            self.io.close()  # after every tier: the writes still in flight land before the lock goes
             if self._store_lock is not None:
                 self._store_lock.release()
             self.comm.close()

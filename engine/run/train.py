@@ -35,7 +35,7 @@ from engine.run.data import TokenBatches, load_tokens, split
 from engine.run.evaluate import Validation, perplexity
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.runtime.sizes import GIB, MIB
-from engine.tiers.optimizer_store import resume_point
+from engine.tiers.store_checks import resume_point
 from offload import CheckpointExistsError, read_committed
 
 logger = logging.getLogger(__name__)

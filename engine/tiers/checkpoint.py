@@ -14,18 +14,19 @@ from pathlib import Path
 
 import torch
 
-from engine.tiers.optimizer import ShardState
-from engine.tiers.optimizer_store import KINDS, first_difference, naming_way_out
+from engine.tiers.optimizer import STATE_KINDS, ShardState
 from engine.tiers.step_record import check_step_record
+from engine.tiers.store_checks import first_difference, naming_way_out
+from engine.tiers.store_io import StoreIO
 from engine.zero.partition import ModelLayout, UnitLayout
-from offload import Generations, IORunner, ShardStore, create_arrays, generation_prefix, read_shard, write_shard_async
+from offload import Generations, ShardStore, create_arrays, generation_prefix, read_shard, write_shard_async
 
 logger = logging.getLogger(__name__)
 
 
 class PendingCheckpoint:
     """A memory tier's checkpoint being written: each unit's state must stay as it is until its
-    writes are done (``wait_unit``), and ``finish``, on every rank, makes it durable and keeps it."""
+    writes are done (``wait_unit``), and ``commit``, on every rank, makes it durable and keeps it."""
 
     def __init__(self, tag: str, writes: dict[str, tuple[ShardState, list[Future]]], keep: Callable[[], None]):
         self.tag = tag
@@ -38,7 +39,7 @@ class PendingCheckpoint:
         for future in futures:
             future.result()
 
-    def finish(self) -> None:
+    def commit(self) -> None:
         """Wait for every write, fsync, and keep the checkpoint (collective: every rank calls it)."""
         for name in list(self._writes):
             self.wait_unit(name)
@@ -60,30 +61,26 @@ class MemoryCheckpoints:
         path: Path,
         layout: ModelLayout,
         rank: int,
+        io: StoreIO,
         *,
-        io_threads: int,
-        checksum: bool,
-        direct_io: bool,
-        barrier: Callable[[], None],
         create: bool,
     ):
         self.layout, self.rank = layout, rank
-        self._barrier = barrier
+        self._barrier = io.barrier
         self._leader = rank == 0
-        self.runner = IORunner(threads=io_threads)
         if self._leader and create and not (path / "zarr.json").exists():
             attrs = {"layout": layout.to_dict()}
             ShardStore.create(
-                path, attrs, runner=self.runner, checksum=checksum, direct_io=direct_io, overwrite=path.exists()
+                path, attrs, runner=io.runner, checksum=io.checksum, direct_io=io.direct_io, overwrite=path.exists()
             )
-        barrier()
-        self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
+        io.barrier()
+        self.store = ShardStore.open(path, runner=io.runner, direct_io=io.direct_io)
         first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)
         self.generations = Generations(self.store)
         if self._leader:  # a checkpoint a crash left pending in a live store is kept before it is looked for
             self.generations.tidy()
             self.generations.keep_superseded()
-        barrier()
+        io.barrier()
 
     def read(self, tag: str) -> tuple[dict, Iterator[tuple[UnitLayout, ShardState]]]:
         """Checkpoint ``tag``'s record, and this rank's shard of each unit's state (host tensors,
@@ -95,7 +92,7 @@ class MemoryCheckpoints:
 
         def shards() -> Iterator[tuple[UnitLayout, ShardState]]:
             for unit in self.layout.units:
-                state = ShardState(*(torch.empty(unit.shard_numel, dtype=torch.float32) for _ in KINDS))
+                state = ShardState(*(torch.empty(unit.shard_numel, dtype=torch.float32) for _ in STATE_KINDS))
                 read_shard(self.store, prefix, unit, self.rank, state.views())
                 yield unit, state
 
@@ -105,7 +102,7 @@ class MemoryCheckpoints:
         self, tag: str, record: dict, states: Iterator[tuple[UnitLayout, ShardState]], keep: int
     ) -> PendingCheckpoint:
         """Start writing every unit's state as checkpoint ``tag`` with ``record``; the returned
-        checkpoint is kept, and the oldest beyond ``keep`` (0 keeps all) deleted, by its ``finish``."""
+        checkpoint is kept, and the oldest beyond ``keep`` (0 keeps all) deleted, by its ``commit``."""
         self.generations.check_free_tag(tag)  # on every rank, so that all of them raise or none
         generation = self.generations.next_free()
         prefix = generation_prefix(generation)
@@ -113,7 +110,8 @@ class MemoryCheckpoints:
         if self._leader:
             self.generations.drop_uncommitted()
             self.store.build(
-                prefix, lambda staging: create_arrays(self.store, staging, self.layout.units, KINDS, torch.float32)
+                prefix,
+                lambda staging: create_arrays(self.store, staging, self.layout.units, STATE_KINDS, torch.float32),
             )
         self._barrier()
         writes = {}
@@ -129,6 +127,3 @@ class MemoryCheckpoints:
             self._barrier()
 
         return PendingCheckpoint(tag, writes, keep_it)
-
-    def close(self) -> None:
-        self.runner.close()

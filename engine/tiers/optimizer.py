@@ -9,13 +9,16 @@ and write them back behind the update, so the step's code is the same on every t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.zero.partition import UnitLayout
+
+if TYPE_CHECKING:
+    from engine.tiers.checkpoint import MemoryCheckpoints, PendingCheckpoint
 
 
 @dataclass
@@ -39,44 +42,49 @@ STATE_KINDS = tuple(field.name for field in dataclasses.fields(ShardState))
 
 
 class OptimizerState(Protocol):
-    """The storage of every unit's ``ShardState`` on one tier."""
+    """The storage of every unit's ``ShardState`` on one tier, through one step's lifecycle:
+    ``add`` every unit (a new run) and ``commit`` them as step 0; each step ``read`` the
+    units, ``write_back`` each once updated and ``commit`` the step; ``flush`` what a tier
+    left in the background; ``save`` a checkpoint; ``close``."""
 
     resumed_from: dict | None
     """The committed record the state was restored from (None: a new run)."""
 
-    def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
-        """Each unit's fp32 master shard, in layout order (to rebuild parameters on resume)."""
-        ...
+    durable: bool
+    """Whether the committed state is on disk, apart from the state a step updates: it
+    survives a failed step, so a checkpoint can still be saved from it."""
 
-    def add_unit(self, unit: UnitLayout, master: torch.Tensor) -> None:
+    def add(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """Take a unit's initial fp32 master shard (copied) with zero moments."""
         ...
 
-    def seal(self) -> None:
-        """Every unit is added: make the initial state durable where the tier can."""
+    def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
+        """Each unit's committed fp32 master shard, in layout order (to rebuild parameters on resume)."""
         ...
 
-    def stream(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
-        """Each unit's state, in ``units`` order, ready to update in place."""
+    def read(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
+        """Each unit's state, in ``units`` order, read ahead where it is not in memory, ready to
+        update in place."""
         ...
 
-    def done(self, unit: UnitLayout, state: ShardState) -> None:
-        """The unit's state has been updated: persist it (or not, in memory)."""
+    def write_back(self, unit: UnitLayout, state: ShardState) -> None:
+        """The unit's state has been updated: store it (behind the update, or not at all in memory)."""
         ...
 
-    def finish(self, record: dict, *, defer: bool = False) -> None:
-        """Every unit is done: wait until the whole step's state is stored, with ``record``
-        (step count and the like) describing it; with ``defer``, a tier that stores it in the
-        background may return first, and stores it before its next ``stream`` or ``close``."""
+    def commit(self, record: dict, *, defer: bool = False) -> None:
+        """Every unit is written back: make the step's state the one a run resumes from, with
+        ``record`` (step count and the like) describing it; with ``defer``, a tier that stores
+        it in the background may return first, and commits before its next ``read``, ``save``
+        or ``close``, or at ``flush``."""
         ...
 
     @property
     def commit_pending(self) -> bool:
-        """Whether a step's deferred ``finish`` still waits for ``settle``."""
+        """Whether a step's deferred ``commit`` still waits for ``flush``."""
         ...
 
-    def settle(self) -> None:
-        """Store a step whose ``finish`` was deferred now (nothing if none is): the engine
+    def flush(self) -> None:
+        """Complete what the tier left in the background (a deferred commit) now: the engine
         calls it where the step must be committed, before the next step reads its state."""
         ...
 
@@ -84,6 +92,14 @@ class OptimizerState(Protocol):
         """The step in progress diverged and is given up: whatever it wrote must never become
         the state a run resumes from. Returns where a run can go on instead, for the error
         that stops this one."""
+        ...
+
+    def save(self, tag: str, record: Callable[[], dict], keep: int) -> PendingCheckpoint | None:
+        """Keep the committed state as checkpoint ``tag`` in the store at ``offload.nvme_path``,
+        then delete the oldest beyond ``keep`` (0 keeps all). ``record`` makes the step's record
+        (collective), for a tier that writes one. A checkpoint still being written is returned:
+        the caller commits it at a point every rank reaches (the tier keeps each unit's state
+        unchanged until its own writes are done)."""
         ...
 
     def nbytes(self) -> int:
@@ -94,16 +110,26 @@ class OptimizerState(Protocol):
         """Bytes the steps since the last call read and wrote to disk."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Complete what is pending (``flush``) and release what the tier holds."""
+        ...
 
 
 class MemoryOptimizerState:
-    """Shards held in device or host memory for the whole run (tiers ``device`` and ``cpu``)."""
+    """Shards held in device or host memory for the whole run (tiers ``device`` and ``cpu``);
+    their checkpoints are written to a store (``engine.tiers.checkpoint``)."""
 
-    def __init__(self, device: torch.device, pin_memory: bool = False):
+    durable = False  # a failed step may have updated part of the state it holds
+
+    def __init__(
+        self, device: torch.device, checkpoints: Callable[[bool], MemoryCheckpoints], pin_memory: bool = False
+    ):
         self._device, self._pin = device, pin_memory
+        self._checkpoints = checkpoints
+        """Opens the store of checkpoints (creating it if asked), on first use."""
         self._units: list[UnitLayout] = []
         self._states: dict[str, ShardState] = {}
+        self._saving: PendingCheckpoint | None = None
         self.resumed_from: dict | None = None
         """The record of the checkpoint ``restore`` took the state from."""
 
@@ -118,12 +144,13 @@ class MemoryOptimizerState:
         self._states[unit.name] = state
         return state
 
-    def add_unit(self, unit: UnitLayout, master: torch.Tensor) -> None:
+    def add(self, unit: UnitLayout, master: torch.Tensor) -> None:
         self._new_state(unit).master.copy_(master)
 
-    def restore(self, record: dict, shards: Iterable[tuple[UnitLayout, ShardState]]) -> None:
-        """Resume: take every unit's state as a checkpoint holds it, and the ``record`` it was
+    def restore(self, tag: str) -> None:
+        """Resume: take every unit's state as checkpoint ``tag`` holds it, and the record it was
         saved with, instead of adding units."""
+        record, shards = self._checkpoints(False).read(tag)
         for unit, loaded in shards:
             for held, value in zip(self._new_state(unit).tensors(), loaded.tensors(), strict=True):
                 held.copy_(value)
@@ -134,24 +161,24 @@ class MemoryOptimizerState:
         for unit in self._units:
             yield unit, self._states[unit.name].master
 
-    def seal(self) -> None:
-        return None
-
-    def stream(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
+    def read(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
+        """The held state, each unit's once a checkpoint being saved has written it."""
         for unit in units:
+            if self._saving is not None:
+                self._saving.wait_unit(unit.name)
             yield unit, self._states[unit.name]
 
-    def done(self, unit: UnitLayout, state: ShardState) -> None:
+    def write_back(self, unit: UnitLayout, state: ShardState) -> None:
         return None
 
-    def finish(self, record: dict, *, defer: bool = False) -> None:
+    def commit(self, record: dict, *, defer: bool = False) -> None:
         return None
 
     @property
     def commit_pending(self) -> bool:
         return False
 
-    def settle(self) -> None:
+    def flush(self) -> None:
         return None
 
     def discard_step(self) -> str:
@@ -159,6 +186,12 @@ class MemoryOptimizerState:
             "the optimizer state is held in memory, so a run continues only from a checkpoint saved before this step "
             "(Engine.resume(model, config, checkpoint=TAG) or `python -m engine train --from-checkpoint TAG`)"
         )
+
+    def save(self, tag: str, record: Callable[[], dict], keep: int) -> PendingCheckpoint:
+        """Start writing every unit's state in the background (``MemoryCheckpoints.save``)."""
+        states = ((unit, self._states[unit.name]) for unit in self._units)
+        self._saving = self._checkpoints(True).save(tag, record(), states, keep=keep)
+        return self._saving
 
     def nbytes(self) -> int:
         return sum(t.nbytes for s in self._states.values() for t in s.tensors())

@@ -3,8 +3,8 @@
 ``device`` keeps them on the compute device, ``cpu`` in host memory (pinned where an
 accelerator exists, so the copy up is asynchronous), ``nvme`` in a store under
 ``<offload.nvme_path>/params``, read ahead into pooled host buffers. Either way a gather
-asks for a ``Fetch`` early and waits for it late, and every optimizer step hands the new
-fp32 masters back through ``update``.
+``read``s a shard early and waits for its ``Fetch`` late, and every optimizer step hands
+the new fp32 masters back through ``write_back``, then ``flush``es.
 
 The parameter shards are derived data: the fp32 masters are the truth, and a resume
 rebuilds the shards from the committed masters. So the ``nvme`` tier keeps one copy
@@ -24,11 +24,11 @@ import torch
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.device import Device
 from engine.tiers.sizing import param_pool_bytes
+from engine.tiers.store_io import StoreIO
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import (
     TOP,
     BufferPool,
-    IORunner,
     ShardStore,
     create_arrays,
     read_shard_async,
@@ -62,21 +62,24 @@ class Fetch:
 
 
 class ParamTier(Protocol):
-    """One tier's storage of every unit's parameter shard on this rank."""
+    """One tier's storage of every unit's parameter shard on this rank, through the same
+    lifecycle verbs as the optimizer tiers: ``add`` each unit, ``read`` ahead of use,
+    ``write_back`` each step's new values, ``flush`` them, ``close``. Nothing is committed:
+    the shards derive from the masters, which a resume reads."""
 
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
         """Take the unit's initial shard (compute dtype, copied)."""
         ...
 
-    def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
+    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """Store the unit's new shard, cast from its fp32 master (copied before returning)."""
         ...
 
-    def finish_update(self) -> None:
-        """Every update of the step is stored: fetches from here on see the new values."""
+    def flush(self) -> None:
+        """Complete every write issued (a failed one raises here): reads from here on see the new values."""
         ...
 
-    def fetch(self, unit: UnitLayout) -> Fetch:
+    def read(self, unit: UnitLayout) -> Fetch:
         """Start bringing the unit's shard where a copy to the device can take it."""
         ...
 
@@ -88,7 +91,9 @@ class ParamTier(Protocol):
         """Bytes read from and written to disk since the last call."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what the tier holds."""
+        ...
 
 
 class MemoryParamTier:
@@ -107,17 +112,17 @@ class MemoryParamTier:
             self._budget.charge(held.nbytes, f"the parameter shard of unit {unit.name!r}")
         self._shards[unit.name] = held.copy_(shard)
 
-    def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
+    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
         held = self._shards[unit.name]
         if self._on_device:  # from a host master: on the copy stream, behind the gathers reading it
             self._copier.copy(held, master).synchronize()
         else:
             held.copy_(master)
 
-    def finish_update(self) -> None:
+    def flush(self) -> None:
         return None
 
-    def fetch(self, unit: UnitLayout) -> Fetch:
+    def read(self, unit: UnitLayout) -> Fetch:
         return Fetch(self._shards[unit.name])
 
     def host_bytes(self) -> int:
@@ -145,16 +150,13 @@ class StoreParamTier:
         layout: ModelLayout,
         rank: int,
         dtype: torch.dtype,
+        io: StoreIO,
         *,
         buffer_bytes: int,
-        io_threads: int,
-        checksum: bool,
-        direct_io: bool,
-        barrier: Callable[[], None],
     ):
         self._rank, self._dtype = rank, dtype
         self.pool = BufferPool(param_pool_bytes(layout.units, dtype, buffer_bytes))
-        self.runner = IORunner(threads=io_threads)
+        self.runner = io.runner
         if rank == 0:
             # Derived data: whatever an earlier run left here is replaced, never resumed from.
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -162,14 +164,14 @@ class StoreParamTier:
                 path,
                 {"content": "compute-dtype parameter shards, derived from the masters"},
                 runner=self.runner,
-                checksum=checksum,
-                direct_io=direct_io,
+                checksum=io.checksum,
+                direct_io=io.direct_io,
                 overwrite=True,
             )
             create_arrays(store, TOP, layout.units, (PARAM_KIND,), dtype)
             store.sync()
-        barrier()
-        self.store = ShardStore.open(path, runner=self.runner, direct_io=direct_io)
+        io.barrier()
+        self.store = ShardStore.open(path, runner=self.runner, direct_io=io.direct_io)
         self._writes: list[Future] = []
         self._bytes_read = 0
         self._bytes_written = 0
@@ -177,7 +179,7 @@ class StoreParamTier:
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
         self._write(unit, shard)
 
-    def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
+    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
         self._write(unit, master)
 
     def _write(self, unit: UnitLayout, values: torch.Tensor) -> None:
@@ -189,7 +191,7 @@ class StoreParamTier:
         self._writes.append(future)
         self._bytes_written += buf.nbytes
 
-    def finish_update(self) -> None:
+    def flush(self) -> None:
         """Wait for the step's writes (fsynced with them: cheap after direct I/O, and it keeps
         the store's record of unsynced writes from growing); a failed one raises here."""
         writes, self._writes = self._writes, []
@@ -197,7 +199,7 @@ class StoreParamTier:
             future.result()
         self.store.sync()
 
-    def fetch(self, unit: UnitLayout) -> Fetch:
+    def read(self, unit: UnitLayout) -> Fetch:
         buf = self.pool.acquire(shard_bytes(unit, self._dtype))
         shard = buf.view(self._dtype, unit.shard_numel)
         [future] = read_shard_async(self.store, TOP, unit, self._rank, [(PARAM_KIND, shard)])
@@ -213,4 +215,6 @@ class StoreParamTier:
         return counts
 
     def close(self) -> None:
-        self.runner.close()
+        """Nothing to release: the shared I/O runner, which the engine closes after every tier,
+        finishes the writes still in flight."""
+        return None

@@ -13,7 +13,7 @@ import torch
 
 from engine.config import OffloadConfig, ZeroConfig
 from engine.runtime.sizes import MIB
-from engine.tiers.optimizer_store import IN_PLACE, store_bytes
+from engine.tiers.store_checks import IN_PLACE, store_bytes
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import shard_bytes
 

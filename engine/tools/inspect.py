@@ -22,10 +22,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.tiers.optimizer_store import (
+from engine.tiers.optimizer import STATE_KINDS
+from engine.tiers.store_checks import (
     GENERATIONS,
     IN_PLACE,
-    KINDS,
     MODE_ATTR,
     DirtyStoreError,
     check_clean,
@@ -173,7 +173,7 @@ def _bytes_per_kind(store: ShardStore, arrays: dict[str, tuple[str, str]]) -> di
     sizes: dict[str, int] = {}
     for name, (_, kind) in arrays.items():
         sizes[kind] = sizes.get(kind, 0) + store.array_info(name).nbytes
-    order = {kind: i for i, kind in enumerate(("param", *KINDS))}
+    order = {kind: i for i, kind in enumerate(("param", *STATE_KINDS))}
     return dict(sorted(sizes.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
 
 
@@ -218,7 +218,7 @@ def _verify(
 
     if generation is not None:
         for unit in layout.units:
-            for kind in KINDS:
+            for kind in STATE_KINDS:
                 name = generation_array(generation, unit.name, kind)
                 if name not in arrays:
                     fail(unit.name, kind, None, store.path / name, "the array is missing from the committed generation")

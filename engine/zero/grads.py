@@ -147,7 +147,7 @@ class GradientShards:
             self._collect()
         self._first_micro_batch = False
 
-    def finalize(self) -> list[torch.Tensor]:
+    def final_shards(self) -> list[torch.Tensor]:
         """At the optimizer step: the averaged, accumulated gradient shards not yet released,
         in unit order."""
         if not self._early:

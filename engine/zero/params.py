@@ -1,7 +1,7 @@
 """The compute-dtype parameters on the device: replicated (stages 1, 2) or sharded (stage 3).
 
 Either way each unit's parameters are views into one flat buffer, and an optimizer step
-hands each rank's updated fp32 master shard to ``update``. What differs is when the full
+hands each rank's updated fp32 master shard to ``write_back`` (then ``flush``). What differs is when the full
 buffer exists:
 
 - ``ReplicatedParams`` keeps every unit gathered for the whole run and all-gathers each
@@ -52,12 +52,13 @@ class ReplicatedParams:
         self._budget.charge(flat.nbytes, f"the parameters of unit {unit.name!r}")
         self._flats[unit.name] = flat
 
-    def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
+    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """The unit's master shard holds new values: share them with every rank (asynchronously).
         ``master`` may be reused once this returns."""
         self._gathers.append(copy_and_gather(self._device, self._comm, self._flats[unit.name], unit, master))
 
-    def finish_update(self) -> None:
+    def flush(self) -> None:
+        """Wait for the gathers of the written-back shards: the parameters hold the new values."""
         for work in self._gathers:
             work.wait()
         self._gathers.clear()
@@ -84,7 +85,7 @@ class ReplicatedParams:
     def prefetch_counts(self) -> tuple[int, int]:
         return 0, 0
 
-    def io_bytes(self) -> tuple[int, int]:
+    def take_io_bytes(self) -> tuple[int, int]:
         return 0, 0
 
     def host_bytes(self) -> int:
@@ -308,7 +309,7 @@ class ShardedParams:
 
     def _fetch(self, entry: _Unit) -> None:
         with entry.becoming(UnitState.FETCHING):
-            entry.fetch = self._tier.fetch(entry.layout)
+            entry.fetch = self._tier.read(entry.layout)
 
     def _start_copy(self, entry: _Unit) -> None:
         """The shard is fetched: give the full buffer its memory and queue the shard's copy into
@@ -421,15 +422,16 @@ class ShardedParams:
 
     # ---------------------------------------------------------- the update
 
-    def update(self, unit: UnitLayout, master: torch.Tensor) -> None:
+    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """Store the unit's new shard on its tier; a persistent unit is re-gathered at once."""
-        self._tier.update(unit, master)
+        self._tier.write_back(unit, master)
         entry = self._units[unit.name]
         if entry.persistent:
             entry.work = copy_and_gather(self._device, self._comm, entry.flat, unit, master)
 
-    def finish_update(self) -> None:
-        self._tier.finish_update()
+    def flush(self) -> None:
+        """The tier's writes complete and the persistent units' gathers done: the new values are in place."""
+        self._tier.flush()
         for entry in self._units.values():
             if entry.persistent and entry.work is not None:
                 entry.work.wait()
@@ -453,7 +455,7 @@ class ShardedParams:
         self.hits = self.misses = 0
         return counts
 
-    def io_bytes(self) -> tuple[int, int]:
+    def take_io_bytes(self) -> tuple[int, int]:
         """Bytes the tier read and wrote since the last call."""
         return self._tier.take_io_bytes()
 

@@ -9,6 +9,14 @@ that a prefetch hid costs nothing and is not counted, so ``param_wait_s`` and
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.runtime.budget import DeviceBudget
+    from engine.runtime.device import Device
+    from engine.tiers.optimizer import OptimizerState
+    from engine.zero.params import ReplicatedParams, ShardedParams
+    from engine.zero.update import Update
 
 
 @dataclass
@@ -48,3 +56,29 @@ class StepStats:
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self) | {"compute_s": self.compute_s, "prefetch_hit_rate": self.prefetch_hit_rate}
+
+
+def measure_step(
+    seconds: float,
+    update: Update,
+    optimizer_state: OptimizerState,
+    params: ReplicatedParams | ShardedParams,
+    budget: DeviceBudget,
+    device: Device,
+) -> StepStats:
+    """The step just ended, from the counters each part keeps (and resets as they are taken)."""
+    reads, writes = optimizer_state.take_io_bytes()
+    param_reads, param_writes = params.take_io_bytes()
+    hits, misses = params.prefetch_counts()
+    return StepStats(
+        seconds=seconds,
+        param_wait_s=params.take_wait_s(),
+        optimizer_wait_s=update.wait_s,
+        optimizer_s=update.compute_s,
+        bytes_read=reads + param_reads,
+        bytes_written=writes + param_writes,
+        prefetch_hits=hits,
+        prefetch_misses=misses,
+        device_high_water=budget.high_water,
+        bytes_copied=device.take_copied_bytes(),
+    )

@@ -5,7 +5,7 @@ last step (``GradientShards.order``), and the stream is opened before backward s
 first reads overlap backward's compute. Without clipping or loss scaling nothing needs
 every gradient first, so each unit is updated as soon as its shard is final and the ones
 before it in the order are done: the update runs inside backward, hidden behind the
-backward of the units still to come. Otherwise the units wait for ``finish``, after
+backward of the units still to come. Otherwise the units wait for ``apply_remaining``, after
 clipping. Either way every unit sees the same arithmetic, so the result is the same.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from engine.config import Config
 from engine.tiers.optimizer import OptimizerState, ShardState
-from engine.zero.partition import UnitLayout
+from engine.zero.partition import ROOT_UNIT, ModelLayout, UnitLayout
 
 
 def overlaps_backward(config: Config) -> bool:
@@ -30,6 +30,17 @@ def overlaps_backward(config: Config) -> bool:
         and config.zero.stage >= 2
         and config.precision.loss_scaling == "none"
     )
+
+
+def update_order(recorded: Sequence[str], layout: ModelLayout) -> list[UnitLayout]:
+    """The units in the order their gradients completed last step (``recorded``). Before one is
+    recorded, the order backward usually takes: the last unit first, the root (embeddings,
+    head) last. A wrong guess costs memory, not correctness: shards wait for the units due
+    before them."""
+    if sorted(recorded) == sorted(u.name for u in layout.units):
+        return [layout.unit(name) for name in recorded]
+    units = layout.units
+    return [u for u in reversed(units) if u.name != ROOT_UNIT] + [u for u in units if u.name == ROOT_UNIT]
 
 
 class Update:
@@ -50,7 +61,7 @@ class Update:
         self.compute_s = 0.0
         """Seconds in the update itself."""
         start = time.perf_counter()
-        self._stream = optimizer_state.stream(order)  # its first reads start now
+        self._stream = optimizer_state.read(order)  # its first reads start now
         self.wait_s += time.perf_counter() - start
 
     def ready(self, unit_name: str) -> None:
@@ -59,7 +70,7 @@ class Update:
         while self._pending and self._pending[0].name in self._ready:
             self._update_next()
 
-    def finish(self) -> None:
+    def apply_remaining(self) -> None:
         """Every gradient is final: update the units still pending."""
         while self._pending:
             self._update_next()
@@ -79,6 +90,6 @@ class Update:
         computed = time.perf_counter()
         self._apply(unit, state)
         applied = time.perf_counter()
-        self._state.done(unit, state)
+        self._state.write_back(unit, state)
         self.compute_s += applied - computed
         self.wait_s += (computed - start) + (time.perf_counter() - applied)

@@ -26,7 +26,7 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens
 from engine.run.train import build_model, meta_model
-from engine.tiers.optimizer_store import resume_point
+from engine.tiers.store_checks import resume_point
 from offload.manifest import read_committed
 
 # decay_steps fixes the schedule, so the last run may stop at any step and stay on the trajectory.

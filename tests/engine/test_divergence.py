@@ -16,7 +16,7 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.models.gpt import GPT
 from engine.run.train import train
-from engine.tiers.optimizer_store import DirtyStoreError
+from engine.tiers.store_checks import DirtyStoreError
 from engine.zero.divergence import DivergedError, nonfinite_units
 from offload.manifest import read_committed
 from tests.engine.test_cli import run as run_cli

@@ -21,7 +21,7 @@ from engine.config import Config, ConfigError
 from engine.engine import Engine
 from engine.run.cli import main
 from engine.run.train import build_model
-from engine.tiers.optimizer_store import store_bytes as engine_store_bytes
+from engine.tiers.store_checks import store_bytes as engine_store_bytes
 from engine.tools.estimate import (
     ADAM_KINDS,
     FP32,

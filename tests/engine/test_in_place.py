@@ -21,7 +21,7 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.data import load_tokens
 from engine.run.train import build_model
-from engine.tiers.optimizer_store import DirtyStoreError, check_nvme_path, store_bytes
+from engine.tiers.store_checks import DirtyStoreError, check_nvme_path, store_bytes
 from engine.tools.consolidate import consolidate
 from engine.tools.inspect import inspect_store
 from offload.generations import CheckpointExistsError

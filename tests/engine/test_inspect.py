@@ -12,7 +12,8 @@ import torch
 
 from engine.engine import Engine
 from engine.run.models.gpt import GPT, GPTConfig
-from engine.tiers.optimizer_store import KINDS, DirtyStoreError
+from engine.tiers.optimizer import STATE_KINDS
+from engine.tiers.store_checks import DirtyStoreError
 from engine.tools.inspect import committed_record, format_report, inspect_store
 from engine.zero.partition import ModelLayout
 from offload.generations import Generations
@@ -75,11 +76,11 @@ def test_report_describes_the_trained_store(trained) -> None:
     block = report["units"][0]
     assert block["chunk_numel"] <= CHUNK_ELEMS < block["shard_numel"]  # the block spans several chunks
     one_kind = 4 * sum(u.padded_numel for u in layout.units)
-    assert report["bytes_per_kind"] == {kind: one_kind for kind in KINDS}
+    assert report["bytes_per_kind"] == {kind: one_kind for kind in STATE_KINDS}
     assert report["generations"] == [STEPS, STEPS + 1]  # the committed one and the next write target
     assert report["checkpoints"] == []
     # Two generations of three kinds, plus a 4-byte CRC per chunk and small metadata files.
-    assert 2 * len(KINDS) * one_kind < report["disk_bytes"] < 2 * len(KINDS) * one_kind + 2**16
+    assert 2 * len(STATE_KINDS) * one_kind < report["disk_bytes"] < 2 * len(STATE_KINDS) * one_kind + 2**16
     assert report["verify"] is None
     text = format_report(report)
     assert f"step {STEPS}, generation {STEPS}" in text
@@ -97,7 +98,7 @@ def test_an_in_place_store_reports_its_mode_and_whether_it_is_dirty(tmp_path) ->
     assert "store_mode" not in report["attributes"]
     one_kind = 4 * sum(u.padded_numel for u in layout.units)
     # One live generation and one checkpoint, each of three kinds, plus CRCs and metadata.
-    assert 2 * len(KINDS) * one_kind < report["disk_bytes"] < 2 * len(KINDS) * one_kind + 2**17
+    assert 2 * len(STATE_KINDS) * one_kind < report["disk_bytes"] < 2 * len(STATE_KINDS) * one_kind + 2**17
     assert "mode:        in-place, clean" in format_report(report)
     with IORunner(threads=1) as runner:
         store = ShardStore.open(path, runner=runner)
@@ -152,7 +153,7 @@ def record_read_sizes(monkeypatch) -> list[int]:
 def test_verify_reads_every_chunk_one_at_a_time(trained, monkeypatch) -> None:
     read_sizes = record_read_sizes(monkeypatch)
     report = inspect_store(trained[0], verify=True)
-    chunks = len(KINDS) * sum(u.padded_numel // u.chunk_numel for u in trained[1].units)
+    chunks = len(STATE_KINDS) * sum(u.padded_numel // u.chunk_numel for u in trained[1].units)
     assert report["verify"] == {"chunks": chunks, "failures": []}
     assert len(read_sizes) == chunks and max(read_sizes) == max(u.chunk_numel for u in trained[1].units)
     assert f"checksum:    ok ({chunks} chunks read)" in format_report(report)

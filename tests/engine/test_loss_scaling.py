@@ -11,7 +11,7 @@ from tests.training import batches, config, tiny_gpt
 
 
 def masters(eng: Engine) -> dict[str, torch.Tensor]:
-    return {unit.name: state.master.clone() for unit, state in eng.optimizer_state.stream(eng.layout.units)}
+    return {unit.name: state.master.clone() for unit, state in eng.optimizer_state.read(eng.layout.units)}
 
 
 def test_inf_gradient_skips_step_and_scale_recovers() -> None:

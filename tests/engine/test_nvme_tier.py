@@ -116,7 +116,7 @@ def test_budget_smaller_than_a_unit_is_refused(tmp_path) -> None:
 
 def test_read_only_path_is_refused(tmp_path, monkeypatch) -> None:
     # As root every folder is writable, so the kernel's answer is simulated.
-    monkeypatch.setattr("engine.tiers.optimizer_store.os.access", lambda path, mode: False)
+    monkeypatch.setattr("engine.tiers.store_checks.os.access", lambda path, mode: False)
     with pytest.raises(PermissionError, match="is not writable; choose a writable folder"):
         Engine(tiny_gpt(), nvme_config(tmp_path), total_steps=1)
 

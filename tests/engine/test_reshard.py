@@ -17,7 +17,7 @@ import zarr
 
 from engine.config import Config
 from engine.engine import Engine
-from engine.tiers.optimizer_store import KINDS
+from engine.tiers.optimizer import STATE_KINDS
 from engine.zero.partition import ModelLayout
 from offload.manifest import read_committed
 from tests.ranks import run_ranks
@@ -60,9 +60,9 @@ def recommit(store: Path) -> dict[str, torch.Tensor]:
     eng = Engine(tiny_gpt(seed=99), nvme(store), total_steps=STEPS, resume=True)
     restored = snapshot(eng)
     state = eng.optimizer_state
-    for unit, shard in state.stream(eng.layout.units):
-        state.done(unit, shard)
-    state.finish(state.resumed_from)
+    for unit, shard in state.read(eng.layout.units):
+        state.write_back(unit, shard)
+    state.commit(state.resumed_from)
     eng.close()
     return restored
 
@@ -92,7 +92,7 @@ def stored_state(store: Path, generation: int) -> tuple[ModelLayout, dict[str, b
     layout = ModelLayout.from_dict(group.attrs["layout"])
     state = {}
     for unit in layout.units:
-        for kind in KINDS:
+        for kind in STATE_KINDS:
             array = group[f"gen-{generation}/{unit.name}/{kind}"]
             assert (array.shape, array.chunks) == ((unit.padded_numel,), (unit.chunk_numel,)), array.path
             values = array[:]

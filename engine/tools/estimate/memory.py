@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from engine.config import Tier
-from engine.tiers.optimizer_store import unit_state_bytes
+from engine.tiers.store_checks import unit_state_bytes
 from engine.tools.estimate.shape import Plan, RunShape, all_plans
 from engine.tools.estimate.terms import (
     HEAP_BUFFER_LIMIT,

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from engine.runtime.heap import MMAP_THRESHOLD
 from engine.runtime.sizes import FP32
-from engine.tiers.optimizer_store import KINDS, unit_state_bytes
-from engine.tiers.optimizer_store import store_bytes as optimizer_store_bytes
+from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.sizing import (
     checkpoint_bytes,
     optimizer_buffer_bytes,
@@ -16,6 +15,8 @@ from engine.tiers.sizing import (
     param_window_bytes,
     prefetch_bytes,
 )
+from engine.tiers.store_checks import store_bytes as optimizer_store_bytes
+from engine.tiers.store_checks import unit_state_bytes
 from engine.tools.estimate.shape import Plan, RunShape
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
@@ -23,7 +24,7 @@ from engine.zero.partition import ROOT_UNIT
 from engine.zero.update import overlaps_backward
 from offload import array_bytes, shard_bytes
 
-ADAM_KINDS = len(KINDS)
+ADAM_KINDS = len(STATE_KINDS)
 """fp32 tensors per parameter the optimizer tier holds: master, exp_avg, exp_avg_sq."""
 HEAP_RETENTION = 0.8
 """Fraction of the unit-sized host buffers a step frees and makes again (gradient shards and

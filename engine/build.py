@@ -1,0 +1,242 @@
+"""The engine's parts built from the config: the model's units and layout, the optimizer
+tier, the parameters on theirs, the gradient shards and the memory tiers' checkpoint store. The one place a tier's name in
+the config becomes a class: past here the engine sees only the tier protocols
+(``OptimizerState``, ``ParamTier``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.config import Config
+from engine.runtime.budget import DeviceBudget
+from engine.runtime.comm import Comm
+from engine.runtime.device import Device
+from engine.tiers.checkpoint import MemoryCheckpoints
+from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
+from engine.tiers.optimizer_store import StoreOptimizerState
+from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
+from engine.tiers.sizing import optimizer_buffer_bytes, param_window_bytes, prefetch_bytes
+from engine.tiers.store_io import StoreIO
+from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
+from engine.zero.params import ReplicatedParams, ShardedParams
+from engine.zero.partition import (
+    ROOT_UNIT,
+    ModelLayout,
+    build_layout,
+    find_units,
+    flatten_into,
+    materialize_,
+    max_chunk_numel,
+    param_views,
+    unit_parameters,
+)
+from engine.zero.recompute import checkpoint_forward
+
+logger = logging.getLogger(__name__)
+
+
+def model_units(
+    model: nn.Module, config: Config, world_size: int
+) -> tuple[list[tuple[str, nn.Module]], dict[str, list[tuple[str, nn.Parameter]]], ModelLayout]:
+    """The model's units (recomputing their activations if asked), the parameters each owns,
+    and the layout of their flat buffers and shards."""
+    units = find_units(model, config.zero.unit_classes)
+    if config.zero.activation_checkpointing:
+        for name, module in units:
+            if name != ROOT_UNIT:
+                checkpoint_forward(module)
+    owned = unit_parameters(model, units)
+    layout = build_layout(owned, world_size, max_chunk_numel(config.offload.chunk_mb))
+    return units, {u.name: owned[u.name] for u in layout.units}, layout
+
+
+def check_start(
+    config: Config, model: nn.Module, resume: bool, checkpoint: str | None, init_unit: Callable | None
+) -> bool:
+    """Refuse a start the engine cannot make; whether the model is on the meta device."""
+    tier = config.offload.optimizer
+    if resume and tier != "nvme" and checkpoint is None:
+        raise ValueError(
+            f"resuming needs the state on disk: offload.optimizer = {tier!r} keeps it in memory, so it "
+            f"resumes only from a checkpoint saved in offload.nvme_path (checkpoint=tag); or train with "
+            f'offload.optimizer = "nvme" to resume from its store\'s last step'
+        )
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and init_unit is None and not resume:
+        raise ValueError(
+            "the model's parameters are on the meta device: pass init_unit=, a function that "
+            "initialises named parameters in place, so the engine can build the model unit by unit"
+        )
+    return on_meta
+
+
+class CheckpointStore:
+    """Opens the store at ``offload.nvme_path`` that a memory tier keeps its checkpoints in, on
+    first use, after taking its writer lock (``lock(create)``, created by the first ``save``)."""
+
+    def __init__(
+        self, config: Config, layout: ModelLayout, rank: int, io: StoreIO, lock: Callable[[bool], None]
+    ) -> None:
+        self._path, self._layout, self._rank, self._io, self._lock = (
+            Path(config.offload.nvme_path),
+            layout,
+            rank,
+            io,
+            lock,
+        )
+        self._opened: MemoryCheckpoints | None = None
+
+    def __call__(self, create: bool) -> MemoryCheckpoints:
+        if self._opened is None:
+            self._lock(create)
+            self._opened = MemoryCheckpoints(self._path, self._layout, self._rank, self._io, create=create)
+        return self._opened
+
+
+def optimizer_state(
+    config: Config,
+    layout: ModelLayout,
+    rank: int,
+    io: StoreIO,
+    checkpoints: CheckpointStore,
+    *,
+    device: torch.device,
+    pin_memory: bool,
+    resume: bool,
+    checkpoint: str | None,
+) -> OptimizerState:
+    """The optimizer tier the configuration asks for: empty, or restored on resume."""
+    offload = config.offload
+    if offload.optimizer != "nvme":
+        state = MemoryOptimizerState(device, checkpoints, pin_memory=device.type == "cpu" and pin_memory)
+        if resume:
+            assert checkpoint is not None  # the engine refuses resuming a memory tier without one
+            state.restore(checkpoint)
+        return state
+    return StoreOptimizerState(
+        Path(offload.nvme_path),
+        layout,
+        rank,
+        io,
+        buffer_bytes=optimizer_buffer_bytes(offload),
+        resume=resume,
+        checkpoint=checkpoint,
+        mode=config.store.mode,
+    )
+
+
+def parameters(
+    config: Config,
+    layout: ModelLayout,
+    comm: Comm,
+    device: Device,
+    dtype: torch.dtype,
+    budget: DeviceBudget,
+    io: StoreIO,
+) -> ReplicatedParams | ShardedParams:
+    """The compute-dtype parameters, sharded on their tier at stage 3."""
+    zero, offload = config.zero, config.offload
+    if zero.stage < 3:
+        return ReplicatedParams(layout, comm, budget, device)
+    tier: ParamTier
+    if offload.param == "nvme":
+        buffer_bytes = param_window_bytes(zero, comm.world_size)
+        path = Path(offload.nvme_path) / PARAM_STORE
+        tier = StoreParamTier(path, layout, comm.rank, dtype, io, buffer_bytes=buffer_bytes)
+    else:
+        tier = MemoryParamTier(offload.param == "device", device, dtype, budget)
+    return ShardedParams(
+        layout,
+        comm,
+        tier,
+        budget,
+        device,
+        prefetch_bytes=prefetch_bytes(zero),
+        persistence_threshold=zero.persistence_threshold,
+        reserve_bytes=required_headroom(layout, dtype),
+    )
+
+
+def required_headroom(layout: ModelLayout, dtype: torch.dtype) -> int:
+    """Device bytes that gathering ahead must leave free at stage 3: what a step may still
+    have to allocate before anything optional is released (a unit gathered on demand, the
+    root's gradient bucket, which lives through all of backward, and the buckets in flight)."""
+    units = layout.units
+    largest_unit = max(u.padded_numel for u in units) * dtype.itemsize
+    largest_bucket = max(bucket_bytes(u) for u in units)
+    root_bucket = sum(bucket_bytes(u) for u in units if u.name == ROOT_UNIT)
+    return largest_unit + root_bucket + MAX_IN_FLIGHT * largest_bucket
+
+
+def gradients(
+    config: Config,
+    layout: ModelLayout,
+    owned: dict[str, list[tuple[str, nn.Parameter]]],
+    comm: Comm,
+    device: Device,
+    budget: DeviceBudget,
+    params: ReplicatedParams | ShardedParams,
+    opt_device: torch.device,
+) -> GradientShards:
+    """The gradient buckets and shards, on the optimizer's device."""
+    return GradientShards(
+        layout,
+        owned,
+        comm,
+        device,
+        opt_device,
+        reduce_per_micro_batch=config.zero.stage >= 2,
+        budget=budget,
+        shards_on_device=config.offload.optimizer == "device",
+        pin_memory=device.pin_memory and opt_device.type == "cpu",
+        after_reduce=params.release_after_backward,
+    )
+
+
+def build_units(
+    layout: ModelLayout,
+    owned: dict[str, list[tuple[str, nn.Parameter]]],
+    optimizer_state: OptimizerState,
+    params: ReplicatedParams | ShardedParams,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    rank: int,
+    init_unit: Callable[[dict[str, torch.Tensor]], None] | None,
+    materialize: bool,
+    resume: bool,
+) -> None:
+    """Unit by unit: give a meta model's parameters memory (and ``init_unit`` values), flatten
+    them, ``add`` the fp32 shard to the optimizer tier (a resume reads it from the store instead)
+    and the compute-dtype flat to the parameters, whose views the module's parameters become.
+    At most one unit's fp32 values exist at a time, so a model larger than memory builds."""
+    units = layout.units
+    built, started, every = 0, time.perf_counter(), max(1, len(units) // 10)
+    for index, unit in enumerate(units, 1):
+        if materialize:
+            materialize_(owned[unit.name], device)
+        if init_unit is not None:
+            init_unit(dict(owned[unit.name]))
+        full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
+        flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
+        if not resume:
+            optimizer_state.add(unit, full[unit.shard_slice(rank)])
+        flat = full.to(dtype) if dtype != torch.float32 else full
+        del full
+        views = param_views(flat, unit)
+        for name, param in owned[unit.name]:
+            param.data = views[name]
+        params.add(unit, flat)
+        del flat, views
+        built += unit.numel
+        if index % every == 0 and rank == 0:  # a giant model takes minutes to build
+            elapsed = time.perf_counter() - started
+            logger.info("built %d of %d units, %.0fM params, in %.0f s", index, len(units), built / 1e6, elapsed)
+    params.flush()  # the initial shards are stored before anything reads them

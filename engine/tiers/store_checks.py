@@ -1,0 +1,226 @@
+"""What is checked about the nvme optimizer tier's store before any work, and what a user is
+told when a store cannot be used.
+
+Pre-flight checks refuse, before anything is written, a path without room or rights, a
+buffer too small to stage a unit and a store of another model. ``resume_point`` decides the
+one question both a new run and a resumed one ask of an existing store: what can be
+continued in it (its committed step, its last checkpoint, or nothing). Every refusal of a
+damaged or dirty store names the way out (``way_out``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.tiers.optimizer import STATE_KINDS
+from engine.zero.partition import ModelLayout, UnitLayout
+from offload import ChecksumError, Generations, IORunner, ManifestError, ShardStore, array_bytes, shard_bytes
+
+logger = logging.getLogger(__name__)
+
+GENERATIONS = "generations"
+IN_PLACE = "in-place"
+MODES = (GENERATIONS, IN_PLACE)
+MODE_ATTR = "store_mode"
+"""Group attribute: the ``store.mode`` the store was last opened with (absent: generations)."""
+LIVE_GENERATIONS = {GENERATIONS: 2, IN_PLACE: 1}
+"""Live generations each mode keeps: the committed one and the one being written, or the one
+rewritten in place (checkpoints come on top)."""
+
+
+class DirtyStoreError(ValueError):
+    """A store whose committed generation was being rewritten in place when its run stopped."""
+
+
+def unit_state_bytes(unit: UnitLayout) -> int:
+    """Host bytes to stage one unit's optimizer state on one rank."""
+    return len(STATE_KINDS) * shard_bytes(unit, torch.float32)
+
+
+def store_bytes(layout: ModelLayout, mode: str = GENERATIONS) -> int:
+    """Disk the optimizer state takes for all ranks, in the live generations of ``mode``."""
+    return LIVE_GENERATIONS[mode] * len(STATE_KINDS) * sum(array_bytes(u, torch.float32) for u in layout.units)
+
+
+def check_mode(mode: str) -> None:
+    """Refuse an unknown mode by name (the config checks it too, but the tier is also used directly)."""
+    if mode not in MODES:
+        raise ValueError(f"store.mode = {mode!r}: use one of {', '.join(map(repr, MODES))}")
+
+
+def check_buffer(layout: ModelLayout, buffer_bytes: int) -> None:
+    """Refuse a host buffer that cannot read one unit's state while writing another's."""
+    largest = max(layout.units, key=unit_state_bytes)
+    if buffer_bytes < 2 * unit_state_bytes(largest):
+        need_mb = -(-2 * unit_state_bytes(largest) // 2**20)
+        raise ValueError(
+            f"offload.buffer_mb = {buffer_bytes // 2**20}: unit {largest.name!r} needs "
+            f"{unit_state_bytes(largest) / 2**20:.1f} MiB of host buffer to stage its optimizer state, "
+            f"twice that to read one unit while writing another; set offload.buffer_mb >= {need_mb}"
+        )
+
+
+def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS) -> None:
+    """Refuse, before any work, a path that cannot hold the store (missing rights or space)."""
+    parent = path if path.exists() else path.parent
+    if not parent.exists():
+        raise FileNotFoundError(
+            f"offload.nvme_path = {str(path)!r}: its parent folder {parent} does not exist; create it"
+        )
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"offload.nvme_path = {str(path)!r}: {parent} is not writable; choose a writable folder")
+    need, free = store_bytes(layout, mode), shutil.disk_usage(parent).free
+    if need > free:
+        in_place = store_bytes(layout, IN_PLACE)
+        hint = (
+            f'; store.mode = "in-place" needs {in_place / 2**30:.2f} GiB (one generation rewritten each step; '
+            f"after a crash mid-step only an explicit checkpoint resumes)"
+            if mode != IN_PLACE and in_place <= free
+            else "; free some space or choose another nvme_path"
+        )
+        raise OSError(
+            f"offload.nvme_path = {str(path)!r}: the store needs {need / 2**30:.2f} GiB "
+            f"({LIVE_GENERATIONS[mode]} generation(s) of fp32 master, exp_avg and exp_avg_sq, store.mode = {mode!r}) "
+            f"but only {free / 2**30:.2f} GiB are free there{hint}"
+        )
+
+
+def way_out(generations: Generations) -> str:
+    """What a user does with a store whose live state cannot be read: resume from its last
+    checkpoint (named, with the command), or, without one, start afresh."""
+    try:
+        latest = generations.latest_checkpoint()
+    except ValueError:  # the checkpoints' own records are damaged too
+        return "restore the damaged file from a backup"
+    if latest:
+        return (
+            f"resume from its last checkpoint, {latest!r}: `python -m engine train --from-checkpoint {latest}` "
+            f"(in Python: Engine.resume(model, config, checkpoint={latest!r}))"
+        )
+    return (
+        f"it holds no checkpoint to resume from, so remove {generations.store.path} and start afresh, or restore it "
+        f"from a backup (checkpoint.interval keeps checkpoints to fall back to)"
+    )
+
+
+@contextlib.contextmanager
+def naming_way_out(generations: Generations) -> Iterator[None]:
+    """Add ``way_out`` to a damaged-store error (a bad record, a bad chunk) raised inside."""
+    try:
+        yield
+    except (ManifestError, ChecksumError) as err:
+        raise type(err)(f"{err}; {way_out(generations)}") from None
+
+
+def check_clean(generations: Generations) -> None:
+    """Refuse a dirty store (its committed generation mixes two steps), naming the way out:
+    its last checkpoint, or removing it."""
+    mark = generations.dirty()
+    if mark is None:
+        return
+    raise DirtyStoreError(
+        f'store {generations.store.path} is dirty: its run (store.mode = "in-place") stopped while rewriting generation '
+        f"{mark['generation']}, committed at step {mark['step']}, so that generation mixes two steps and cannot be "
+        f"read; {way_out(generations)}"
+    )
+
+
+class Continuation:
+    """What a run can continue in an existing store: the one rule that both a new run (may it
+    replace the store?) and a resumed one (from where?) follow. The checkpoints' records are
+    read only when the answer needs them."""
+
+    def __init__(self, generations: Generations):
+        self._generations = generations
+        with naming_way_out(generations):
+            self.committed = generations.committed() is not None
+            """It holds a committed step."""
+            self.lost = self.committed and generations.dirty() is not None
+            """That step was being rewritten in place when its run stopped: it cannot be read."""
+
+    @functools.cached_property
+    def checkpoints(self) -> list[str]:
+        """Its kept checkpoints, by tag."""
+        with naming_way_out(self._generations):
+            return list(self._generations.checkpoints())
+
+    @property
+    def fallback(self) -> str | None:
+        """The checkpoint a run continues from when the committed step cannot be read (None: none kept)."""
+        with naming_way_out(self._generations):
+            return self._generations.latest_checkpoint()
+
+    @property
+    def nothing(self) -> bool:
+        """Nothing in the store can be resumed (no readable step, no checkpoint): a new run replaces it."""
+        return (not self.committed or self.lost) and not self.checkpoints
+
+
+def resume_point(path: Path) -> tuple[bool, str | None]:
+    """Where a run continues the store at ``path`` unaided: ``(True, None)`` from its last
+    committed step; ``(True, tag)`` from its last checkpoint, when it was stopped mid-step
+    while rewritten in place; ``(False, None)`` when there is nothing to continue (no store,
+    no committed step, or a store stopped mid-step in place that keeps no checkpoint: its
+    state is lost, and a new run replaces it)."""
+    if not (path / "COMMITTED").is_file():
+        return False, None
+    with IORunner(threads=1) as runner:
+        found = Continuation(Generations(ShardStore.open(path, runner=runner)))
+        if not found.lost:
+            return True, None
+        latest = found.fallback
+    return latest is not None, latest
+
+
+def check_new(path: Path, runner: IORunner) -> bool:
+    """Whether a new store may be made at ``path``: nothing there (False), or a store in which
+    nothing can be resumed (True: it is replaced); else refused, saying how to continue it."""
+    if not (path / "zarr.json").exists():
+        return False
+    found = Continuation(Generations(ShardStore.open(path, runner=runner)))
+    if found.nothing:
+        why = (
+            "was stopped mid-step while rewritten in place and keeps no checkpoint"
+            if found.committed
+            else "never committed its first step"
+        )
+        logger.warning("%s holds a store that %s: nothing in it can be resumed, starting afresh", path, why)
+        return True
+    how = (
+        "resume from it (run the same command again: `python -m engine train` continues a store), "
+        if found.committed
+        else f"it holds only checkpoints ({', '.join(found.checkpoints)}): resume from one with --from-checkpoint TAG, "
+    )
+    raise FileExistsError(
+        f"offload.nvme_path = {str(path)!r} already holds a store: {how}or remove it, or choose another nvme_path"
+    )
+
+
+def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> None:
+    """Refuse a store written for another model, naming the first difference. Another world
+    size (or chunk size) is no difference: only the shards are cut differently."""
+    stored_params = [(u.name, p.name, p.shape) for u in stored.units for p in u.params]
+    current_params = [(u.name, p.name, p.shape) for u in current.units for p in u.params]
+    for old, new in zip(stored_params, current_params, strict=False):  # a longer side is reported below
+        if old != new:
+            raise ValueError(
+                f"store {path} does not match this model: the store has parameter {old[1]!r} with shape "
+                f"{list(old[2])} in unit {old[0]!r} where the model has {new[1]!r} with shape {list(new[2])} "
+                f"in unit {new[0]!r}; resume with the model the store was trained with"
+            )
+    if len(stored_params) != len(current_params):
+        longer, which = (
+            (stored_params, "store") if len(stored_params) > len(current_params) else (current_params, "model")
+        )
+        raise ValueError(
+            f"store {path} does not match this model: the {which} has {len(longer) - min(len(stored_params), len(current_params))} "
+            f"more parameter(s), first {longer[min(len(stored_params), len(current_params))][1]!r}"
+        )

@@ -1,0 +1,135 @@
+"""``GradientShards`` on its own: each parameter's gradient reaches its unit's fp32 shard,
+summed over micro-batches, at stage 1 (reduced once at the step) and stage 2 (reduced as
+each unit's gradients arrive), and the shards go as the optimizer releases them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.runtime.budget import DeviceBudget
+from engine.runtime.comm import Comm
+from engine.runtime.device import Device
+from engine.zero.grads import GradientShards, bucket_bytes
+from engine.zero.partition import ModelLayout, build_layout, flatten_into
+
+
+def two_units(seed: int = 0) -> tuple[nn.Sequential, dict[str, list[tuple[str, nn.Parameter]]]]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    owned = {
+        "first": [("0.weight", model[0].weight), ("0.bias", model[0].bias)],
+        "second": [("2.weight", model[2].weight), ("2.bias", model[2].bias)],
+    }
+    return model, owned
+
+
+def shards_of(model: nn.Sequential, layout: ModelLayout, owned, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the shards must hold: torch's own gradients, summed over ``batches``, flattened."""
+    model.zero_grad()
+    for x in batches:
+        model(x).square().sum().backward()
+    expected = {}
+    for unit in layout.units:
+        flat = torch.zeros(unit.padded_numel)
+        flatten_into(flat, unit, {name: p.grad for name, p in owned[unit.name]})
+        expected[unit.name] = flat[: unit.shard_numel]
+    model.zero_grad(set_to_none=True)
+    return expected
+
+
+def shards(stage: int, budget: DeviceBudget | None = None):
+    model, owned = two_units()
+    reference, reference_owned = two_units()
+    layout = build_layout(owned, world_size=1, max_chunk_numel=2048)
+    grads = GradientShards(
+        layout,
+        owned,
+        Comm(),
+        Device.detect(),
+        torch.device("cpu"),
+        reduce_per_micro_batch=stage >= 2,
+        budget=budget or DeviceBudget(),
+        shards_on_device=False,
+    )
+    return model, reference, reference_owned, layout, grads
+
+
+def micro_batches(grads: GradientShards, model: nn.Module, batches: list[torch.Tensor]) -> None:
+    for index, x in enumerate(batches):
+        grads.start_backward(last_micro_batch=index == len(batches) - 1)
+        model(x).square().sum().backward()
+        grads.end_backward()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("count", [1, 3])
+def test_shards_hold_the_summed_gradients_of_every_micro_batch(stage: int, count: int) -> None:
+    model, reference, reference_owned, layout, grads = shards(stage)
+    torch.manual_seed(1)
+    batches = [torch.randn(5, 8) for _ in range(count)]
+    micro_batches(grads, model, batches)
+    final = grads.final_shards()
+    expected = shards_of(reference, layout, reference_owned, batches)
+    assert len(final) == 2
+    for unit, got in zip(layout.units, final, strict=True):
+        torch.testing.assert_close(got, expected[unit.name], rtol=1e-6, atol=1e-6)
+    assert all(p.grad is None for p in model.parameters()), "a hook drops each .grad once it is copied"
+    grads.close()
+
+
+def test_stage_2_says_when_each_unit_is_ready_in_backward_order() -> None:
+    model, _, _, _, grads = shards(stage=2)
+    ready: list[str] = []
+    grads.on_ready = ready.append
+    micro_batches(grads, model, [torch.randn(5, 8)])
+    assert ready == ["second", "first"], "backward reaches the last layer first"
+    grads.start_backward(last_micro_batch=True)  # the next step's order: the one just recorded
+    assert grads.order.recorded == ["second", "first"]
+    grads.close()
+
+
+def test_stage_2_frees_its_buckets_as_it_reduces() -> None:
+    budget = DeviceBudget()
+    model, _, _, layout, grads = shards(stage=2, budget=budget)
+    micro_batches(grads, model, [torch.randn(5, 8)])
+    assert budget.used == 0
+    assert budget.high_water >= min(bucket_bytes(u) for u in layout.units)
+    grads.close()
+
+
+def test_stage_1_keeps_its_buckets_until_the_step() -> None:
+    budget = DeviceBudget()
+    model, _, _, layout, grads = shards(stage=1, budget=budget)
+    micro_batches(grads, model, [torch.randn(5, 8)])
+    assert budget.used == sum(bucket_bytes(u) for u in layout.units)
+    grads.final_shards()
+    assert budget.used == 0
+    grads.close()
+
+
+def test_released_shards_are_gone_and_zero_starts_a_new_window() -> None:
+    model, reference, reference_owned, layout, grads = shards(stage=2)
+    micro_batches(grads, model, [torch.randn(5, 8)])
+    grads.final_shards()
+    total = grads.nbytes()
+    assert total == sum(u.shard_numel * 4 for u in layout.units)
+    grads.release_shard("first")
+    assert "first" not in grads.shards and grads.nbytes() == total - layout.unit("first").shard_numel * 4
+    grads.zero()
+    assert grads.shards == {}
+    batch = torch.randn(5, 8)
+    micro_batches(grads, model, [batch])  # copied, not added to the window before
+    expected = shards_of(reference, layout, reference_owned, [batch])
+    for unit, got in zip(layout.units, grads.final_shards(), strict=True):
+        torch.testing.assert_close(got, expected[unit.name], rtol=1e-6, atol=1e-6)
+    grads.close()
+
+
+def test_close_removes_the_hooks() -> None:
+    model, _, _, _, grads = shards(stage=2)
+    grads.close()
+    model(torch.randn(5, 8)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert grads.shards == {}

@@ -1,0 +1,414 @@
+"""The contract every tier keeps, checked on every tier through the same cases (as zarr's
+``StoreTests`` checks every store): optimizer tiers (``device``, ``cpu``, ``nvme`` by
+generations, ``nvme`` in place) and parameter tiers (``device``, ``cpu``, ``nvme``).
+
+A new tier joins by adding a ``Kind`` below; it then passes these or it is not a tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine.runtime.budget import DeviceBudget
+from engine.runtime.device import Device
+from engine.runtime.sizes import MIB
+from engine.tiers.checkpoint import MemoryCheckpoints
+from engine.tiers.optimizer import STATE_KINDS, MemoryOptimizerState, OptimizerState, ShardState
+from engine.tiers.optimizer_store import StoreOptimizerState
+from engine.tiers.parameters import PARAM_KIND, MemoryParamTier, ParamTier, StoreParamTier
+from engine.tiers.store_checks import unit_state_bytes
+from engine.tiers.store_io import StoreIO
+from engine.zero.partition import ModelLayout, UnitLayout, build_layout
+from offload import TOP, IORunner, ShardStore, read_shard
+
+SIZES = (3000, 1000, 5000)  # elements per unit: shards padded to their chunks
+
+
+def small_layout() -> ModelLayout:
+    units = {f"unit{i}": [("weight", nn.Parameter(torch.empty(n, device="meta")))] for i, n in enumerate(SIZES)}
+    return build_layout(units, world_size=1, max_chunk_numel=MIB // 4)
+
+
+def master_of(unit: UnitLayout, seed: int) -> torch.Tensor:
+    """A unit's master shard, distinct per unit and per seed (padding zero, as the engine's)."""
+    values = torch.zeros(unit.shard_numel)
+    values[: unit.numel] = torch.arange(unit.numel, dtype=torch.float32) * 0.5 + seed + SIZES.index(unit.numel)
+    return values
+
+
+@pytest.fixture
+def io() -> Iterator[StoreIO]:
+    store_io = StoreIO(IORunner(threads=2), checksum=True, direct_io=False, barrier=lambda: None)
+    yield store_io
+    store_io.close()
+
+
+# ------------------------------------------------------------------ optimizer tiers
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """How to open one optimizer tier over the store at ``path``."""
+
+    name: str
+
+    @property
+    def on_disk(self) -> bool:
+        return self.name.startswith("nvme")
+
+    def open(self, path: Path, layout: ModelLayout, io: StoreIO, checkpoint: str | None = None, resume: bool = False):
+        if self.on_disk:
+            mode = "in-place" if self.name == "nvme in-place" else "generations"
+            return StoreOptimizerState(
+                path,
+                layout,
+                0,
+                io,
+                buffer_bytes=4 * MIB,
+                resume=resume or checkpoint is not None,
+                checkpoint=checkpoint,
+                mode=mode,
+            )
+
+        def checkpoints(create: bool) -> MemoryCheckpoints:
+            return MemoryCheckpoints(path, layout, 0, io, create=create)
+
+        state = MemoryOptimizerState(torch.device("cpu"), checkpoints)
+        if checkpoint is not None:
+            state.restore(checkpoint)
+        return state
+
+
+OPTIMIZER_KINDS = [OptimizerKind(n) for n in ("device", "cpu", "nvme generations", "nvme in-place")]
+
+
+@pytest.fixture(params=OPTIMIZER_KINDS, ids=lambda k: k.name)
+def kind(request) -> OptimizerKind:
+    return request.param
+
+
+def new_tier(kind: OptimizerKind, path: Path, layout: ModelLayout, io: StoreIO) -> OptimizerState:
+    """A tier with every unit added (``master_of(unit, 0)``) and committed as step 0."""
+    tier = kind.open(path, layout, io)
+    for unit in layout.units:
+        tier.add(unit, master_of(unit, 0))
+    tier.commit({"step": 0})
+    return tier
+
+
+def step(tier: OptimizerState, layout: ModelLayout, seed: int) -> None:
+    """Read every unit, set its state from ``seed`` and write it back (no commit)."""
+    for unit, state in tier.read(layout.units):
+        state.master.copy_(master_of(unit, seed))
+        state.exp_avg.fill_(seed)
+        state.exp_avg_sq.fill_(seed * 2)
+        tier.write_back(unit, state)
+
+
+def held(tier: OptimizerState, layout: ModelLayout, record: dict) -> dict[str, list[torch.Tensor]]:
+    """Every unit's state as a read gives it (copied), in a step that changes nothing, committed
+    with ``record``."""
+    values = {}
+    for unit, state in tier.read(layout.units):
+        values[unit.name] = [t.clone() for t in state.tensors()]
+        tier.write_back(unit, state)
+    tier.commit(record)
+    return values
+
+
+def expected(layout: ModelLayout, seed: int) -> dict[str, list[torch.Tensor]]:
+    moments = (float(seed), float(seed * 2))
+    return {u.name: [master_of(u, seed), *(torch.full((u.shard_numel,), m) for m in moments)] for u in layout.units}
+
+
+def assert_state(got: dict[str, list[torch.Tensor]], want: dict[str, list[torch.Tensor]]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        for kind_name, a, b in zip(STATE_KINDS, got[name], want[name], strict=True):
+            assert torch.equal(a, b), f"{name}/{kind_name}"
+
+
+def test_added_units_read_back_with_zero_moments(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    tier = new_tier(kind, tmp_path / "store", layout, io)
+    assert_state(held(tier, layout, {"step": 99}), expected(layout, 0))
+    assert [u.name for u, _ in tier.read_masters()] == [u.name for u in layout.units]
+    tier.close()
+
+
+def test_written_back_state_reads_back_after_the_commit(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    tier = new_tier(kind, tmp_path / "store", layout, io)
+    step(tier, layout, seed=3)
+    tier.commit({"step": 1})
+    assert_state(held(tier, layout, {"step": 99}), expected(layout, 3))
+    masters = {unit.name: master.clone() for unit, master in tier.read_masters()}
+    assert all(torch.equal(masters[u.name], master_of(u, 3)) for u in layout.units)
+    tier.close()
+
+
+def test_units_are_read_in_the_order_asked(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    tier = new_tier(kind, tmp_path / "store", layout, io)
+    order = [layout.units[2], layout.units[0], layout.units[1]]
+    seen = []
+    for unit, state in tier.read(order):
+        seen.append(unit.name)
+        assert torch.equal(state.master, master_of(unit, 0))
+        tier.write_back(unit, state)
+    tier.commit({"step": 1})
+    assert seen == [u.name for u in order]
+    tier.close()
+
+
+def test_a_saved_checkpoint_resumes_with_its_values_on_a_new_tier(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    path = tmp_path / "store"
+    tier = new_tier(kind, path, layout, io)
+    step(tier, layout, seed=4)
+    tier.commit({"step": 1})
+    pending = tier.save("one", lambda: {"step": 1}, keep=0)
+    step(tier, layout, seed=5)  # the next step: the checkpoint keeps step 1
+    if pending is not None:
+        pending.commit()
+    tier.commit({"step": 2})
+    tier.close()
+    resumed = kind.open(path, layout, io, checkpoint="one")
+    assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 1
+    assert_state(held(resumed, layout, {"step": 99}), expected(layout, 4))
+    resumed.close()
+
+
+def test_a_durable_tier_resumes_from_its_last_commit(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    path = tmp_path / "store"
+    tier = new_tier(kind, path, layout, io)
+    assert tier.durable is kind.on_disk
+    if not kind.on_disk:
+        assert tier.resumed_from is None
+        return  # held in memory: only a checkpoint outlives the tier
+    step(tier, layout, seed=6)
+    tier.commit({"step": 1})
+    step(tier, layout, seed=7)
+    tier.commit({"step": 2})
+    tier.close()
+    resumed = kind.open(path, layout, io, resume=True)
+    assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 2
+    assert_state(held(resumed, layout, {"step": 99}), expected(layout, 7))
+    resumed.close()
+
+
+def test_a_deferred_commit_lands_at_flush(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    path = tmp_path / "store"
+    tier = new_tier(kind, path, layout, io)
+    step(tier, layout, seed=8)
+    tier.commit({"step": 1}, defer=True)
+    assert tier.commit_pending is kind.on_disk
+    tier.flush()
+    assert not tier.commit_pending
+    if not kind.on_disk:
+        assert_state(held(tier, layout, {"step": 2}), expected(layout, 8))
+    tier.close()
+    if kind.on_disk:
+        resumed = kind.open(path, layout, io, resume=True)
+        assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 1
+        assert_state(held(resumed, layout, {"step": 2}), expected(layout, 8))
+        resumed.close()
+
+
+def test_close_commits_a_deferred_step(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    path = tmp_path / "store"
+    tier = new_tier(kind, path, layout, io)
+    step(tier, layout, seed=9)
+    tier.commit({"step": 1}, defer=True)
+    tier.close()
+    assert not tier.commit_pending
+    if kind.on_disk:
+        resumed = kind.open(path, layout, io, resume=True)
+        assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 1
+        assert_state(held(resumed, layout, {"step": 99}), expected(layout, 9))
+        resumed.close()
+
+
+def test_discard_step_never_commits_the_step(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    path = tmp_path / "store"
+    tier = new_tier(kind, path, layout, io)
+    step(tier, layout, seed=10)
+    tier.commit({"step": 1})
+    pending = tier.save("before", lambda: {"step": 1}, keep=0)
+    if pending is not None:
+        pending.commit()
+    step(tier, layout, seed=11)
+    where = tier.discard_step()
+    assert isinstance(where, str) and where
+    tier.close()
+    if kind.name == "nvme generations":  # the store still holds step 1 as its last commit
+        assert "its last committed step" in where
+        resumed = kind.open(path, layout, io, resume=True)
+        assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 1
+        assert_state(held(resumed, layout, {"step": 99}), expected(layout, 10))
+        resumed.close()
+    resumed = kind.open(tmp_path / "store", layout, io, checkpoint="before")  # every tier: its checkpoint
+    assert_state(held(resumed, layout, {"step": 99}), expected(layout, 10))
+    resumed.close()
+
+
+def test_io_counters_count_a_step_and_reset_when_taken(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    tier = new_tier(kind, tmp_path / "store", layout, io)
+    tier.take_io_bytes()
+    step(tier, layout, seed=12)
+    tier.commit({"step": 1})
+    state_bytes = sum(unit_state_bytes(u) for u in layout.units)
+    assert tier.take_io_bytes() == ((state_bytes, state_bytes) if kind.on_disk else (0, 0))
+    assert tier.take_io_bytes() == (0, 0)
+    tier.close()
+
+
+def test_nbytes_is_the_state_held(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    tier = new_tier(kind, tmp_path / "store", layout, io)
+    state_bytes = sum(unit_state_bytes(u) for u in layout.units)
+    live = {"nvme generations": 2, "nvme in-place": 1}.get(kind.name, 1)
+    assert tier.nbytes() == live * state_bytes
+    tier.close()
+
+
+def test_close_completes_the_tier_and_leaves_the_shared_runner_to_its_owner(kind, tmp_path, io) -> None:
+    layout = small_layout()
+    path = tmp_path / "store"
+    tier = new_tier(kind, path, layout, io)
+    pending = tier.save("kept", lambda: {"step": 0}, keep=0)
+    step(tier, layout, seed=13)
+    if pending is not None:
+        pending.commit()
+    tier.commit({"step": 1})  # by generations, the checkpoint is kept when a commit supersedes it
+    tier.close()
+    tier.close()  # a second close does nothing more
+    assert (path / "checkpoints" / "kept").is_dir()
+    assert io.runner.submit(lambda: 1, what="after close").result() == 1  # the engine closes it, once
+
+
+# ------------------------------------------------------------------ parameter tiers
+
+
+PARAM_KINDS = ("device", "cpu", "nvme")
+DTYPE = torch.bfloat16
+
+
+@pytest.fixture(params=PARAM_KINDS)
+def param_kind(request) -> str:
+    return request.param
+
+
+def new_param_tier(kind: str, path: Path, layout: ModelLayout, io: StoreIO) -> ParamTier:
+    device = Device.detect()
+    if kind == "nvme":
+        return StoreParamTier(path / "params", layout, 0, DTYPE, io, buffer_bytes=MIB)
+    return MemoryParamTier(kind == "device", device, DTYPE, DeviceBudget())
+
+
+def read_all(tier: ParamTier, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    fetches = {u.name: tier.read(u) for u in layout.units}  # all asked early, waited for late
+    values = {}
+    for name, fetch in fetches.items():
+        values[name] = fetch.wait().cpu().clone()
+        fetch.release()
+    return values
+
+
+def test_added_shards_read_back(param_kind, tmp_path, io) -> None:
+    layout = small_layout()
+    tier = new_param_tier(param_kind, tmp_path, layout, io)
+    for unit in layout.units:
+        tier.add(unit, master_of(unit, 1).to(DTYPE))
+    tier.flush()
+    got = read_all(tier, layout)
+    assert all(torch.equal(got[u.name], master_of(u, 1).to(DTYPE)) for u in layout.units)
+    tier.close()
+
+
+def test_written_back_masters_read_back_cast_after_flush(param_kind, tmp_path, io) -> None:
+    layout = small_layout()
+    tier = new_param_tier(param_kind, tmp_path, layout, io)
+    for unit in layout.units:
+        tier.add(unit, master_of(unit, 1).to(DTYPE))
+    tier.flush()
+    for unit in layout.units:
+        tier.write_back(unit, master_of(unit, 2))  # fp32: the tier casts
+    tier.flush()
+    got = read_all(tier, layout)
+    assert all(torch.equal(got[u.name], master_of(u, 2).to(DTYPE)) for u in layout.units)
+    tier.close()
+
+
+def test_param_io_counters_count_and_reset_when_taken(param_kind, tmp_path, io) -> None:
+    layout = small_layout()
+    tier = new_param_tier(param_kind, tmp_path, layout, io)
+    for unit in layout.units:
+        tier.add(unit, master_of(unit, 1).to(DTYPE))
+    tier.flush()
+    shard_bytes = sum(u.shard_numel for u in layout.units) * DTYPE.itemsize
+    assert tier.take_io_bytes() == ((0, shard_bytes) if param_kind == "nvme" else (0, 0))
+    read_all(tier, layout)
+    assert tier.take_io_bytes() == ((shard_bytes, 0) if param_kind == "nvme" else (0, 0))
+    assert tier.take_io_bytes() == (0, 0)
+    tier.close()
+
+
+def test_host_bytes_are_the_host_memory_held(param_kind, tmp_path, io) -> None:
+    layout = small_layout()
+    tier = new_param_tier(param_kind, tmp_path, layout, io)
+    for unit in layout.units:
+        tier.add(unit, master_of(unit, 1).to(DTYPE))
+    tier.flush()
+    shard_bytes = sum(u.shard_numel for u in layout.units) * DTYPE.itemsize
+    on_cpu_device = Device.detect().device.type == "cpu"
+    if param_kind == "cpu" or (param_kind == "device" and on_cpu_device):
+        assert tier.host_bytes() == (0 if param_kind == "device" else shard_bytes)
+    if param_kind == "nvme":  # staged through a bounded pool: at most its budget, never the model
+        largest = max(u.shard_numel for u in layout.units) * DTYPE.itemsize
+        assert 0 < tier.host_bytes() <= MIB + 2 * largest
+    tier.close()
+
+
+def test_param_close_lets_the_runner_finish(param_kind, tmp_path, io) -> None:
+    layout = small_layout()
+    tier = new_param_tier(param_kind, tmp_path, layout, io)
+    for unit in layout.units:
+        tier.add(unit, master_of(unit, 1).to(DTYPE))
+    tier.close()  # writes may still be in flight: the shared runner lands them
+    io.runner.close()
+    if param_kind == "nvme":
+        with IORunner(threads=1) as runner:
+            store = ShardStore.open(tmp_path / "params", runner=runner)
+            for unit in layout.units:
+                stored = torch.empty(unit.shard_numel, dtype=DTYPE)
+                read_shard(store, TOP, unit, 0, [(PARAM_KIND, stored)])
+                assert torch.equal(stored, master_of(unit, 1).to(DTYPE))
+
+
+def test_every_tier_is_a_protocol_tier() -> None:
+    """The memory and store classes provide every verb of their protocol."""
+    for cls, protocol in [
+        (MemoryOptimizerState, OptimizerState),
+        (StoreOptimizerState, OptimizerState),
+        (MemoryParamTier, ParamTier),
+        (StoreParamTier, ParamTier),
+    ]:
+        verbs = {n for n in vars(protocol) if not n.startswith("_")} - {"resumed_from", "durable"}
+        assert verbs <= set(dir(cls)), f"{cls.__name__} misses {sorted(verbs - set(dir(cls)))}"
+
+
+def test_shard_state_kinds_are_the_store_arrays() -> None:
+    state = ShardState(torch.zeros(1), torch.ones(1), torch.full((1,), 2.0))
+    assert [name for name, _ in state.views()] == list(STATE_KINDS) == ["master", "exp_avg", "exp_avg_sq"]
