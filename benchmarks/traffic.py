@@ -166,7 +166,7 @@ class StoreTraffic:
         start, cpu_start = time.perf_counter(), process_cpu_s()
         load = functools.partial(self._move, self._read_generation, False)
         save = functools.partial(self._move, self._written(), True)
-        for transfer, buf in self.pipeline.stream(
+        for transfer, buf in self.pipeline.read_ahead(
             self.transfers, nbytes=lambda t: t.nbytes, load=load, describe=Transfer.describe
         ):
             if transfer.writes:

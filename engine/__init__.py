@@ -1,0 +1,48 @@
+"""A ZeRO-style training engine whose shards live on the device, in host memory or in a store.
+
+Where things are
+----------------
+- ``engine.engine``: ``Engine``, the user's object; ``engine.build`` puts one together from a
+  ``Config`` (``engine.config``).
+- ``engine.zero``: the ZeRO mechanics of one step: units and their flat layout (``partition``),
+  gathering and releasing parameters (``params``), gradient shards (``grads``), the update
+  (``update``, ``step``, ``optim``), the step cycle (``phase``) and what a step cost (``stats``).
+- ``engine.tiers``: where a rank's shards live between uses: optimizer tiers (``optimizer``,
+  ``optimizer_store`` with its checks and store modes), parameter tiers (``parameters``), the
+  sizes they take (``sizing``), checkpoints of the memory tiers and the committed step record.
+- ``engine.runtime``: the machine: the device and its copy stream (and a simulated one for
+  tests), the process group, device memory accounting, sizes.
+- ``engine.run``: ``python -m engine``: the CLI, the training loop, data, validation, the
+  built-in GPT.
+- ``engine.tools``: what works on a store or a plan from outside a run: ``estimate``,
+  ``inspect``, ``consolidate``.
+- ``offload`` (a sibling package) moves bytes: host buffers, the I/O runner, the zarr shard
+  store, its generations and commits; it never imports the engine.
+
+Words, each with one meaning
+----------------------------
+- *unit*: the grain of sharding, communication and I/O (by default a block of an
+  ``nn.ModuleList``, plus the ``root`` unit); *layout*: every unit's flat buffer and shards.
+- *shard*: one rank's equal slice of a unit's flat buffer; *master*: the fp32 shard the
+  optimizer updates; the *state kinds* are master, exp_avg and exp_avg_sq.
+- *tier*: where shards live between uses: ``device``, ``cpu`` or ``nvme`` (a store).
+- *generation*: one complete copy of the optimizer state in a store; *commit*: make a step's
+  generation the one a run resumes from; *checkpoint*: a committed step kept under a tag.
+- *stream*: only a device's queue of work (the compute stream, the copy stream). Reading
+  shards ahead of their use is a *read-ahead* (``offload.Pipeline.read_ahead``).
+
+Every tier goes through the same lifecycle verbs:
+
+- ``add``: take a unit's initial values before the first step;
+- ``read``: start bringing a unit's state into memory ahead of its use;
+- ``write_back``: hand back a unit's updated values, stored behind the update;
+- ``commit``: the step's written-back state becomes what a run resumes from (optimizer tiers);
+- ``flush``: complete what was left running in the background (a deferred commit, writes);
+- ``save``: keep the committed state as a checkpoint;
+- ``discard_step``: give up the step in progress, never committing it;
+- ``take_io_bytes``: disk bytes moved since the last call (and reset the count);
+- ``close``: complete what is pending and release what the tier holds.
+
+On the device, stage 3 *gathers* a unit's parameters before its forward or backward and
+*releases* them after.
+"""

@@ -199,7 +199,7 @@ class Engine:
         states = record.get("rng", [])
         if len(states) == self.comm.world_size:
             rng.restore(states[self.comm.rank])
-        else:  # per-rank streams cannot be mapped onto another number of ranks
+        else:  # per-rank random states cannot be mapped onto another number of ranks
             logger.warning(
                 "random states saved by %d rank(s) are not restored on %d", len(states), self.comm.world_size
             )
@@ -277,7 +277,7 @@ class Engine:
 
         On the last micro-batch of a step the last step's deferred commit lands first (its
         writes went on behind this step's forward: ``store.defer_commit``), since this step
-        reads the state it wrote; then the optimizer state starts streaming in, and without
+        reads the state it wrote; then the optimizer state starts being read ahead, and without
         clipping or loss scaling each unit is updated as soon as its gradient is reduced
         (``engine.zero.update``). Each forward's loss goes backward once."""
         self._expect("backward(loss)", StepPhase.FORWARD)

@@ -9,7 +9,7 @@ from offload.io import IORunner, OffloadIOError
 from offload.lock import StoreLock, StoreLockedError, describe_holder, read_holder
 from offload.manifest import ManifestError, commit, read_committed
 from offload.metadata import FORMAT_VERSION, ArrayInfo
-from offload.pipeline import Pipeline, PipelineStats, Stream
+from offload.pipeline import Pipeline, PipelineStats, ReadAhead
 from offload.shards import (
     TOP,
     ChunkReader,
@@ -46,11 +46,11 @@ __all__ = [
     "OffloadIOError",
     "Pipeline",
     "PipelineStats",
+    "ReadAhead",
     "ShardStore",
     "ShardedUnit",
     "StoreLock",
     "StoreLockedError",
-    "Stream",
     "array_bytes",
     "array_in_layout",
     "array_name",

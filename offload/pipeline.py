@@ -71,7 +71,7 @@ class _Load(NamedTuple):
 class Pipeline(Generic[T]):
     """Streams items through host buffers: loads ahead of the consumer, saves behind it.
 
-    One thread consumes: it iterates :meth:`stream` and calls :meth:`write_back`,
+    One thread consumes: it iterates :meth:`read_ahead` and calls :meth:`write_back`,
     :meth:`release` and :meth:`drain`; only the loads and saves run elsewhere.
     """
 
@@ -87,17 +87,17 @@ class Pipeline(Generic[T]):
         self._pending_write_bytes = 0
         self._write_errors: list[BaseException] = []
 
-    def stream(
+    def read_ahead(
         self,
         items: Sequence[T],
         *,
         nbytes: Callable[[T], int],
         load: Callable[[T, HostBuffer], None],
         describe: Callable[[T], str] = str,
-    ) -> Stream[T]:
+    ) -> ReadAhead[T]:
         """Yield ``(item, buf)`` in order, each once ``load(item, buf)`` has finished.
 
-        The first loads are issued at once, so a stream opened early (say, before a
+        The first loads are issued at once, so a read-ahead opened early (say, before a
         backward pass) has its first items read while other work runs. Loads run on the
         runner ahead of the consumer while the bytes loaded or loading but not yet yielded
         stay within the window (one item always may). An item leaves the window as it is
@@ -111,7 +111,7 @@ class Pipeline(Generic[T]):
         """
         prefetch = _Prefetch(self, items, nbytes, load, describe)
         prefetch.fill(block=False)
-        return Stream(self, prefetch)
+        return ReadAhead(self, prefetch)
 
     def write_back(
         self,
@@ -209,14 +209,14 @@ class Pipeline(Generic[T]):
             self._stats.read_wait_s += seconds
 
 
-class Stream(Generic[T]):
-    """The consumer's side of :meth:`Pipeline.stream`: an iterator that must be closed
+class ReadAhead(Generic[T]):
+    """The consumer's side of :meth:`Pipeline.read_ahead`: an iterator that must be closed
     (exhausting it closes it) so that loads still out return their buffers."""
 
     def __init__(self, pipeline: Pipeline[T], prefetch: _Prefetch[T]) -> None:
         self._pipeline, self._prefetch = pipeline, prefetch
 
-    def __iter__(self) -> Stream[T]:
+    def __iter__(self) -> ReadAhead[T]:
         return self
 
     def __next__(self) -> tuple[T, HostBuffer]:
@@ -247,10 +247,10 @@ class Stream(Generic[T]):
         self._prefetch.abandon()
 
     def __del__(self) -> None:
-        # As a generator would be: a stream dropped unfinished gives its buffers back.
+        # As a generator would be: a read-ahead dropped unfinished gives its buffers back.
         self.close()
 
-    def __enter__(self) -> Stream[T]:
+    def __enter__(self) -> ReadAhead[T]:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -258,7 +258,7 @@ class Stream(Generic[T]):
 
 
 class _Prefetch(Generic[T]):
-    """The loads of one stream, issued in order and bounded by the pipeline's window."""
+    """The loads of one read-ahead, issued in order and bounded by the pipeline's window."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Where a rank's optimizer shards live between steps, behind one streaming interface.
+"""Where a rank's optimizer shards live between steps, behind one lifecycle (add, read, write_back, commit, flush, save, close).
 
 The optimizer step asks for each unit's fp32 master and AdamW moments in a fixed order
 and hands them back when updated. Held in memory (tier ``device`` or ``cpu``) the shards

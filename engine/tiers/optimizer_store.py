@@ -1,6 +1,6 @@
 """The ``nvme`` optimizer tier: masters and AdamW moments live in the store between steps.
 
-Each step streams every unit's three shards (master, exp_avg, exp_avg_sq, fp32) from the
+Each step reads every unit's three shards (master, exp_avg, exp_avg_sq, fp32) from the
 committed generation into pooled host buffers ahead of the update, and writes them to the
 step's target generation behind it; host memory for the state is bounded by the pool's
 budget, whatever the model's size. When every rank's writes are durable the leader commits
@@ -51,8 +51,8 @@ from offload import (
     HostBuffer,
     Pipeline,
     PipelineStats,
+    ReadAhead,
     ShardStore,
-    Stream,
     array_in_layout,
     array_name,
     create_arrays,
@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 
 class StoreOptimizerState:
-    """Optimizer shards in a zarr store, streamed through a byte-bounded pipeline."""
+    """Optimizer shards in a zarr store, read ahead and written back through a byte-bounded pipeline."""
 
     durable = True  # its committed generation is on disk, untouched by a step that fails
 
@@ -91,7 +91,7 @@ class StoreOptimizerState:
         self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, window_bytes=buffer_bytes // 2)
         self.last_stats = PipelineStats()
         self._held: dict[str, HostBuffer] = {}
-        self._copy_bytes = buffer_bytes // 2  # a checkpoint copy's buffer: room for it beside a stream's window
+        self._copy_bytes = buffer_bytes // 2  # a checkpoint copy's buffer: room for it beside a read-ahead's window
         if self.leader and not resume:
             check_nvme_path(path, layout, mode)
             attrs = {"layout": layout.to_dict(), MODE_ATTR: mode}
@@ -255,8 +255,8 @@ class StoreOptimizerState:
         write_shard(self.store, prefix, unit, self.rank, self._views(unit, buf).views())
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
-        """Each unit's committed master shard, streamed (to rebuild parameters on resume)."""
-        for unit, buf in self.pipeline.stream(
+        """Each unit's committed master shard, read ahead (to rebuild parameters on resume)."""
+        for unit, buf in self.pipeline.read_ahead(
             self.layout.units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"master of unit {u.name}"
         ):
             try:
@@ -271,14 +271,14 @@ class StoreOptimizerState:
         engine has made it already, at the top of the step's last backward; a direct caller
         such as ``benchmarks.optimizer`` relies on this)."""
         self.flush()
-        stream = self.pipeline.stream(
+        reads = self.pipeline.read_ahead(
             units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"optimizer state of unit {u.name}"
         )
-        return self._hand_over(stream)
+        return self._hand_over(reads)
 
-    def _hand_over(self, stream: Stream[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
-        with stream:
-            for unit, buf in stream:
+    def _hand_over(self, reads: ReadAhead[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
+        with reads:
+            for unit, buf in reads:
                 self._held[unit.name] = buf
                 self._bytes_read += buf.nbytes
                 yield unit, self._views(unit, buf)

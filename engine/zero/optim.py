@@ -1,6 +1,6 @@
 """AdamW on fp32 shards, the learning-rate schedule, and the global gradient norm and its clipping.
 
-The update runs one unit's shard at a time (so shards can stream through host memory
+The update runs one unit's shard at a time (so shards can pass through host memory
 from disk) with torch's own AdamW kernels called functionally: ``fused`` is the fastest
 on CPU (see ``benchmarks.optimizer``) and bit-identical to ``AdamW(fused=True)``;
 ``foreach`` is bit-identical to torch's default ``AdamW``. Elementwise kernels give the

@@ -1,7 +1,7 @@
 """One optimizer step over every unit, applied as each unit's gradient becomes final.
 
-The step's optimizer state is streamed in the order the gradient shards completed in the
-last step (``GradientShards.order``), and the stream is opened before backward so its
+The step's optimizer state is read in the order the gradient shards completed in the
+last step (``GradientShards.order``), and the read-ahead starts before backward so its
 first reads overlap backward's compute. Without clipping or loss scaling nothing needs
 every gradient first, so each unit is updated as soon as its shard is final and the ones
 before it in the order are done: the update runs inside backward, hidden behind the
@@ -61,7 +61,7 @@ class Update:
         self.compute_s = 0.0
         """Seconds in the update itself."""
         start = time.perf_counter()
-        self._stream = optimizer_state.read(order)  # its first reads start now
+        self._reads = optimizer_state.read(order)  # its first reads start now
         self.wait_s += time.perf_counter() - start
 
     def ready(self, unit_name: str) -> None:
@@ -78,15 +78,15 @@ class Update:
     def abandon(self) -> None:
         """Skip the step (overflowed gradients): drop the reads, touch nothing."""
         self._pending.clear()
-        close = getattr(self._stream, "close", None)
+        close = getattr(self._reads, "close", None)
         if close is not None:
             close()
 
     def _update_next(self) -> None:
         unit = self._pending.popleft()
         start = time.perf_counter()
-        streamed, state = next(self._stream)
-        assert streamed is unit, f"the optimizer state streamed {streamed.name!r} where {unit.name!r} was due"
+        arrived, state = next(self._reads)
+        assert arrived is unit, f"the optimizer state read {arrived.name!r} where {unit.name!r} was due"
         computed = time.perf_counter()
         self._apply(unit, state)
         applied = time.perf_counter()

@@ -72,7 +72,7 @@ def test_items_arrive_in_order_with_their_data(any_runner):
         saved[item] = buf.view(torch.uint8, buf.nbytes).clone()
 
     received = []
-    for item, buf in pipe.stream(range(len(sizes)), nbytes=lambda i: sizes[i], load=fill):
+    for item, buf in pipe.read_ahead(range(len(sizes)), nbytes=lambda i: sizes[i], load=fill):
         assert buf.nbytes == sizes[item]
         assert torch.all(buf.view(torch.uint8, buf.nbytes) == item)
         received.append(item)
@@ -99,7 +99,7 @@ def test_prefetch_fills_the_window_and_never_passes_it(runner, sizes, window):
     pipe = Pipeline(pool, runner, window_bytes=window)
     ahead_bytes = []
     ahead_counts = []
-    items = pipe.stream(range(len(sizes)), nbytes=lambda i: sizes[i], load=fill, describe=lambda i: f"item{i}")
+    items = pipe.read_ahead(range(len(sizes)), nbytes=lambda i: sizes[i], load=fill, describe=lambda i: f"item{i}")
     for item, buf in items:
         # Loads are issued by the iterator itself, so what was issued is fixed until we ask for more.
         ahead = [i for i in issued_items(runner) if i > item]
@@ -120,7 +120,7 @@ def test_an_item_larger_than_the_window_still_loads(runner):
     pool = BufferPool(64 * KIB)
     pipe = Pipeline(pool, runner, window_bytes=KIB)
     got = []
-    for item, buf in pipe.stream([0, 1, 2], nbytes=lambda i: 8 * KIB, load=fill):
+    for item, buf in pipe.read_ahead([0, 1, 2], nbytes=lambda i: 8 * KIB, load=fill):
         got.append(item)
         pipe.release(buf)
     assert got == [0, 1, 2]
@@ -138,7 +138,7 @@ def test_load_error_surfaces_at_its_item_and_frees_buffers(any_runner):
 
     received = []
     with pytest.raises(OSError, match="Input/output error") as excinfo:
-        for item, buf in pipe.stream(range(8), nbytes=lambda i: 4 * KIB, load=load, describe=lambda i: f"item{i}"):
+        for item, buf in pipe.read_ahead(range(8), nbytes=lambda i: 4 * KIB, load=load, describe=lambda i: f"item{i}"):
             received.append(item)
             pipe.release(buf)
     assert received == [0, 1, 2]
@@ -159,7 +159,7 @@ def test_save_error_surfaces_in_drain_after_all_settle(runner):
             raise OSError(28, f"No space left on device writing item {item}")
         finished.append(item)
 
-    for item, buf in pipe.stream(range(6), nbytes=lambda i: 2 * KIB, load=fill):
+    for item, buf in pipe.read_ahead(range(6), nbytes=lambda i: 2 * KIB, load=fill):
         pipe.write_back(item, buf, save)
     with pytest.raises(OSError, match="No space left") as excinfo:
         pipe.drain()
@@ -178,7 +178,7 @@ def test_save_error_surfaces_at_the_next_write_back():
             raise OSError(5, "Input/output error")
 
     with pytest.raises(OSError, match="Input/output error"):
-        for item, buf in pipe.stream(range(4), nbytes=lambda i: 2 * KIB, load=fill):
+        for item, buf in pipe.read_ahead(range(4), nbytes=lambda i: 2 * KIB, load=fill):
             pipe.write_back(item, buf, save)
     assert pool.in_use_bytes == 0
 
@@ -192,7 +192,7 @@ def test_abandoning_the_stream_leaks_nothing(runner):
         time.sleep(0.02)
         loaded.append(item)
 
-    for item, buf in pipe.stream(range(20), nbytes=lambda i: 4 * KIB, load=slow_load):
+    for item, buf in pipe.read_ahead(range(20), nbytes=lambda i: 4 * KIB, load=slow_load):
         pipe.release(buf)
         if item == 1:
             break
@@ -200,12 +200,12 @@ def test_abandoning_the_stream_leaks_nothing(runner):
     assert len(loaded) < 20  # loads not yet started were cancelled
 
     with pytest.raises(RuntimeError, match="consumer failed"):
-        for item, buf in pipe.stream(range(20), nbytes=lambda i: 4 * KIB, load=slow_load):
+        for item, buf in pipe.read_ahead(range(20), nbytes=lambda i: 4 * KIB, load=slow_load):
             pipe.release(buf)
             raise RuntimeError("consumer failed")
     assert pool.in_use_bytes == 0
 
-    stream = pipe.stream(range(20), nbytes=lambda i: 4 * KIB, load=slow_load)
+    stream = pipe.read_ahead(range(20), nbytes=lambda i: 4 * KIB, load=slow_load)
     item, buf = next(stream)
     pipe.release(buf)
     stream.close()
@@ -220,7 +220,7 @@ def test_stats_count_bytes_and_reset(runner):
     def save(item: int, buf: HostBuffer) -> None:
         time.sleep(0.01)
 
-    for item, buf in pipe.stream(range(4), nbytes=lambda i: sizes[i], load=fill):
+    for item, buf in pipe.read_ahead(range(4), nbytes=lambda i: sizes[i], load=fill):
         if item % 2:
             pipe.write_back(item, buf, save)
         else:
@@ -251,7 +251,7 @@ def test_pending_write_backs_are_bounded_by_the_window():
             running[0] -= buf.nbytes
 
     try:
-        for item, buf in pipe.stream(range(8), nbytes=lambda i: 4 * KIB, load=fill):
+        for item, buf in pipe.read_ahead(range(8), nbytes=lambda i: 4 * KIB, load=fill):
             pipe.write_back(item, buf, save)
         stats = pipe.drain()
     finally:
@@ -268,7 +268,7 @@ def test_a_pool_smaller_than_the_window_does_not_deadlock(runner):
         time.sleep(0.005)
 
     got = []
-    for item, buf in pipe.stream(range(10), nbytes=lambda i: 4 * KIB, load=fill):
+    for item, buf in pipe.read_ahead(range(10), nbytes=lambda i: 4 * KIB, load=fill):
         got.append(item)
         pipe.write_back(item, buf, save)
     pipe.drain()
@@ -285,7 +285,7 @@ def test_loads_overlap_with_compute(any_runner):
         time.sleep(delay)
 
     start = time.perf_counter()
-    for item, buf in pipe.stream(range(count), nbytes=lambda i: 4 * KIB, load=slow_load):
+    for item, buf in pipe.read_ahead(range(count), nbytes=lambda i: 4 * KIB, load=slow_load):
         time.sleep(delay)  # compute
         pipe.release(buf)
     elapsed = time.perf_counter() - start
