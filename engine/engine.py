@@ -40,6 +40,7 @@ from engine.tiers.checkpoint import MemoryCheckpoints, PendingCheckpoint
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState, ShardState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
+from engine.zero.buffers import materialize_buffers_
 from engine.zero.divergence import DivergedError, diverged_message, nonfinite_units
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
 from engine.zero.optim import ShardAdamW, clip_grads_, grad_norm, lr_factor
@@ -98,6 +99,8 @@ class Engine:
         """A memory tier's checkpoint still being written, finished by the next step."""
         if not on_meta:
             model.to(self.device.device)
+        else:  # its buffers are computed now, its parameters unit by unit below
+            materialize_buffers_(model, self.device.device)
         self._store_lock: StoreLock | None = None
         """The writer lock of the store at ``offload.nvme_path``, taken before its first write (rank 0's)."""
         self._store_locked = False  # on every rank: taking the lock is collective
