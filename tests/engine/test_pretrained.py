@@ -1,0 +1,227 @@
+"""Fine-tuning a pretrained Hugging Face model: a checkpoint folder (sharded, bf16) is streamed
+into a stage-3 store with everything on nvme, unit by unit, into a model built on the meta
+device; the exported folder loads with ``from_pretrained``. Nothing is downloaded: the
+checkpoints are tiny models built from configs and saved with ``save_pretrained``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from engine.engine import Engine  # noqa: E402
+from engine.run.pretrained import Pretrained, meta_model, record_source  # noqa: E402
+from engine.tools.export import export  # noqa: E402
+from engine.zero.optim import lr_factor  # noqa: E402
+from tests.ranks import run_ranks  # noqa: E402
+from tests.training import SEQ_LEN, batches, config  # noqa: E402
+
+STEPS = 3
+SHARD = "40KB"
+
+
+def llama() -> transformers.PreTrainedModel:
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
+        )
+    )  # fmt: skip
+
+
+def qwen2() -> transformers.PreTrainedModel:
+    return transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
+            tie_word_embeddings=False,
+        )
+    )  # fmt: skip
+
+
+def gpt2() -> transformers.PreTrainedModel:
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=256, n_positions=SEQ_LEN, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
+            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        )
+    )  # fmt: skip
+
+
+MODELS = [llama, qwen2, gpt2]
+IDS = ["llama", "qwen2", "gpt2-tied"]
+
+
+def checkpoint(build, folder: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A pretrained checkpoint as ``save_pretrained`` writes it, in several shards."""
+    torch.manual_seed(0)
+    build().to(dtype).save_pretrained(folder, max_shard_size=SHARD)
+    return folder
+
+
+def nvme_config(store: Path):
+    return config(
+        zero={"stage": 3, "prefetch_mb": 1},
+        offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(store)},
+    )
+
+
+def start(folder: Path, store: Path) -> Engine:
+    model = meta_model(folder)
+    return Engine(model, nvme_config(store), total_steps=STEPS, init_unit=Pretrained(folder, model))
+
+
+def reference(folder: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("build", MODELS, ids=IDS)
+def test_first_logits_equal_from_pretrained(build, tmp_path) -> None:
+    folder = checkpoint(build, tmp_path / "pretrained")
+    assert len(list(folder.glob("*.safetensors"))) > 1, "the checkpoint is sharded"
+    eng = start(folder, tmp_path / "store")
+    x = batches(2).next()[0]
+    with torch.no_grad():
+        ours = eng(input_ids=x).logits
+    eng.close()
+    with torch.no_grad():
+        theirs = reference(folder)(input_ids=x).logits
+    assert torch.equal(ours, theirs)
+
+
+def fine_tune(step) -> list[float]:
+    data = batches(4)
+    return [step(data.next()[0]) for _ in range(STEPS)]
+
+
+def torch_adamw(folder: Path, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same fine-tuning in plain PyTorch, from ``from_pretrained``."""
+    model, o = reference(folder), cfg.optim
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, STEPS))
+
+    def step(x: torch.Tensor) -> float:
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return fine_tune(step), params(model)
+
+
+@pytest.mark.parametrize("build", MODELS, ids=IDS)
+def test_fine_tuned_export_loads_and_equals_torch_adamw(build, tmp_path) -> None:
+    folder, store = checkpoint(build, tmp_path / "pretrained"), tmp_path / "store"
+    eng = start(folder, store)
+
+    def step(x: torch.Tensor) -> float:
+        loss = eng(input_ids=x, labels=x).loss
+        eng.backward(loss)
+        eng.step()
+        return loss.item()
+
+    losses = fine_tune(step)
+    with eng.gathered():
+        ours = params(eng.module)
+    eng.close()
+    record_source(folder, store, dtype="bf16")
+    files = export(store, tmp_path / "out", max_shard_size=SHARD, dtype="fp32")
+    assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    exported = params(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out"))
+    assert exported.keys() == ours.keys()
+    for name in ours:
+        assert exported[name].dtype == torch.float32
+        assert torch.equal(exported[name], ours[name]), f"{name} differs from the engine's"
+    ref_losses, ref = torch_adamw(folder, eng.config)
+    assert losses == ref_losses and losses[-1] < losses[0]
+    for name in ours:
+        assert torch.equal(ours[name], ref[name]), f"{name} differs from torch AdamW"
+
+
+def test_export_defaults_to_the_checkpoints_dtype_and_one_file(tmp_path) -> None:
+    folder, store = checkpoint(gpt2, tmp_path / "pretrained"), tmp_path / "store"
+    eng = start(folder, store)
+    with eng.gathered():
+        ours = params(eng.module)
+    eng.close()
+    record_source(folder, store, dtype=Pretrained(folder, meta_model(folder)).dtype)
+    assert export(store, tmp_path / "out") == ["model.safetensors"]
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["dtype"] == "bfloat16" and (tmp_path / "out" / "generation_config.json").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight, "the tie survives the export"
+    for name, param in loaded.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(param, ours[name].bfloat16())
+    with pytest.raises(FileExistsError, match="already holds model weights"):
+        export(store, tmp_path / "out")
+
+
+def _damage(folder: Path, how: str) -> str:
+    """Spoil the checkpoint in ``folder`` as ``how`` says; the name of the tensor it hits."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.up_proj.weight"
+    path = folder / index[name]
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[:-100])
+        return path.name
+    tensors = load_file(path)
+    if how == "missing":
+        del tensors[name]
+    elif how == "unexpected":
+        name = "model.layers.1.mlp.extra.weight"
+        tensors[name] = torch.zeros(3)
+    else:
+        tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    return name
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("missing", "lacks tensor"),
+        ("unexpected", "has no parameter for"),
+        ("misshaped", r"is \[128, 63\], the model's is \[128, 64\]"),
+        ("truncated", "is truncated"),
+    ],
+)
+def test_bad_checkpoints_are_refused_naming_the_tensor(tmp_path, how: str, message: str) -> None:
+    folder = checkpoint(llama, tmp_path / "pretrained")
+    name = _damage(folder, how)
+    with pytest.raises(ValueError, match=message) as refused:
+        start(folder, tmp_path / "store")
+    assert name in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "store").exists(), "refused before any work"
+
+
+def _logits_on_rank(folder: Path, store: Path) -> torch.Tensor:
+    """Entry point for ``run_ranks``: the first logits of a model imported on this rank."""
+    eng = start(folder, store)
+    with torch.no_grad():
+        logits = eng(input_ids=batches(2).next()[0]).logits
+    eng.close()
+    return logits
+
+
+def test_two_ranks_import_the_same_model(tmp_path) -> None:
+    folder = checkpoint(llama, tmp_path / "pretrained")
+    logits = run_ranks(2, _logits_on_rank, folder, tmp_path / "store")
+    with torch.no_grad():
+        theirs = reference(folder)(input_ids=batches(2).next()[0]).logits
+    assert all(torch.equal(rank_logits, theirs) for rank_logits in logits)
