@@ -20,17 +20,24 @@ The folder's other files (``config.json``, the tokenizer's) are copied into ``<s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -39,6 +46,7 @@ SOURCE_FOLDER = "hf"
 SOURCE_RECORD = "source.json"
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 DTYPE_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+ENCODE_BATCH = 1024  # lines the tokenizer encodes at once
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
 SHOWN = 3  # names listed in an error before "and N more"
 
@@ -234,3 +242,62 @@ def record_source(folder: str | os.PathLike[str], store: str | os.PathLike[str],
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
     return target
+
+
+def pretrained_model(folder: str, vocab_size: int, seq_len: int) -> tuple[nn.Module, Pretrained]:
+    """The meta model of ``folder`` and its ``init_unit``, for data of ``vocab_size`` tokens
+    in sequences of ``seq_len``: refused before any work if the model cannot take them."""
+    model = meta_model(folder)
+    init = Pretrained(folder, model)
+    hf: Any = model  # a PreTrainedModel, whose methods nn.Module's typing does not know
+    rows = hf.get_input_embeddings().num_embeddings
+    if vocab_size > rows:
+        raise ValueError(
+            f"the data has {vocab_size} token ids but the model in {folder} embeds {rows}: tokenise with the "
+            f"model's own tokenizer (model.hf does, for a text corpus), not a .bin file of another"
+        )
+    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and seq_len > positions:
+        raise ValueError(
+            f"data.seq_len = {seq_len} is longer than the {positions} positions the model in {folder} was "
+            f"trained for: set data.seq_len to at most {positions}"
+        )
+    return model, init
+
+
+def causal_lm_loss(engine: Engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The next-token loss of a causal LM on inputs ``x`` and their shifted targets ``y``."""
+    logits = engine(input_ids=x).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.to(logits.device).flatten())
+
+
+def tokenizer_digest(folder: str | os.PathLike[str]) -> str:
+    """A digest of the folder's tokenizer files: tokens cached for one tokenizer are never
+    taken for another's."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).iterdir()):
+        if path.is_file() and path.name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def encode(folder: str, lines: list[str]) -> tuple[np.ndarray, int]:
+    """Token ids of ``lines`` (joined, no special tokens added) by the tokenizer in ``folder``,
+    and its vocabulary size, offline."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"model.hf = {folder!r}: its tokenizer does not load ({err}); save it into the folder with "
+            f"tokenizer.save_pretrained, or give a pre-tokenised .bin data.source"
+        ) from err
+    tokenizer.model_max_length = 1 << 62  # a long line is data, not an overflow
+
+    def ids() -> Iterator[int]:
+        for start in range(0, len(lines), ENCODE_BATCH):
+            for row in tokenizer(lines[start : start + ENCODE_BATCH], add_special_tokens=False)["input_ids"]:
+                yield from row
+
+    return np.fromiter(ids(), dtype=np.uint32), len(tokenizer)

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -33,10 +35,14 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
+from engine.run.pretrained import Pretrained, causal_lm_loss, pretrained_model, record_source
 from engine.tiers.optimizer_store import resume_point
 from offload import CheckpointExistsError, read_committed
 
 logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Engine, torch.Tensor, torch.Tensor], torch.Tensor]
+"""The loss of one micro-batch ``(x, y)``, computed through the engine's forward."""
 
 
 @dataclass
@@ -135,7 +141,7 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
 
 
 def start_engine(
-    config: Config, model: GPT, init: Callable[[dict[str, torch.Tensor]], None], checkpoint: str | None
+    config: Config, model: nn.Module, init: Callable[[dict[str, torch.Tensor]], None], checkpoint: str | None
 ) -> Engine:
     """The engine of a new run, or of one continued from its store (``resume_point``) or from
     its checkpoint ``checkpoint``."""
@@ -152,12 +158,12 @@ def start_engine(
     return Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
 
 
-def train_step(engine: Engine, data: TokenBatches, accum: int) -> float:
+def train_step(engine: Engine, data: TokenBatches, accum: int, loss_of: LossFn = Engine.__call__) -> float:
     """One optimizer step over ``accum`` micro-batches; the loss averaged over them and the ranks.
     A loss that is not finite stops the step before it can be committed."""
     loss_sum = 0.0
     for _ in range(accum):
-        loss = engine(*data.next())
+        loss = loss_of(engine, *data.next())
         engine.backward(loss)
         loss_sum += loss.item()
     loss_value = engine.comm.all_reduce_value(loss_sum / accum) / engine.comm.world_size
@@ -189,21 +195,45 @@ def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> Non
     )
 
 
-def _train(config: Config, checkpoint: str | None) -> TrainResult:
-    tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
-    model, init = meta_model(config, vocab_size)
-    engine = start_engine(config, model, init, checkpoint)
-    rank, world = engine.comm.rank, engine.comm.world_size
+def run_model(config: Config, vocab_size: int) -> tuple[nn.Module, Callable[[dict[str, torch.Tensor]], None], LossFn]:
+    """The model to train on the meta device, its ``init_unit`` and the loss of a batch with it:
+    the built-in GPT, or the pretrained model at ``model.hf``."""
+    if not config.model.hf:
+        model, init = meta_model(config, vocab_size)
+        return model, init, Engine.__call__
+    pretrained, init = pretrained_model(config.model.hf, vocab_size, config.data.seq_len)
+    return pretrained, init, causal_lm_loss
+
+
+def _batches(config: Config, tokens: np.ndarray, engine: Engine) -> TokenBatches:
+    """This rank's batches, from where the run's last committed step left them."""
     data = TokenBatches(
         tokens,
         seq_len=config.data.seq_len,
         micro_batch=config.data.micro_batch,
-        rank=rank,
-        world_size=world,
+        rank=engine.comm.rank,
+        world_size=engine.comm.world_size,
         seed=config.data.seed,
     )
     if "data" in engine.client_state:
         data.load_state_dict(engine.client_state["data"])
+    return data
+
+
+def _train(config: Config, checkpoint: str | None) -> TrainResult:
+    tokens, vocab_size = load_tokens(
+        config.data.source,
+        config.data.tokenizer,
+        vocab_size=config.data.vocab_size,
+        pretrained=config.model.hf or None,
+    )
+    model, init, loss_of = run_model(config, vocab_size)
+    engine = start_engine(config, model, init, checkpoint)
+    rank = engine.comm.rank
+    if config.model.hf and rank == 0 and Path(config.offload.nvme_path).is_dir():
+        assert isinstance(init, Pretrained)
+        record_source(config.model.hf, config.offload.nvme_path, init.dtype)  # for export
+    data = _batches(config, tokens, engine)
     tokens_per_step = data.global_batch * config.data.seq_len * config.zero.grad_accum_steps
     result = TrainResult()
     progress = tqdm(total=config.train.steps, initial=engine.global_step, desc="train", unit="step", disable=rank != 0)
@@ -213,7 +243,7 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
     # bar ends its line before the error is logged.
     with StopFlag() as stop, logging_redirect_tqdm(), contextlib.closing(engine), progress:
         for step in range(engine.global_step, config.train.steps):
-            loss_value = train_step(engine, data, config.zero.grad_accum_steps)
+            loss_value = train_step(engine, data, config.zero.grad_accum_steps, loss_of)
             if rank == 0 and config.train.metrics:
                 write_metrics(config.train.metrics, engine, loss_value)
             result.losses.append(loss_value)

@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,9 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from engine.engine import Engine  # noqa: E402
+from engine.run import cli  # noqa: E402
 from engine.run.pretrained import Pretrained, meta_model, record_source  # noqa: E402
+from engine.tools.consolidate import consolidate  # noqa: E402
 from engine.tools.export import export  # noqa: E402
 from engine.zero.optim import lr_factor  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
@@ -28,10 +31,10 @@ STEPS = 3
 SHARD = "40KB"
 
 
-def llama() -> transformers.PreTrainedModel:
+def llama(vocab: int = 256) -> transformers.PreTrainedModel:
     return transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
         )
     )  # fmt: skip
@@ -225,3 +228,83 @@ def test_two_ranks_import_the_same_model(tmp_path) -> None:
     with torch.no_grad():
         theirs = reference(folder)(input_ids=batches(2).next()[0]).logits
     assert all(torch.equal(rank_logits, theirs) for rank_logits in logits)
+
+
+def test_a_buffer_the_models_code_cannot_compute_is_refused_naming_it() -> None:
+    class Table(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("values", torch.arange(4.0))
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+            self.table = Table()
+
+    with torch.device("meta"):
+        net = Net()
+    with pytest.raises(ValueError, match=r"buffers of table \(Table\) of a model built on the meta device"):
+        Engine(net, config(), init_unit=lambda params: None)
+
+
+TEXT = "the quick brown fox jumps over the lazy dog, and the dog sleeps on.\n" * 40
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A small byte-level BPE, saved as a Hugging Face tokenizer (nothing downloaded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=alphabet, special_tokens=["<eos>"], show_progress=False
+    )
+    bpe.train_from_iterator([TEXT], trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>").save_pretrained(folder)
+
+
+def test_cli_trains_a_pretrained_model_by_path_and_exports_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder, store, out = tmp_path / "pretrained", tmp_path / "store", tmp_path / "out"
+    torch.manual_seed(0)
+    llama(vocab=320).to(torch.bfloat16).save_pretrained(folder, max_shard_size=SHARD)
+    save_tokenizer(folder)
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    train = ["train", "--model.hf", str(folder), "--data.source", str(tmp_path / "corpus.txt"), "--steps", "2"]
+    train += ["--seq_len", "16", "--micro_batch", "2", "--nvme_path", str(store), "--stage", "3", "--param", "nvme"]
+    assert cli.main(train) == 0
+    assert cli.main(["export", str(store), str(out), "--max-shard-size", SHARD]) == 0
+    assert (out / "model.safetensors.index.json").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    consolidate(store, tmp_path / "masters.safetensors")
+    masters = load_file(tmp_path / "masters.safetensors")
+    pretrained = load_file(
+        folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    )
+    for name, param in loaded.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(param, masters[name].bfloat16()), name
+    assert not torch.equal(loaded.lm_head.weight, pretrained["lm_head.weight"]), "training changed the weights"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert (
+        tokenizer(TEXT[:60])["input_ids"] == transformers.AutoTokenizer.from_pretrained(folder)(TEXT[:60])["input_ids"]
+    )
+    assert cli.main(["export", str(tmp_path / "cache"), str(tmp_path / "none")]) == 1, "not a store"
+
+
+def test_a_vocabulary_over_two_to_the_sixteen_is_kept_as_uint32(tmp_path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from engine.run.data import load_tokens
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(tmp_path / "model")
+    (tmp_path / "corpus.txt").write_text("w69999 w5\nw65536 w1\n")
+    for _ in range(2):  # tokenised, then read back from the cache
+        tokens, vocab = load_tokens(
+            str(tmp_path / "corpus.txt"), cache_dir=tmp_path, pretrained=str(tmp_path / "model")
+        )
+        assert vocab == 70_000 and tokens.dtype == np.uint32 and tokens.tolist() == [69999, 5, 65536, 1]
