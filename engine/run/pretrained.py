@@ -171,8 +171,11 @@ def match_checkpoint(model: nn.Module, tensors: dict[str, CheckpointTensor], fol
     checkpoint that lacks one, holds one the model has no place for, or differs in shape."""
     aliases: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
+        if prefix != "." and name.startswith(prefix):  # a checkpoint of the base model alone
+            aliases[id(param)].append(name.removeprefix(prefix))
         params[id(param)] = param
     source, missing, misshaped = {}, [], []
     for key, names in aliases.items():
@@ -244,11 +247,8 @@ def record_source(folder: str | os.PathLike[str], store: str | os.PathLike[str],
     return target
 
 
-def pretrained_model(folder: str, vocab_size: int, seq_len: int) -> tuple[nn.Module, Pretrained]:
-    """The meta model of ``folder`` and its ``init_unit``, for data of ``vocab_size`` tokens
-    in sequences of ``seq_len``: refused before any work if the model cannot take them."""
-    model = meta_model(folder)
-    init = Pretrained(folder, model)
+def check_vocabulary(model: nn.Module, vocab_size: int, folder: str) -> None:
+    """Refuse data whose token ids the model has no embedding for."""
     hf: Any = model  # a PreTrainedModel, whose methods nn.Module's typing does not know
     rows = hf.get_input_embeddings().num_embeddings
     if vocab_size > rows:
@@ -256,6 +256,13 @@ def pretrained_model(folder: str, vocab_size: int, seq_len: int) -> tuple[nn.Mod
             f"the data has {vocab_size} token ids but the model in {folder} embeds {rows}: tokenise with the "
             f"model's own tokenizer (model.hf does, for a text corpus), not a .bin file of another"
         )
+
+
+def pretrained_model(folder: str, seq_len: int) -> tuple[nn.Module, Pretrained]:
+    """The meta model of ``folder`` and its ``init_unit``, checked against the checkpoint, and
+    refused if it cannot take sequences of ``seq_len``."""
+    model = meta_model(folder)
+    init = Pretrained(folder, model)
     positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
         raise ValueError(

@@ -35,7 +35,7 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
-from engine.run.pretrained import Pretrained, causal_lm_loss, pretrained_model, record_source
+from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
 from engine.tiers.optimizer_store import resume_point
 from offload import CheckpointExistsError, read_committed
 
@@ -195,14 +195,19 @@ def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> Non
     )
 
 
-def run_model(config: Config, vocab_size: int) -> tuple[nn.Module, Callable[[dict[str, torch.Tensor]], None], LossFn]:
-    """The model to train on the meta device, its ``init_unit`` and the loss of a batch with it:
-    the built-in GPT, or the pretrained model at ``model.hf``."""
+def run_model(config: Config) -> tuple[np.ndarray, nn.Module, Callable[[dict[str, torch.Tensor]], None], LossFn]:
+    """The tokens, the model to train on the meta device, its ``init_unit`` and the loss of a
+    batch with it: the built-in GPT, or the pretrained model at ``model.hf``, which is checked
+    against its checkpoint before the corpus is tokenised."""
+    data = config.data
     if not config.model.hf:
+        tokens, vocab_size = load_tokens(data.source, data.tokenizer, vocab_size=data.vocab_size)
         model, init = meta_model(config, vocab_size)
-        return model, init, Engine.__call__
-    pretrained, init = pretrained_model(config.model.hf, vocab_size, config.data.seq_len)
-    return pretrained, init, causal_lm_loss
+        return tokens, model, init, Engine.__call__
+    pretrained, init = pretrained_model(config.model.hf, data.seq_len)
+    tokens, vocab_size = load_tokens(data.source, data.tokenizer, pretrained=config.model.hf)
+    check_vocabulary(pretrained, vocab_size, config.model.hf)
+    return tokens, pretrained, init, causal_lm_loss
 
 
 def _batches(config: Config, tokens: np.ndarray, engine: Engine) -> TokenBatches:
@@ -221,13 +226,7 @@ def _batches(config: Config, tokens: np.ndarray, engine: Engine) -> TokenBatches
 
 
 def _train(config: Config, checkpoint: str | None) -> TrainResult:
-    tokens, vocab_size = load_tokens(
-        config.data.source,
-        config.data.tokenizer,
-        vocab_size=config.data.vocab_size,
-        pretrained=config.model.hf or None,
-    )
-    model, init, loss_of = run_model(config, vocab_size)
+    tokens, model, init, loss_of = run_model(config)
     engine = start_engine(config, model, init, checkpoint)
     rank = engine.comm.rank
     if config.model.hf and rank == 0 and Path(config.offload.nvme_path).is_dir():

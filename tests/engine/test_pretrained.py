@@ -230,22 +230,46 @@ def test_two_ranks_import_the_same_model(tmp_path) -> None:
     assert all(torch.equal(rank_logits, theirs) for rank_logits in logits)
 
 
-def test_a_buffer_the_models_code_cannot_compute_is_refused_naming_it() -> None:
-    class Table(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("values", torch.arange(4.0))
+class Table(torch.nn.Module):
+    """A module computing a buffer in ``__init__``, from its config if it has one."""
 
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
-            self.table = Table()
+    def __init__(self, config: object = None) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("values", torch.arange(4.0) * (getattr(config, "scale", 1.0)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, config: object = None) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+        self.table = Table(config)
+
+
+def test_buffers_are_computed_from_the_modules_config_or_refused_naming_them() -> None:
+    from types import SimpleNamespace
 
     with torch.device("meta"):
-        net = Net()
-    with pytest.raises(ValueError, match=r"buffers of table \(Table\) of a model built on the meta device"):
-        Engine(net, config(), init_unit=lambda params: None)
+        net = Net(SimpleNamespace(scale=2.0))
+    eng = Engine(net, config(), init_unit=lambda params: None)
+    assert torch.equal(net.table.values, torch.arange(4.0) * 2)
+    eng.close()
+    with torch.device("meta"):
+        unknown = Net()
+    with pytest.raises(ValueError, match=r"buffer table.values \(Table\) of a model built on the meta device"):
+        Engine(unknown, config(), init_unit=lambda params: None)
+
+
+def test_a_checkpoint_of_the_base_model_alone_loads_under_the_heads_names(tmp_path) -> None:
+    folder = tmp_path / "base"
+    torch.manual_seed(0)
+    full = gpt2()
+    full.transformer.save_pretrained(folder)  # GPT2Model: names without "transformer."
+    full.config.save_pretrained(folder)  # the head's architecture
+    eng = start(folder, tmp_path / "store")
+    with eng.gathered():
+        assert all(torch.equal(p, dict(full.named_parameters())[n]) for n, p in eng.module.named_parameters())
+    eng.close()
 
 
 TEXT = "the quick brown fox jumps over the lazy dog, and the dog sleeps on.\n" * 40
