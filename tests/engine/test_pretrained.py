@@ -180,8 +180,9 @@ def _damage(folder: Path, how: str) -> str:
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     name = "model.layers.1.mlp.up_proj.weight"
     path = folder / index[name]
-    if how == "truncated":
-        path.write_bytes(path.read_bytes()[:-100])
+    if how in ("truncated", "corrupt"):
+        data = path.read_bytes()
+        path.write_bytes(data[:-100] if how == "truncated" else data[:8] + b"#" * 16 + data[24:])
         return path.name
     tensors = load_file(path)
     if how == "missing":
@@ -202,6 +203,7 @@ def _damage(folder: Path, how: str) -> str:
         ("unexpected", "has no parameter for"),
         ("misshaped", r"is \[128, 63\], the model's is \[128, 64\]"),
         ("truncated", "is truncated"),
+        ("corrupt", "has a corrupt header"),
     ],
 )
 def test_bad_checkpoints_are_refused_naming_the_tensor(tmp_path, how: str, message: str) -> None:
@@ -213,21 +215,34 @@ def test_bad_checkpoints_are_refused_naming_the_tensor(tmp_path, how: str, messa
     assert not (tmp_path / "store").exists(), "refused before any work"
 
 
-def _logits_on_rank(folder: Path, store: Path) -> torch.Tensor:
-    """Entry point for ``run_ranks``: the first logits of a model imported on this rank."""
+def _fine_tune_on_rank(folder: Path, store: Path) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Entry point for ``run_ranks``: the first logits of a model imported on this rank, and its
+    weights after a few steps."""
     eng = start(folder, store)
+    data = batches(2, eng.comm.rank, eng.comm.world_size)
     with torch.no_grad():
         logits = eng(input_ids=batches(2).next()[0]).logits
+    for _ in range(STEPS):
+        x = data.next()[0]
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        eng.step()
+    with eng.gathered():
+        weights = params(eng.module)
     eng.close()
-    return logits
+    return logits, weights
 
 
-def test_two_ranks_import_the_same_model(tmp_path) -> None:
-    folder = checkpoint(llama, tmp_path / "pretrained")
-    logits = run_ranks(2, _logits_on_rank, folder, tmp_path / "store")
+def test_two_ranks_import_fine_tune_and_export(tmp_path) -> None:
+    folder, store = checkpoint(llama, tmp_path / "pretrained"), tmp_path / "store"
+    ranks = run_ranks(2, _fine_tune_on_rank, folder, store)
     with torch.no_grad():
         theirs = reference(folder)(input_ids=batches(2).next()[0]).logits
-    assert all(torch.equal(rank_logits, theirs) for rank_logits in logits)
+    assert all(torch.equal(logits, theirs) for logits, _ in ranks)
+    record_source(folder, store, dtype="bf16")
+    export(store, tmp_path / "out", dtype="fp32")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, param in exported.named_parameters():
+        assert all(torch.equal(param, weights[name]) for _, weights in ranks), name
 
 
 class Table(torch.nn.Module):
