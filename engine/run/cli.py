@@ -165,6 +165,11 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
+    if args.plan == "auto" and config.model.hf:
+        raise ConfigError(
+            "--plan auto sizes the built-in GPT, not a model.hf checkpoint: leave it out and set zero.stage, "
+            "offload.optimizer and offload.param yourself (e.g. --stage 3 --param nvme)"
+        )
     from engine.run.train import train
     from engine.runtime.heap import return_freed_buffers
 

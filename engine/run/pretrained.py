@@ -46,6 +46,9 @@ SOURCE_FOLDER = "hf"
 SOURCE_RECORD = "source.json"
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 DTYPE_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+ITEM_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+"""Bytes per element of each safetensors dtype, to check a header's offsets."""
 ENCODE_BATCH = 1024  # lines the tokenizer encodes at once
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
 SHOWN = 3  # names listed in an error before "and N more"
@@ -110,12 +113,7 @@ def read_header(path: Path) -> dict[str, CheckpointTensor]:
             raise ValueError(
                 f"checkpoint file {path}: tensor {name!r} has a corrupt header entry: copy it again"
             ) from err
-        if dtype not in DTYPES:
-            raise ValueError(
-                f"checkpoint tensor {name!r} in {path} is {dtype}, not a float the engine imports "
-                f"({', '.join(DTYPES)}): save the model in fp32, bf16 or fp16"
-            )
-        if stop - start != math.prod(shape) * DTYPES[dtype].itemsize:
+        if dtype not in ITEM_BYTES or stop - start != math.prod(shape) * ITEM_BYTES[dtype]:
             raise ValueError(f"checkpoint file {path}: tensor {name!r} has a corrupt header entry: copy it again")
         tensors[name] = CheckpointTensor(path, dtype, shape)
         end = max(end, stop)
@@ -130,7 +128,13 @@ def read_headers(folder: Path) -> dict[str, CheckpointTensor]:
     """Every tensor of a checkpoint folder, from the headers of its files."""
     tensors: dict[str, CheckpointTensor] = {}
     for path in checkpoint_files(folder):
-        tensors.update(read_header(path))
+        for name, tensor in read_header(path).items():
+            if name in tensors:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} is in both {tensors[name].file.name} and {path.name} in {folder}: "
+                    f"the checkpoint is corrupt; write it again"
+                )
+            tensors[name] = tensor
     return tensors
 
 
@@ -148,7 +152,8 @@ class Pretrained:
     def dtype(self) -> str:
         """The checkpoint's dtype (``fp32``, ``bf16``, ``fp16``): that of most of its elements."""
         counts: dict[str, int] = {}
-        for tensor in self.tensors.values():
+        for name in self.source.values():
+            tensor = self.tensors[name]
             counts[tensor.dtype] = counts.get(tensor.dtype, 0) + math.prod(tensor.shape)
         return DTYPE_NAMES[max(counts, key=lambda d: counts[d])] if counts else "fp32"
 
@@ -184,6 +189,11 @@ def match_checkpoint(model: nn.Module, tensors: dict[str, CheckpointTensor], fol
             missing.append(names[0])
             continue
         source[names[0]] = held[0]
+        if tensors[held[0]].dtype not in DTYPES:
+            raise ValueError(
+                f"checkpoint tensor {held[0]!r} in {tensors[held[0]].file} is {tensors[held[0]].dtype}, not a float "
+                f"the engine imports ({', '.join(DTYPES)}): save the model in fp32, bf16 or fp16"
+            )
         shape = tuple(params[key].shape)
         if tensors[held[0]].shape != shape:
             misshaped.append(f"{held[0]!r} is {list(tensors[held[0]].shape)}, the model's is {list(shape)}")

@@ -187,6 +187,8 @@ def _damage(folder: Path, how: str) -> str:
     tensors = load_file(path)
     if how == "missing":
         del tensors[name]
+    elif how == "integer":
+        tensors[name] = tensors[name].to(torch.int8)
     elif how == "unexpected":
         name = "model.layers.1.mlp.extra.weight"
         tensors[name] = torch.zeros(3)
@@ -204,6 +206,7 @@ def _damage(folder: Path, how: str) -> str:
         ("misshaped", r"is \[128, 63\], the model's is \[128, 64\]"),
         ("truncated", "is truncated"),
         ("corrupt", "has a corrupt header"),
+        ("integer", "is I8, not a float the engine imports"),
     ],
 )
 def test_bad_checkpoints_are_refused_naming_the_tensor(tmp_path, how: str, message: str) -> None:
