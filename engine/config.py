@@ -161,6 +161,8 @@ class DataConfig:
     micro_batch: int = 8
     """Sequences per rank per micro-batch."""
     seed: int = 0
+    val_fraction: float = 0.0
+    """Fraction of the tokens, at the end of the corpus, held out for the validation loss; 0: none."""
 
 
 @dataclass
@@ -172,9 +174,13 @@ class TrainConfig:
     seed: int = 0
     """Seed of the model initialisation."""
     metrics: str = ""
-    """A JSON-lines file that rank 0 appends one record to per step (loss, seconds, exposed
-    parameter and optimizer waits, bytes read and written, prefetch hit rate, device high-water,
-    peak RSS); empty: none."""
+    """A JSON-lines file that rank 0 appends one record to per step (loss, learning rate, gradient
+    norm, validation loss when taken, seconds, exposed parameter and optimizer waits, bytes read and
+    written, prefetch hit rate, device high-water, peak RSS); empty: none."""
+    eval_every: int = 0
+    """Steps between validation losses (``data.val_fraction > 0``); 0: after the last step only."""
+    eval_batches: int = 8
+    """Micro-batches per rank in one validation loss."""
 
 
 @dataclass
@@ -280,12 +286,25 @@ class Config:
         _check(opt.warmup_steps >= 0, "optim.warmup_steps", opt.warmup_steps, "must be >= 0")
         _check(opt.decay_steps >= 0, "optim.decay_steps", opt.decay_steps, "must be >= 0")
         _check(0 <= opt.min_lr_ratio <= 1, "optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")
+        self._check_run()
+
+    def _check_run(self) -> None:
+        """The model, data, loop and checkpoint sections."""
         self._check_model()
         _check(self.data.seq_len >= 1, "data.seq_len", self.data.seq_len, "must be >= 1")
         _check(self.data.micro_batch >= 1, "data.micro_batch", self.data.micro_batch, "must be >= 1")
         _check(self.data.vocab_size >= 257, "data.vocab_size", self.data.vocab_size, "must be > 256 for a BPE")
         _check(self.train.steps >= 1, "train.steps", self.train.steps, "must be >= 1")
         _check(self.train.log_every >= 1, "train.log_every", self.train.log_every, "must be >= 1")
+        _check(0 <= self.data.val_fraction < 1, "data.val_fraction", self.data.val_fraction, "must be in [0, 1)")
+        _check(self.train.eval_every >= 0, "train.eval_every", self.train.eval_every, "must be >= 0")
+        _check(self.train.eval_batches >= 1, "train.eval_batches", self.train.eval_batches, "must be >= 1")
+        _check(
+            self.train.eval_every == 0 or self.data.val_fraction > 0,
+            "train.eval_every",
+            self.train.eval_every,
+            "needs held-out tokens: set data.val_fraction (for example 0.05)",
+        )
         ckpt = self.checkpoint
         _check(ckpt.interval >= 0, "checkpoint.interval", ckpt.interval, "must be >= 0 (0: no periodic checkpoints)")
         _check(ckpt.keep >= 0, "checkpoint.keep", ckpt.keep, "must be >= 0 (0 keeps every checkpoint)")

@@ -182,6 +182,8 @@ class Engine:
         self.last_grad_norm: float | None = None
         """The last step's global gradient norm before clipping (None with loss scaling and no
         clipping: nothing takes it there)."""
+        self.last_lr: float | None = None
+        """The learning rate of the last step's update (None before the first)."""
         self._unit_norms: dict[str, float] = {}
         """This step's gradient norm of each unit updated inside backward, taken before its update."""
         self._diverged: str | None = None
@@ -453,6 +455,7 @@ class Engine:
             if last:
                 self.optimizer_state.settle()
                 lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
+                self.last_lr = lr
                 self._update = Update(self._update_order(), self.optimizer_state, lambda u, s: self._apply(u, s, lr))
                 self._unit_norms = {}
                 self.grads.on_ready = self._update.ready if self._overlap else None

@@ -281,6 +281,7 @@ class TokenBatches:
             "seq_len": self.seq_len,
             "global_batch": self.global_batch,
             "num_tokens": len(self.tokens),
+            "world_size": self.world_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -288,7 +289,9 @@ class TokenBatches:
         which would silently change the batches (set ``position`` to do that on purpose)."""
         mine = self.state_dict()
         different = {
-            key: (state.get(key), value) for key, value in mine.items() if key != "position" and state.get(key) != value
+            key: (state.get(key), value)
+            for key, value in mine.items()
+            if key in _SETTING_OF and state.get(key) != value
         }
         if different:
             detail = ", ".join(f"{key} saved {saved} vs now {now}" for key, (saved, now) in different.items())

@@ -33,7 +33,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from engine.config import Config
 from engine.engine import Engine
-from engine.run.data import TokenBatches, load_tokens
+from engine.run.data import TokenBatches, load_tokens, split
+from engine.run.evaluate import Validation, perplexity
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
 from engine.tiers.optimizer_store import resume_point
@@ -53,6 +54,8 @@ class TrainResult:
     steps_done: int = 0
     stopped_early: bool = False
     seconds_per_step: float = 0.0
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    """``(step, validation loss)`` of each evaluation."""
 
 
 def build_model(config: Config, vocab_size: int) -> GPT:
@@ -174,9 +177,34 @@ def train_step(engine: Engine, data: TokenBatches, accum: int, loss_of: LossFn =
     return loss_value
 
 
-def write_metrics(path: str, engine: Engine, loss: float) -> None:
+def micro_batch_for(config: Config, saved: dict[str, Any] | None, world: int) -> int:
+    """The per-rank micro-batch: a run resumed on another number of ranks keeps its global batch,
+    so the same rows make each step (and the loss curve goes on), whatever ``data.micro_batch`` says."""
+    saved_world = (saved or {}).get("world_size")
+    global_batch = (saved or {}).get("global_batch")
+    if saved_world in (None, world) or not isinstance(global_batch, int) or global_batch < 1:
+        return config.data.micro_batch  # same ranks, or a state the batches themselves will refuse
+    if global_batch % world:
+        raise ValueError(
+            f"the run was saved with a global batch of {global_batch} rows on {saved_world} rank(s), which "
+            f"{world} ranks cannot share evenly: resume on a number of ranks that divides {global_batch}"
+        )
+    logger.info(
+        "resuming a %s-rank run on %d rank(s): keeping its global batch of %d rows, data.micro_batch %d per rank",
+        saved_world,
+        world,
+        global_batch,
+        global_batch // world,
+    )
+    return global_batch // world
+
+
+def write_metrics(path: str, engine: Engine, loss: float, val_loss: float | None) -> None:
     """Append the step's record to the ``train.metrics`` JSON-lines file."""
-    record = {"step": engine.global_step, "loss": loss, "peak_rss_bytes": peak_rss_bytes()}
+    record = {"step": engine.global_step, "loss": loss, "lr": engine.last_lr, "grad_norm": engine.last_grad_norm}
+    if val_loss is not None:
+        record |= {"val_loss": val_loss, "val_perplexity": perplexity(val_loss)}
+    record["peak_rss_bytes"] = peak_rss_bytes()
     with open(path, "a") as metrics:
         metrics.write(json.dumps(record | engine.last_step_stats.to_dict()) + "\n")
 
@@ -210,29 +238,36 @@ def run_model(config: Config) -> tuple[np.ndarray, nn.Module, Callable[[dict[str
     return tokens, pretrained, init, causal_lm_loss
 
 
-def _batches(config: Config, tokens: np.ndarray, engine: Engine) -> TokenBatches:
-    """This rank's batches, from where the run's last committed step left them."""
+def _train(config: Config, checkpoint: str | None) -> TrainResult:
+    tokens, model, init, loss_of = run_model(config)
+    validation = None
+    if config.data.val_fraction > 0:
+        tokens, held_out = split(tokens, config.data.val_fraction)
+        every = config.train.eval_every or config.train.steps
+        validation = Validation(
+            held_out, config.data.seq_len, config.data.micro_batch, config.train.eval_batches, every, loss_of
+        )
+    engine = start_engine(config, model, init, checkpoint)
+    if config.model.hf and engine.comm.rank == 0 and Path(config.offload.nvme_path).is_dir():
+        assert isinstance(init, Pretrained)
+        record_source(config.model.hf, config.offload.nvme_path, init.dtype)  # for export
     data = TokenBatches(
         tokens,
         seq_len=config.data.seq_len,
-        micro_batch=config.data.micro_batch,
+        micro_batch=micro_batch_for(config, engine.client_state.get("data"), engine.comm.world_size),
         rank=engine.comm.rank,
         world_size=engine.comm.world_size,
         seed=config.data.seed,
     )
     if "data" in engine.client_state:
         data.load_state_dict(engine.client_state["data"])
-    return data
+    return _run_steps(config, engine, data, validation, loss_of)
 
 
-def _train(config: Config, checkpoint: str | None) -> TrainResult:
-    tokens, model, init, loss_of = run_model(config)
-    engine = start_engine(config, model, init, checkpoint)
+def _run_steps(
+    config: Config, engine: Engine, data: TokenBatches, validation: Validation | None, loss_of: LossFn
+) -> TrainResult:
     rank = engine.comm.rank
-    if config.model.hf and rank == 0 and Path(config.offload.nvme_path).is_dir():
-        assert isinstance(init, Pretrained)
-        record_source(config.model.hf, config.offload.nvme_path, init.dtype)  # for export
-    data = _batches(config, tokens, engine)
     tokens_per_step = data.global_batch * config.data.seq_len * config.zero.grad_accum_steps
     result = TrainResult()
     progress = tqdm(total=config.train.steps, initial=engine.global_step, desc="train", unit="step", disable=rank != 0)
@@ -243,19 +278,25 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
     with StopFlag() as stop, logging_redirect_tqdm(), contextlib.closing(engine), progress:
         for step in range(engine.global_step, config.train.steps):
             loss_value = train_step(engine, data, config.zero.grad_accum_steps, loss_of)
-            if rank == 0 and config.train.metrics:
-                write_metrics(config.train.metrics, engine, loss_value)
             result.losses.append(loss_value)
             result.steps_done = step + 1
+            val_loss = None
+            if validation and validation.due(result.steps_done, config.train.steps):
+                val_loss = validation.loss(engine, config.data.seed)
+                result.val_losses.append((result.steps_done, val_loss))
+            if rank == 0 and config.train.metrics:
+                write_metrics(config.train.metrics, engine, loss_value, val_loss)
             window_steps += 1
             progress.update(1)
-            progress.set_postfix(loss=f"{loss_value:.3f}")
+            progress.set_postfix(loss=f"{loss_value:.3f}", **({"val": f"{val_loss:.3f}"} if val_loss else {}))
             if rank == 0 and (
                 result.steps_done % config.train.log_every == 0 or result.steps_done == config.train.steps
             ):
                 tokens_per_s = tokens_per_step * window_steps / (time.perf_counter() - window_start)
                 log_step(engine, result.steps_done, loss_value, tokens_per_s)
                 window_start, window_steps = time.perf_counter(), 0
+            if rank == 0 and val_loss is not None:
+                logger.info("step %d validation loss %.4f, perplexity %.2f", step + 1, val_loss, perplexity(val_loss))
             interval = config.checkpoint.interval
             if interval and engine.global_step % interval == 0:
                 save_checkpoint(engine, f"step-{engine.global_step}")

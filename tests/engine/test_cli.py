@@ -49,10 +49,26 @@ def test_fifty_steps_lower_the_loss(tmp_path) -> None:
     assert steps == 50 and last < first - 1.0
 
 
+def torchrun(ranks: int) -> list[str]:
+    """The launcher of ``python -m engine`` on ``ranks`` local processes."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}", "-m"]
+
+
 def test_torchrun_two_ranks(tmp_path) -> None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}", "-m"]
-    steps, first, last = losses(run(["--steps", "3", "--seq_len", "64", "--stage", "1"], tmp_path, launcher))
+    steps, first, last = losses(run(["--steps", "3", "--seq_len", "64", "--stage", "1"], tmp_path, torchrun(2)))
     assert steps == 3 and math.isfinite(last)
+
+
+def test_a_two_rank_run_resumes_on_one_rank_keeping_its_global_batch(tmp_path) -> None:
+    args = ["--seq_len", "64", "--stage", "1", "--micro_batch", "2"]
+    assert losses(run([*args, "--steps", "2"], tmp_path, torchrun(2)))[0] == 2
+    resumed = run([*args, "--steps", "4"], tmp_path)
+    assert losses(resumed)[0] == 4, "on to step 4, from the two steps saved"
+    assert "resuming a 2-rank run on 1 rank(s): keeping its global batch of 4 rows, data.micro_batch 4 per rank" in resumed.stderr
+    three = run([*args, "--steps", "5"], tmp_path, torchrun(3))
+    assert three.returncode == 1
+    refused = "global batch of 4 rows on 1 rank(s), which 3 ranks cannot share evenly: resume on a number of ranks that divides 4"
+    assert f"[rank 0] ERROR engine: the run was saved with a {refused}" in three.stderr
 
 
 # (arguments, exit code, what the last line of stderr says). In tmp_path: "plain" is a folder,

@@ -317,6 +317,7 @@ def test_cli_trains_a_pretrained_model_by_path_and_exports_it(tmp_path, monkeypa
     (tmp_path / "corpus.txt").write_text(TEXT)
     train = ["train", "--model.hf", str(folder), "--data.source", str(tmp_path / "corpus.txt"), "--steps", "2"]
     train += ["--seq_len", "16", "--micro_batch", "2", "--nvme_path", str(store), "--stage", "3", "--param", "nvme"]
+    train += ["--val_fraction", "0.2", "--eval_every", "1", "--eval_batches", "2"]
     assert cli.main(train) == 0
     assert cli.main(["export", str(store), str(out), "--max-shard-size", SHARD]) == 0
     assert (out / "model.safetensors.index.json").is_file()
