@@ -152,6 +152,7 @@ def _write_shards(masters: Masters, shards: list[Shard], dtype: torch.dtype, fol
                     if low < high:
                         writer.write(shard, values[low - offset : high - offset].to(dtype))
                         bar.update((high - low) * dtype.itemsize)
+            writer.write(len(shards) - 1, torch.empty(0, dtype=dtype))  # opens any shard left (empty tensors)
             writer.finish()
     except BaseException:
         writer.abort()
