@@ -24,6 +24,7 @@ from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
 from engine.tiers.sizing import optimizer_buffer_bytes, param_window_bytes, prefetch_bytes
 from engine.tiers.store_io import StoreIO
+from engine.zero.buffers import materialize_buffers_
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
 from engine.zero.params import ReplicatedParams, ShardedParams
 from engine.zero.partition import (
@@ -55,6 +56,15 @@ def model_units(
     owned = unit_parameters(model, units)
     layout = build_layout(owned, world_size, max_chunk_numel(config.offload.chunk_mb))
     return units, {u.name: owned[u.name] for u in layout.units}, layout
+
+
+def place_model(model: nn.Module, device: torch.device, on_meta: bool) -> None:
+    """Put the model on the compute device; one built on the meta device gets its buffers now,
+    computed by its own initialisation, and its parameters unit by unit as they are built."""
+    if on_meta:
+        materialize_buffers_(model, device)
+    else:
+        model.to(device)
 
 
 def check_start(

@@ -135,13 +135,17 @@ class OptimConfig:
 
 @dataclass
 class ModelConfig:
-    """The built-in GPT (used by ``python -m engine train``)."""
+    """The model ``python -m engine train`` trains: the built-in GPT, or a pretrained one (``hf``)."""
 
     preset: str = "small"
     """``tiny``, ``small``, ``medium``, ``large``, ``1b``, ``3b``."""
     params: float = 0.0
     """If > 0, choose depth and width for about this many parameters instead of ``preset``."""
     tie_embeddings: bool = False
+    hf: str = ""
+    """A Hugging Face checkpoint folder (``config.json``, safetensors weights, tokenizer) to
+    fine-tune instead of the built-in GPT: built on the meta device and imported unit by unit,
+    the data tokenised with its own tokenizer. Empty: the built-in GPT."""
 
 
 @dataclass
@@ -286,7 +290,7 @@ class Config:
 
     def _check_run(self) -> None:
         """The model, data, loop and checkpoint sections."""
-        _check(self.model.params >= 0, "model.params", self.model.params, "must be >= 0")
+        self._check_model()
         _check(self.data.seq_len >= 1, "data.seq_len", self.data.seq_len, "must be >= 1")
         _check(self.data.micro_batch >= 1, "data.micro_batch", self.data.micro_batch, "must be >= 1")
         _check(self.data.vocab_size >= 257, "data.vocab_size", self.data.vocab_size, "must be > 256 for a BPE")
@@ -304,6 +308,16 @@ class Config:
         ckpt = self.checkpoint
         _check(ckpt.interval >= 0, "checkpoint.interval", ckpt.interval, "must be >= 0 (0: no periodic checkpoints)")
         _check(ckpt.keep >= 0, "checkpoint.keep", ckpt.keep, "must be >= 0 (0 keeps every checkpoint)")
+
+    def _check_model(self) -> None:
+        _check(self.model.params >= 0, "model.params", self.model.params, "must be >= 0")
+        hf = self.model.hf
+        _check(
+            not hf or (Path(hf) / "config.json").is_file(),
+            "model.hf",
+            hf,
+            "is not a folder holding config.json: give the folder save_pretrained wrote (weights, config, tokenizer)",
+        )
 
     def _check_finite(self) -> None:
         """Refuse inf and nan in every float (TOML, JSON and overrides all spell them): no setting

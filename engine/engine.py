@@ -79,8 +79,7 @@ class Engine:
         tier = config.offload.optimizer
         opt_device = self.device.device if tier == "device" else torch.device("cpu")
         on_meta = build.check_start(config, model, resume, checkpoint, init_unit)
-        if not on_meta:
-            model.to(self.device.device)
+        build.place_model(model, self.device.device, on_meta)
         self._store_lock: StoreLock | None = None
         """The writer lock of the store at ``offload.nvme_path``, taken before its first write (rank 0's)."""
         self._store_locked = False  # on every rank: taking the lock is collective

@@ -9,6 +9,9 @@
   predicted memory per tier of every stage and tier plan, and the one ``--plan auto`` would take.
 - ``inspect STORE [--verify]``: what a store holds; ``--verify`` checks every chunk's CRC-32C.
 - ``consolidate STORE OUT.safetensors``: full fp32 weights under the model's parameter names.
+- ``export STORE OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``: a run started from
+  ``--model.hf FOLDER`` as a Hugging Face folder (sharded safetensors, config, tokenizer) that
+  ``from_pretrained`` loads; in the checkpoint's dtype unless ``--dtype`` says otherwise.
 
 Every error ends the command with one line on stderr naming the fix, exit code 2 for a bad
 config and 1 for anything else (130 on Ctrl-C); ``--debug`` (before the command) adds the traceback.
@@ -163,6 +166,11 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
+    if args.plan == "auto" and config.model.hf:
+        raise ConfigError(
+            "--plan auto sizes the built-in GPT, not a model.hf checkpoint: leave it out and set zero.stage, "
+            "offload.optimizer and offload.param yourself (e.g. --stage 3 --param nvme)"
+        )
     from engine.run.train import train
     from engine.runtime.heap import return_freed_buffers
 
@@ -224,14 +232,28 @@ def _consolidate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _export(args: argparse.Namespace, extra: list[str]) -> int:
+    from engine.tools.export import export
+
+    files = export(
+        args.store, args.out_dir, max_shard_size=args.max_shard_size, dtype=args.dtype, generation=args.generation
+    )
+    logger.info("wrote %d weight file(s) to %s", len(files), args.out_dir)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The commands and their arguments (a config key is any other ``--section.key value``)."""
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--log-level", type=_log_level, default=os.environ.get("LOG_LEVEL", "INFO"), help=", ".join(LOG_LEVELS)
     )
     parser.add_argument("--debug", action="store_true", help="log the traceback of an error with its message")
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train the built-in model (any config key: --section.key value)")
+    train = commands.add_parser(
+        "train",
+        help="train the built-in model, or a pretrained one with --model.hf FOLDER (any config key: --section.key value)",
+    )
     train.add_argument("--config", help="a .toml or .json config file")
     train.add_argument(
         "--from-checkpoint", metavar="TAG", help="resume from this checkpoint of the store (e.g. step-100)"
@@ -259,6 +281,17 @@ def main(argv: list[str] | None = None) -> int:
     consolidate.add_argument("store")
     consolidate.add_argument("out")
     consolidate.add_argument("--generation", type=int, help="default: the committed one")
+    export = commands.add_parser("export", help="a Hugging Face folder that from_pretrained loads (runs of --model.hf)")
+    export.add_argument("store")
+    export.add_argument("out_dir")
+    export.add_argument("--max-shard-size", default="5GB", help="largest weights file, e.g. 5GB, 500MB (default 5GB)")
+    export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: the checkpoint's")
+    export.add_argument("--generation", type=int, help="default: the committed one")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if any(arg == "--debug" or arg.startswith("--log-level") for arg in extra):
         parser.error(f"--debug and --log-level go before the command: python -m engine --debug {args.command} ...")
@@ -270,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    handlers = {"train": _train, "estimate": _estimate, "inspect": _inspect, "consolidate": _consolidate}
+    handlers = {
+        "train": _train,
+        "estimate": _estimate,
+        "inspect": _inspect,
+        "consolidate": _consolidate,
+        "export": _export,
+    }
     try:
         return handlers[args.command](args, extra)
     except KeyboardInterrupt:

@@ -45,6 +45,7 @@ TOKENIZERS = ("bytes", "bpe")
 TEXT_SUFFIXES = (".txt", ".md")
 TOKEN_SUFFIX = ".bin"
 TOKEN_DTYPE = np.uint16  # nanoGPT's format; ids must stay below 2**16
+WIDE_TOKEN_DTYPE = np.uint32  # a larger vocabulary (a pretrained model's), named in the sidecar
 DOCUMENT_SEPARATOR = "\n\n"  # between the files of a corpus
 _HASH_BLOCK = 1 << 20
 
@@ -137,6 +138,7 @@ def load_tokens(
     *,
     vocab_size: int = 8192,
     cache_dir: Path | None = None,
+    pretrained: str | None = None,
 ) -> tuple[np.ndarray, int]:
     """Tokens of a corpus as a 1-D uint16 memmap, and the vocabulary size.
 
@@ -144,8 +146,10 @@ def load_tokens(
     recursively in sorted order), or a pre-tokenised ``*.bin`` file whose
     vocabulary size comes from a sidecar ``<file>.json`` ``{"vocab_size": N}``
     or, failing that, from its largest id. ``vocab_size`` applies to
-    ``tokenizer="bpe"`` only. Text corpora are tokenised once and cached in
-    ``cache_dir`` (default :func:`default_cache_dir`).
+    ``tokenizer="bpe"`` only. ``pretrained``, a Hugging Face model folder, tokenises
+    with that model's own tokenizer instead (ids stored as uint32 if it has more than
+    2**16). Text corpora are tokenised once and cached in ``cache_dir`` (default
+    :func:`default_cache_dir`).
     """
     if source.endswith(TOKEN_SUFFIX):
         return _open_token_file(Path(source))
@@ -154,6 +158,10 @@ def load_tokens(
     files = _corpus_files(source)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     name = "bytes" if tokenizer == "bytes" else f"bpe{vocab_size}"
+    if pretrained:
+        from engine.run.pretrained import tokenizer_digest
+
+        name = f"hf-{tokenizer_digest(pretrained)[:20]}"
     cached = cache_dir / f"tokens-{name}-{_digest_corpus(files)[:20]}{TOKEN_SUFFIX}"
     if cached.exists():
         logger.debug("reading cached tokens of %s from %s", source, cached)
@@ -163,7 +171,11 @@ def load_tokens(
     if not text.strip():
         raise ValueError(f"the corpus {source!r} is empty: give it some text")
     logger.info("tokenising %s (%d characters) with %s tokens", source, len(text), name)
-    if tokenizer == "bytes":
+    if pretrained:
+        from engine.run.pretrained import encode
+
+        ids, vocab = encode(pretrained, text.splitlines(keepends=True))
+    elif tokenizer == "bytes":
         ids, vocab = ByteTokenizer().encode(text), ByteTokenizer.vocab_size
     else:
         bpe = train_bpe(text, vocab_size, cache_dir)
@@ -171,8 +183,10 @@ def load_tokens(
         ids = np.fromiter((i for encoding in encodings for i in encoding.ids), dtype=TOKEN_DTYPE)
         vocab = bpe.get_vocab_size()
     # the sidecar first: a token file that exists is complete, with its sidecar
-    _write_atomically(_sidecar(cached), json.dumps({"vocab_size": vocab}).encode())
-    _write_atomically(cached, ids.astype(TOKEN_DTYPE).tobytes())
+    dtype = TOKEN_DTYPE if vocab <= np.iinfo(TOKEN_DTYPE).max + 1 else WIDE_TOKEN_DTYPE
+    wide = {"dtype": np.dtype(dtype).name} if dtype != TOKEN_DTYPE else {}
+    _write_atomically(_sidecar(cached), json.dumps({"vocab_size": vocab} | wide).encode())
+    _write_atomically(cached, ids.astype(dtype).tobytes())
     return _open_token_file(cached)
 
 
@@ -345,20 +359,25 @@ def _sidecar(token_file: Path) -> Path:
 
 
 def _open_token_file(path: Path) -> tuple[np.ndarray, int]:
-    """A ``.bin`` token file as a read-only memmap, and its vocabulary size."""
+    """A ``.bin`` token file as a read-only memmap (uint16, or the sidecar's ``dtype``), and its vocabulary size."""
     if not path.is_file():
         raise FileNotFoundError(f"token file {path} does not exist: check the path, or give a text corpus")
-    size = path.stat().st_size
-    if size == 0 or size % np.dtype(TOKEN_DTYPE).itemsize:
-        raise ValueError(f"token file {path} holds {size} bytes, not a whole, non-empty number of uint16 tokens")
-    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
     sidecar = _sidecar(path)
+    vocab, dtype = None, np.dtype(TOKEN_DTYPE)
     if sidecar.exists():
         try:
-            vocab = int(json.loads(sidecar.read_text())["vocab_size"])
+            meta = json.loads(sidecar.read_text())
+            vocab = int(meta["vocab_size"])
+            dtype = np.dtype(meta.get("dtype", dtype.name))
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(f'{sidecar} must hold JSON like {{"vocab_size": 50304}}: {error}') from error
-    else:
+        if dtype not in (np.dtype(TOKEN_DTYPE), np.dtype(WIDE_TOKEN_DTYPE)):
+            raise ValueError(f"{sidecar} names the token dtype {dtype.name}: it must be uint16 or uint32")
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise ValueError(f"token file {path} holds {size} bytes, not a whole, non-empty number of {dtype.name} tokens")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    if vocab is None:
         vocab = int(tokens.max()) + 1
         logger.info("no %s: inferred vocab_size=%d from the largest token id", sidecar.name, vocab)
     return tokens, vocab

@@ -9,6 +9,7 @@ released after it, and no unit is gathered again for a backward.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,8 @@ class Validation:
     micro_batch: int
     batches: int
     every: int
+    loss_of: Callable[[Engine, torch.Tensor, torch.Tensor], torch.Tensor] = Engine.__call__
+    """The loss of a batch ``(x, y)`` through the engine's forward (a pretrained model's: its logits')."""
 
     def due(self, step: int, last_step: int) -> bool:
         """Every ``every`` steps, and after the last step, so a run always ends with a value."""
@@ -41,7 +44,7 @@ class Validation:
         total = 0.0
         with torch.no_grad():
             for _ in range(self.batches):
-                total += engine(*data.next()).item()
+                total += self.loss_of(engine, *data.next()).item()
         return engine.comm.all_reduce_value(total / self.batches) / world
 
 

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -34,11 +36,15 @@ from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens, split
 from engine.run.evaluate import Validation, perplexity
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
+from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
 from engine.runtime.sizes import GIB, MIB
 from engine.tiers.store_checks import resume_point
 from offload import CheckpointExistsError, read_committed
 
 logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Engine, torch.Tensor, torch.Tensor], torch.Tensor]
+"""The loss of one micro-batch ``(x, y)``, computed through the engine's forward."""
 
 
 @dataclass
@@ -139,7 +145,7 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
 
 
 def start_engine(
-    config: Config, model: GPT, init: Callable[[dict[str, torch.Tensor]], None], checkpoint: str | None
+    config: Config, model: nn.Module, init: Callable[[dict[str, torch.Tensor]], None], checkpoint: str | None
 ) -> Engine:
     """The engine of a new run, or of one continued from its store (``resume_point``) or from
     its checkpoint ``checkpoint``."""
@@ -156,12 +162,12 @@ def start_engine(
     return Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
 
 
-def train_step(engine: Engine, data: TokenBatches, accum: int) -> float:
+def train_step(engine: Engine, data: TokenBatches, accum: int, loss_of: LossFn = Engine.__call__) -> float:
     """One optimizer step over ``accum`` micro-batches; the loss averaged over them and the ranks.
     A loss that is not finite stops the step before it can be committed."""
     loss_sum = 0.0
     for _ in range(accum):
-        loss = engine(*data.next())
+        loss = loss_of(engine, *data.next())
         engine.backward(loss)
         loss_sum += loss.item()
     loss_value = engine.comm.all_reduce_value(loss_sum / accum) / engine.comm.world_size
@@ -218,17 +224,34 @@ def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> Non
     )
 
 
+def run_model(config: Config) -> tuple[np.ndarray, nn.Module, Callable[[dict[str, torch.Tensor]], None], LossFn]:
+    """The tokens, the model to train on the meta device, its ``init_unit`` and the loss of a
+    batch with it: the built-in GPT, or the pretrained model at ``model.hf``, which is checked
+    against its checkpoint before the corpus is tokenised."""
+    data = config.data
+    if not config.model.hf:
+        tokens, vocab_size = load_tokens(data.source, data.tokenizer, vocab_size=data.vocab_size)
+        model, init = meta_model(config, vocab_size)
+        return tokens, model, init, Engine.__call__
+    pretrained, init = pretrained_model(config.model.hf, data.seq_len)
+    tokens, vocab_size = load_tokens(data.source, data.tokenizer, pretrained=config.model.hf)
+    check_vocabulary(pretrained, vocab_size, config.model.hf)
+    return tokens, pretrained, init, causal_lm_loss
+
+
 def _train(config: Config, checkpoint: str | None) -> TrainResult:
-    tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
+    tokens, model, init, loss_of = run_model(config)
     validation = None
     if config.data.val_fraction > 0:
         tokens, held_out = split(tokens, config.data.val_fraction)
         every = config.train.eval_every or config.train.steps
         validation = Validation(
-            held_out, config.data.seq_len, config.data.micro_batch, config.train.eval_batches, every
+            held_out, config.data.seq_len, config.data.micro_batch, config.train.eval_batches, every, loss_of
         )
-    model, init = meta_model(config, vocab_size)
     engine = start_engine(config, model, init, checkpoint)
+    if config.model.hf and engine.comm.rank == 0 and Path(config.offload.nvme_path).is_dir():
+        assert isinstance(init, Pretrained)
+        record_source(config.model.hf, config.offload.nvme_path, init.dtype)  # for export
     data = TokenBatches(
         tokens,
         seq_len=config.data.seq_len,
@@ -239,10 +262,12 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
     )
     if "data" in engine.client_state:
         data.load_state_dict(engine.client_state["data"])
-    return _run_steps(config, engine, data, validation)
+    return _run_steps(config, engine, data, validation, loss_of)
 
 
-def _run_steps(config: Config, engine: Engine, data: TokenBatches, validation: Validation | None) -> TrainResult:
+def _run_steps(
+    config: Config, engine: Engine, data: TokenBatches, validation: Validation | None, loss_of: LossFn
+) -> TrainResult:
     rank = engine.comm.rank
     tokens_per_step = data.global_batch * config.data.seq_len * config.zero.grad_accum_steps
     result = TrainResult()
@@ -253,7 +278,7 @@ def _run_steps(config: Config, engine: Engine, data: TokenBatches, validation: V
     # bar ends its line before the error is logged.
     with StopFlag() as stop, logging_redirect_tqdm(), contextlib.closing(engine), progress:
         for step in range(engine.global_step, config.train.steps):
-            loss_value = train_step(engine, data, config.zero.grad_accum_steps)
+            loss_value = train_step(engine, data, config.zero.grad_accum_steps, loss_of)
             result.losses.append(loss_value)
             result.steps_done = step + 1
             val_loss = None

@@ -20,11 +20,14 @@ a crash never leaves a truncated file under the real name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,12 +36,51 @@ from tqdm import tqdm
 
 from engine.runtime.sizes import FP32
 from engine.tools.inspect import IO_THREADS, committed_record, generation_array, open_store, store_layout
-from engine.zero.partition import ModelLayout
+from engine.zero.partition import ModelLayout, UnitLayout
 from offload import ChunkReader, Generations, IORunner, ShardStore
 
 logger = logging.getLogger(__name__)
 
 HEADER_ALIGN = 8  # safetensors pads its header with spaces so the data starts 8-byte aligned
+
+
+@dataclass
+class Masters:
+    """The fp32 masters of one generation of a store, read unit by unit, one chunk at a time."""
+
+    layout: ModelLayout
+    generation: int
+    metadata: dict[str, str]
+    """What a weights file written from them says of them (source store, generation, step)."""
+    reader: ChunkReader
+
+    def pieces(self) -> Iterator[tuple[UnitLayout, int, torch.Tensor]]:
+        """Each unit's master in layout order, padding dropped, as ``(unit, offset, values)``: the
+        values of elements ``[offset, offset + len(values))`` of the unit, in one reused buffer
+        (valid until the next piece)."""
+        for unit in self.layout.units:
+            name = generation_array(self.generation, unit.name, "master")
+            info = self.reader.infos[name]
+            if info.dtype != torch.float32 or info.numel < unit.numel:
+                raise ValueError(
+                    f"array {name!r} in {self.reader.store.path} holds {info.numel} {info.dtype} elements, but unit "
+                    f"{unit.name!r} needs {unit.numel} float32 masters; the store does not match its layout"
+                )
+            offset = 0
+            for values in self.reader.content(name, unit.numel):
+                yield unit, offset, values
+                offset += values.numel()
+
+
+@contextlib.contextmanager
+def open_masters(store_path: str | os.PathLike[str], generation: int | None = None) -> Iterator[Masters]:
+    """The masters of ``generation`` (default: the committed one) of the store at ``store_path``."""
+    with IORunner(threads=IO_THREADS) as runner:
+        store = open_store(Path(store_path), runner)
+        layout = store_layout(store)
+        generation, metadata = _choose_generation(store, generation)
+        reader = ChunkReader(store, (generation_array(generation, u.name, "master") for u in layout.units))
+        yield Masters(layout, generation, metadata, reader)
 
 
 def consolidate(
@@ -51,18 +93,15 @@ def consolidate(
         raise FileNotFoundError(
             f"cannot write {out_path}: its folder {out_path.parent} does not exist; create it first"
         )
-    with IORunner(threads=IO_THREADS) as runner:
-        store = open_store(store_path, runner)
-        layout = store_layout(store)
-        generation, metadata = _choose_generation(store, generation)
-        header = safetensors_header(layout, metadata)
-        reader = ChunkReader(store, (generation_array(generation, u.name, "master") for u in layout.units))
+    with open_masters(store_path, generation) as masters:
+        layout = masters.layout
+        header = safetensors_header(layout, masters.metadata)
         fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as out:
                 os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the weights from other users
                 out.write(header)
-                _write_masters(reader, layout, generation, out)
+                _write_masters(masters, out)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp_name, out_path)
@@ -75,7 +114,7 @@ def consolidate(
         count,
         layout.numel / 1e6,
         store_path,
-        generation,
+        masters.generation,
         out_path,
     )
     return count
@@ -130,22 +169,20 @@ def safetensors_header(layout: ModelLayout, metadata: dict[str, str]) -> bytes:
                 f"the store's layout is corrupt"
             )
         base += unit.numel * FP32
+    return header_bytes(entries)
+
+
+def header_bytes(entries: dict[str, object]) -> bytes:
+    """A safetensors file's length prefix and JSON header, padded so that its data starts aligned."""
     text = json.dumps(entries, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % HEADER_ALIGN)
     return len(text).to_bytes(8, "little") + text
 
 
-def _write_masters(reader: ChunkReader, layout: ModelLayout, generation: int, out: BinaryIO) -> None:
+def _write_masters(masters: Masters, out: BinaryIO) -> None:
     """Append each unit's master, cut to its real length, one chunk at a time."""
-    with tqdm(total=layout.numel * FP32, desc="consolidate", unit="B", unit_scale=True, disable=None) as bar:
-        for unit in layout.units:
-            name = generation_array(generation, unit.name, "master")
-            info = reader.infos[name]
-            if info.dtype != torch.float32 or info.numel < unit.numel:
-                raise ValueError(
-                    f"array {name!r} in {reader.store.path} holds {info.numel} {info.dtype} elements, but unit "
-                    f"{unit.name!r} needs {unit.numel} float32 masters; the store does not match its layout"
-                )
-            for piece in reader.content(name, unit.numel):
-                out.write(piece.numpy().data)
-                bar.update(piece.numel() * FP32)
+    total = masters.layout.numel * FP32
+    with tqdm(total=total, desc="consolidate", unit="B", unit_scale=True, disable=None) as bar:
+        for _, _, values in masters.pieces():
+            out.write(values.numpy().data)
+            bar.update(values.numel() * FP32)

@@ -1,0 +1,320 @@
+"""A pretrained Hugging Face causal LM, streamed into the engine one unit at a time.
+
+The model is built from the folder's ``config.json`` on the ``meta`` device (no memory), and
+``Pretrained`` is the engine's ``init_unit``: when the engine materialises a unit, it reads just
+that unit's tensors from the folder's safetensors files (one file or several with
+``model.safetensors.index.json``; fp32, bf16 or fp16) and casts them to fp32 into its
+parameters. So a model larger than memory imports, on any tier and any world size (each rank
+reads whole units and keeps its shard).
+
+Everything that can be checked is checked before any work, from the files' headers alone: a
+tensor the model needs but the checkpoint lacks, one it holds but the model has no place for,
+a shape that differs, a dtype that is not a float, a file cut short. A weight the model ties to
+another (GPT-2's ``lm_head`` is its token embedding) is loaded once, under whichever of its
+names the checkpoint holds.
+
+The folder's other files (``config.json``, the tokenizer's) are copied into ``<store>/hf/``
+(``record_source``) so that ``python -m engine export`` can write a folder that
+``from_pretrained`` loads with no other input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SOURCE_FOLDER = "hf"
+"""Where a store keeps the source folder's config and tokenizer files, and ``source.json``."""
+SOURCE_RECORD = "source.json"
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+DTYPE_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+ITEM_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+"""Bytes per element of each safetensors dtype, to check a header's offsets."""
+ENCODE_BATCH = 1024  # lines the tokenizer encodes at once
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
+SHOWN = 3  # names listed in an error before "and N more"
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One tensor of a checkpoint, as its file's header describes it."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:SHOWN])
+    return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: the ones its index names, or its one file."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index} is not a safetensors index ({err}): write the checkpoint again") from err
+        for name in names:
+            if Path(name).name != name:
+                raise ValueError(f"{index} names the file {name!r} outside its folder: the index is corrupt")
+        return [folder / name for name in names]
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    raise FileNotFoundError(
+        f"{folder} holds no {SINGLE_FILE} and no {INDEX_FILE}: give the folder that save_pretrained wrote "
+        f"(safetensors weights; convert .bin weights with save_pretrained(safe_serialization=True))"
+    )
+
+
+def read_header(path: Path) -> dict[str, CheckpointTensor]:
+    """The tensors of one safetensors file, from its header; refuses a file cut short or corrupt."""
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file {path} is missing: copy the whole checkpoint folder")
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        prefix = file.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if length < 0 or 8 + length > size:
+            raise ValueError(f"checkpoint file {path} is truncated (its header is cut short): copy it again")
+        try:
+            header = json.loads(file.read(length))
+        except ValueError as err:
+            raise ValueError(f"checkpoint file {path} has a corrupt header ({err}): copy it again") from err
+    tensors, end = {}, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, stop) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"checkpoint file {path}: tensor {name!r} has a corrupt header entry: copy it again"
+            ) from err
+        if dtype not in ITEM_BYTES or stop - start != math.prod(shape) * ITEM_BYTES[dtype]:
+            raise ValueError(f"checkpoint file {path}: tensor {name!r} has a corrupt header entry: copy it again")
+        tensors[name] = CheckpointTensor(path, dtype, shape)
+        end = max(end, stop)
+    if 8 + length + end > size:
+        raise ValueError(
+            f"checkpoint file {path} is truncated ({size} bytes, its tensors need {8 + length + end}): copy it again"
+        )
+    return tensors
+
+
+def read_headers(folder: Path) -> dict[str, CheckpointTensor]:
+    """Every tensor of a checkpoint folder, from the headers of its files."""
+    tensors: dict[str, CheckpointTensor] = {}
+    for path in checkpoint_files(folder):
+        for name, tensor in read_header(path).items():
+            if name in tensors:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} is in both {tensors[name].file.name} and {path.name} in {folder}: "
+                    f"the checkpoint is corrupt; write it again"
+                )
+            tensors[name] = tensor
+    return tensors
+
+
+class Pretrained:
+    """The ``init_unit`` that fills a meta-built model's units from a checkpoint folder, checked
+    against the model first (``Engine(model, config, init_unit=Pretrained(folder, model))``)."""
+
+    def __init__(self, folder: str | os.PathLike[str], model: nn.Module):
+        self.folder = Path(folder)
+        self.tensors = read_headers(self.folder)
+        self.source = match_checkpoint(model, self.tensors, self.folder)
+        """The checkpoint name each parameter is read from, by the parameter's own name."""
+
+    @property
+    def dtype(self) -> str:
+        """The checkpoint's dtype (``fp32``, ``bf16``, ``fp16``): that of most of its elements."""
+        counts: dict[str, int] = {}
+        for name in self.source.values():
+            tensor = self.tensors[name]
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + math.prod(tensor.shape)
+        return DTYPE_NAMES[max(counts, key=lambda d: counts[d])] if counts else "fp32"
+
+    def __call__(self, params: dict[str, torch.Tensor]) -> None:
+        """Read one unit's parameters from the checkpoint, file by file, cast to their dtype."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for name in params:
+            by_file.setdefault(self.tensors[self.source[name]].file, []).append(name)
+        with torch.no_grad():
+            for path, names in by_file.items():
+                with safe_open(str(path), framework="pt") as file:
+                    for name in names:
+                        params[name].copy_(file.get_tensor(self.source[name]))
+
+
+def match_checkpoint(model: nn.Module, tensors: dict[str, CheckpointTensor], folder: Path) -> dict[str, str]:
+    """For each parameter (by its first name), the checkpoint tensor it is read from; refuses a
+    checkpoint that lacks one, holds one the model has no place for, or differs in shape."""
+    aliases: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+        if prefix != "." and name.startswith(prefix):  # a checkpoint of the base model alone
+            aliases[id(param)].append(name.removeprefix(prefix))
+        params[id(param)] = param
+    source, missing, misshaped = {}, [], []
+    for key, names in aliases.items():
+        held = [n for n in names if n in tensors]
+        if not held:
+            missing.append(names[0])
+            continue
+        source[names[0]] = held[0]
+        if tensors[held[0]].dtype not in DTYPES:
+            raise ValueError(
+                f"checkpoint tensor {held[0]!r} in {tensors[held[0]].file} is {tensors[held[0]].dtype}, not a float "
+                f"the engine imports ({', '.join(DTYPES)}): save the model in fp32, bf16 or fp16"
+            )
+        shape = tuple(params[key].shape)
+        if tensors[held[0]].shape != shape:
+            misshaped.append(f"{held[0]!r} is {list(tensors[held[0]].shape)}, the model's is {list(shape)}")
+    every = {n for names in aliases.values() for n in names}
+    unexpected = [n for n in tensors if n not in every and not _ignored(model, n)]
+    what = f"the model {type(model).__name__} that {folder / 'config.json'} describes"
+    if missing:
+        raise ValueError(
+            f"checkpoint {folder} lacks tensor {_listing(missing)} of {what}: the weights and config.json do not "
+            f"match; use a folder that save_pretrained wrote whole"
+        )
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {folder} holds tensor {_listing(sorted(unexpected))} that {what} has no parameter for: "
+            f"the weights and config.json do not match; use a folder that save_pretrained wrote whole"
+        )
+    if misshaped:
+        raise ValueError(
+            f"checkpoint {folder}: tensor {'; '.join(misshaped[:SHOWN])}"
+            f"{f' (and {len(misshaped) - SHOWN} more)' if len(misshaped) > SHOWN else ''}: the weights and "
+            f"config.json do not match; use a folder that save_pretrained wrote whole"
+        )
+    return source
+
+
+def _ignored(model: nn.Module, name: str) -> bool:
+    """A checkpoint tensor the model's own loader ignores (e.g. old checkpoints' rotary buffers)."""
+    patterns: Iterable[str] = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return any(re.search(p, name) for p in [*patterns, r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$"])
+
+
+def meta_model(folder: str | os.PathLike[str]) -> nn.Module:
+    """The causal LM that ``folder/config.json`` describes, on the meta device (no memory)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError("model.hf needs Hugging Face 'transformers': pip install transformers") from err
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.hf = {str(folder)!r} holds no config.json: give the folder that save_pretrained wrote"
+        )
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def record_source(folder: str | os.PathLike[str], store: str | os.PathLike[str], dtype: str) -> Path:
+    """Copy the checkpoint folder's files other than weights (config, tokenizer) into
+    ``<store>/hf/``, with ``source.json`` naming the folder and its dtype, for ``export``."""
+    folder, target = Path(folder), Path(store) / SOURCE_FOLDER
+    staging = target.with_name(f".{SOURCE_FOLDER}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name != INDEX_FILE:
+            shutil.copyfile(path, staging / path.name)
+    (staging / SOURCE_RECORD).write_text(json.dumps({"folder": str(folder.resolve()), "dtype": dtype}) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    return target
+
+
+def check_vocabulary(model: nn.Module, vocab_size: int, folder: str) -> None:
+    """Refuse data whose token ids the model has no embedding for."""
+    hf: Any = model  # a PreTrainedModel, whose methods nn.Module's typing does not know
+    rows = hf.get_input_embeddings().num_embeddings
+    if vocab_size > rows:
+        raise ValueError(
+            f"the data has {vocab_size} token ids but the model in {folder} embeds {rows}: tokenise with the "
+            f"model's own tokenizer (model.hf does, for a text corpus), not a .bin file of another"
+        )
+
+
+def pretrained_model(folder: str, seq_len: int) -> tuple[nn.Module, Pretrained]:
+    """The meta model of ``folder`` and its ``init_unit``, checked against the checkpoint, and
+    refused if it cannot take sequences of ``seq_len``."""
+    model = meta_model(folder)
+    init = Pretrained(folder, model)
+    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and seq_len > positions:
+        raise ValueError(
+            f"data.seq_len = {seq_len} is longer than the {positions} positions the model in {folder} was "
+            f"trained for: set data.seq_len to at most {positions}"
+        )
+    return model, init
+
+
+def causal_lm_loss(engine: Engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The next-token loss of a causal LM on inputs ``x`` and their shifted targets ``y``."""
+    logits = engine(input_ids=x).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.to(logits.device).flatten())
+
+
+def tokenizer_digest(folder: str | os.PathLike[str]) -> str:
+    """A digest of the folder's tokenizer files: tokens cached for one tokenizer are never
+    taken for another's."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).iterdir()):
+        if path.is_file() and path.name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def encode(folder: str, lines: list[str]) -> tuple[np.ndarray, int]:
+    """Token ids of ``lines`` (joined, no special tokens added) by the tokenizer in ``folder``,
+    and its vocabulary size, offline."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"model.hf = {folder!r}: its tokenizer does not load ({err}); save it into the folder with "
+            f"tokenizer.save_pretrained, or give a pre-tokenised .bin data.source"
+        ) from err
+    tokenizer.model_max_length = 1 << 62  # a long line is data, not an overflow
+
+    def ids() -> Iterator[int]:
+        for start in range(0, len(lines), ENCODE_BATCH):
+            for row in tokenizer(lines[start : start + ENCODE_BATCH], add_special_tokens=False)["input_ids"]:
+                yield from row
+
+    return np.fromiter(ids(), dtype=np.uint32), len(tokenizer)

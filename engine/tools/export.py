@@ -1,0 +1,229 @@
+"""A store's weights as a Hugging Face folder that ``from_pretrained`` loads with no other step.
+
+The folder holds the weights as safetensors shards of at most ``max_shard_size`` bytes
+(``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json``, or one
+``model.safetensors``), in the dtype asked (default: the checkpoint the run started from), and
+the ``config.json`` and tokenizer files the run recorded in ``<store>/hf/``
+(``engine.run.pretrained.record_source``).
+
+The model may be larger than memory, so nothing is held whole: each shard's header follows from
+the store's layout alone, and the masters are read one chunk at a time
+(``engine.tools.consolidate.open_masters``), cast and appended to the shard they belong to. Tied
+weights are written once, under the name the layout records, as ``save_pretrained`` does. Each
+shard is written under a temporary name and renamed when complete, and the index and config come
+last: an export cut short leaves no folder that loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from tqdm import tqdm
+
+from engine.run.pretrained import INDEX_FILE, SINGLE_FILE, SOURCE_FOLDER, SOURCE_RECORD, WEIGHT_SUFFIXES
+from engine.tools.consolidate import Masters, header_bytes, open_masters
+from engine.zero.partition import ModelLayout, ParamSlot
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": ("F32", torch.float32), "bf16": ("BF16", torch.bfloat16), "fp16": ("F16", torch.float16)}
+CONFIG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a number of bytes, as ``save_pretrained``'s max_shard_size."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in SIZE_UNITS or float(match.group(1)) * SIZE_UNITS[unit] < 1:
+        raise ValueError(f"max shard size {text!r} is not a size: write e.g. 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+@dataclass
+class Shard:
+    """One output file: the parameters it holds, in layout order, and its header."""
+
+    name: str
+    slots: list[ParamSlot]
+    header: bytes
+    nbytes: int
+
+
+def plan_shards(layout: ModelLayout, dtype: str, max_bytes: int, metadata: dict[str, str]) -> list[Shard]:
+    """Cut the parameters, in layout order, into files of at most ``max_bytes`` (a larger
+    parameter has a file of its own), as ``save_pretrained`` does."""
+    itemsize = DTYPES[dtype][1].itemsize
+    groups: list[list[ParamSlot]] = [[]]
+    size = 0
+    for unit in layout.units:
+        for slot in unit.params:
+            nbytes = slot.numel * itemsize
+            if groups[-1] and size + nbytes > max_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(slot)
+            size += nbytes
+    count = len(groups)
+    shards = []
+    for index, slots in enumerate(groups, 1):
+        entries: dict[str, object] = {"__metadata__": metadata | {"format": "pt"}}
+        offset = 0
+        for slot in slots:
+            end = offset + slot.numel * itemsize
+            entries[slot.name] = {"dtype": DTYPES[dtype][0], "shape": list(slot.shape), "data_offsets": [offset, end]}
+            offset = end
+        name = SINGLE_FILE if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
+        shards.append(Shard(name, slots, header_bytes(entries), offset))
+    return shards
+
+
+class _ShardWriter:
+    """Appends values to the shards in order, each under a temporary name until complete."""
+
+    def __init__(self, folder: Path, shards: list[Shard]):
+        self.folder, self.shards = folder, shards
+        self.current = -1
+        self.out: BinaryIO | None = None
+        self.written = 0
+
+    def write(self, shard: int, values: torch.Tensor) -> None:
+        while self.current < shard:
+            self._next()
+        assert self.out is not None
+        self.out.write(values.contiguous().view(torch.uint8).numpy().data)
+        self.written += values.numel() * values.element_size()
+
+    def _next(self) -> None:
+        self.finish()
+        self.current += 1
+        shard = self.shards[self.current]
+        self.out = open(self._temporary(shard), "wb")  # noqa: SIM115 (closed by finish)
+        self.out.write(shard.header)
+        self.written = 0
+
+    def _temporary(self, shard: Shard) -> Path:
+        return self.folder / f".{shard.name}.tmp"
+
+    def finish(self) -> None:
+        """Complete the shard being written: all its bytes, on disk, under its real name."""
+        if self.out is None:
+            return
+        shard = self.shards[self.current]
+        if self.written != shard.nbytes:
+            raise ValueError(
+                f"{shard.name}: wrote {self.written} bytes of {shard.nbytes}; the store's layout is corrupt"
+            )
+        self.out.flush()
+        os.fsync(self.out.fileno())
+        self.out.close()
+        self.out = None
+        os.replace(self._temporary(shard), self.folder / shard.name)
+
+    def abort(self) -> None:
+        if self.out is not None:
+            self.out.close()
+            self._temporary(self.shards[self.current]).unlink(missing_ok=True)
+
+
+def _write_shards(masters: Masters, shards: list[Shard], dtype: torch.dtype, folder: Path) -> None:
+    """Stream the masters into the shards, cast to ``dtype``, a chunk at a time."""
+    shard_of = {slot.name: index for index, shard in enumerate(shards) for slot in shard.slots}
+    segments = {
+        unit.name: [(slot.offset, slot.offset + slot.numel, shard_of[slot.name]) for slot in unit.params]
+        for unit in masters.layout.units
+    }
+    writer = _ShardWriter(folder, shards)
+    total = sum(shard.nbytes for shard in shards)
+    try:
+        with tqdm(total=total, desc="export", unit="B", unit_scale=True, disable=None) as bar:
+            for unit, offset, values in masters.pieces():
+                end = offset + values.numel()
+                for start, stop, shard in segments[unit.name]:
+                    low, high = max(start, offset), min(stop, end)
+                    if low < high:
+                        writer.write(shard, values[low - offset : high - offset].to(dtype))
+                        bar.update((high - low) * dtype.itemsize)
+            writer.write(len(shards) - 1, torch.empty(0, dtype=dtype))  # opens any shard left (empty tensors)
+            writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def source_files(store_path: Path) -> tuple[Path, dict[str, str]]:
+    """The folder of config and tokenizer files a store recorded, and its ``source.json``."""
+    folder = store_path / SOURCE_FOLDER
+    try:
+        record = json.loads((folder / SOURCE_RECORD).read_text())
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(
+            f"store {store_path} records no Hugging Face model ({folder / SOURCE_RECORD} is missing or damaged): "
+            f"only a run started with model.hf = FOLDER can be exported; consolidate writes its fp32 weights"
+        ) from err
+    return folder, record
+
+
+def export(
+    store_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    max_shard_size: str | int = "5GB",
+    dtype: str | None = None,
+    generation: int | None = None,
+) -> list[str]:
+    """Write the store's weights, config and tokenizer to ``out_dir`` as a Hugging Face folder;
+    return the names of the weight files written."""
+    store_path, out_dir = Path(store_path), Path(out_dir)
+    max_bytes = parse_size(max_shard_size)
+    source, record = source_files(store_path)
+    dtype = dtype or record.get("dtype", "fp32")
+    if dtype not in DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}: pass --dtype bf16, fp16 or fp32")
+    if out_dir.is_dir() and any(p.name.endswith(WEIGHT_SUFFIXES) or p.name == INDEX_FILE for p in out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} already holds model weights: export into a new or empty folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open_masters(store_path, generation) as masters:
+        shards = plan_shards(masters.layout, dtype, max_bytes, masters.metadata)
+        _write_shards(masters, shards, DTYPES[dtype][1], out_dir)
+    _write_side_files(source, out_dir, shards, dtype)
+    logger.info(
+        "exported %.1fM %s weights of %s (generation %d) to %s in %d file(s)",
+        masters.layout.numel / 1e6,
+        dtype,
+        store_path,
+        masters.generation,
+        out_dir,
+        len(shards),
+    )
+    return [shard.name for shard in shards]
+
+
+def _write_side_files(source: Path, out_dir: Path, shards: list[Shard], dtype: str) -> None:
+    """The tokenizer and config files, the config naming the weights' dtype, and the index last."""
+    for path in sorted(source.iterdir()):
+        if path.is_file() and path.name not in (SOURCE_RECORD, "config.json"):
+            shutil.copyfile(path, out_dir / path.name)
+    config = json.loads((source / "config.json").read_text())
+    config["dtype"] = CONFIG_DTYPES[dtype]
+    if "torch_dtype" in config:
+        config["torch_dtype"] = CONFIG_DTYPES[dtype]
+    _write_json(out_dir / "config.json", config)
+    if len(shards) > 1:
+        weight_map = {slot.name: shard.name for shard in shards for slot in shard.slots}
+        total = sum(shard.nbytes for shard in shards)
+        _write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write_json(path: Path, data: dict) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(temporary, path)
