@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine.runtime.sizes import GIB, MIB
 from engine.tiers.optimizer import STATE_KINDS
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import ChecksumError, Generations, IORunner, ManifestError, ShardStore, array_bytes, shard_bytes
@@ -60,10 +61,10 @@ def check_buffer(layout: ModelLayout, buffer_bytes: int) -> None:
     """Refuse a host buffer that cannot read one unit's state while writing another's."""
     largest = max(layout.units, key=unit_state_bytes)
     if buffer_bytes < 2 * unit_state_bytes(largest):
-        need_mb = -(-2 * unit_state_bytes(largest) // 2**20)
+        need_mb = -(-2 * unit_state_bytes(largest) // MIB)
         raise ValueError(
-            f"offload.buffer_mb = {buffer_bytes // 2**20}: unit {largest.name!r} needs "
-            f"{unit_state_bytes(largest) / 2**20:.1f} MiB of host buffer to stage its optimizer state, "
+            f"offload.buffer_mb = {buffer_bytes // MIB}: unit {largest.name!r} needs "
+            f"{unit_state_bytes(largest) / MIB:.1f} MiB of host buffer to stage its optimizer state, "
             f"twice that to read one unit while writing another; set offload.buffer_mb >= {need_mb}"
         )
 
@@ -81,15 +82,15 @@ def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS) ->
     if need > free:
         in_place = store_bytes(layout, IN_PLACE)
         hint = (
-            f'; store.mode = "in-place" needs {in_place / 2**30:.2f} GiB (one generation rewritten each step; '
+            f'; store.mode = "in-place" needs {in_place / GIB:.2f} GiB (one generation rewritten each step; '
             f"after a crash mid-step only an explicit checkpoint resumes)"
             if mode != IN_PLACE and in_place <= free
             else "; free some space or choose another nvme_path"
         )
         raise OSError(
-            f"offload.nvme_path = {str(path)!r}: the store needs {need / 2**30:.2f} GiB "
+            f"offload.nvme_path = {str(path)!r}: the store needs {need / GIB:.2f} GiB "
             f"({LIVE_GENERATIONS[mode]} generation(s) of fp32 master, exp_avg and exp_avg_sq, store.mode = {mode!r}) "
-            f"but only {free / 2**30:.2f} GiB are free there{hint}"
+            f"but only {free / GIB:.2f} GiB are free there{hint}"
         )
 
 

@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from engine.run.pretrained import INDEX_FILE, SINGLE_FILE, SOURCE_FOLDER, SOURCE_RECORD, WEIGHT_SUFFIXES
+from engine.runtime.sizes import GIB, MIB
 from engine.tools.consolidate import Masters, header_bytes, open_masters
 from engine.zero.partition import ModelLayout, ParamSlot
 
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": ("F32", torch.float32), "bf16": ("BF16", torch.bfloat16), "fp16": ("F16", torch.float16)}
 CONFIG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": MIB, "GIB": GIB}
 
 
 def parse_size(text: str | int) -> int:
