@@ -78,3 +78,15 @@ def test_copies_quick(tmp_path: Path) -> None:
     (row,) = load_record(tmp_path, "copies")["rows"]
     assert row["copy MB"] > 0 and row["copy s"] == pytest.approx(row["copy MB"] / 1e3 / 0.05)
     assert row["async s"] > 0 and row["sync s"] > 0 and 0 < row["overlap"] <= 1.5
+
+
+def test_pretrained_quick(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from benchmarks import pretrained
+
+    pretrained.main(["--quick", "--out", str(tmp_path), "--dir", str(tmp_path)])
+    record = load_record(tmp_path, "pretrained")
+    assert [row["phase"] for row in record["rows"]] == ["import", "export"]
+    for row in record["rows"]:
+        assert row["read GB"] > 0 and row["written GB"] > 0 and row["GB/s"] > 0 and row["peak RSS GiB"] > 0
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-pretrained-")] == []
