@@ -91,7 +91,9 @@ def export_phase(store: Path, out: Path) -> dict[str, float]:
 def in_process(phase: str, *paths: Path) -> dict[str, float]:
     """Run one phase in a fresh process: its peak RSS is the phase's own."""
     command = [sys.executable, "-m", "benchmarks.pretrained", "--phase", phase, *map(str, paths)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"the {phase} phase failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
