@@ -86,7 +86,7 @@ class NvmeSetup:
 
     directory: Path
     params: int
-    buffer_mb: int
+    buffer_mb: int | str
     chunk_mb: int
     io_threads: int
 
@@ -229,9 +229,7 @@ def synthetic_layout(sizes: list[int], chunk_mb: int) -> ModelLayout:
 
     The parameters live on the meta device: the layout needs only their shapes.
     """
-    units = {
-        f"block{i}": [("weight", nn.Parameter(torch.empty(n, device="meta")))] for i, n in enumerate(sizes)
-    }
+    units = {f"block{i}": [("weight", nn.Parameter(torch.empty(n, device="meta")))] for i, n in enumerate(sizes)}
     return build_layout(units, world_size=1, max_chunk_numel=max_chunk_numel(chunk_mb))
 
 
@@ -249,7 +247,9 @@ class NvmeOptimizer:
         self.config = OptimConfig()
         self.opt = ShardAdamW(self.config)
         self.io = StoreIO(IORunner(threads=nvme.io_threads), offload.checksum, offload.direct_io, lambda: None)
-        self.state = StoreOptimizerState(path, layout, 0, self.io, buffer_bytes=optimizer_buffer_bytes(nvme))
+        self.state = StoreOptimizerState(
+            path, layout, 0, self.io, buffer_bytes=optimizer_buffer_bytes(nvme, layout.units)
+        )
         sizes = [unit.shard_numel for unit in layout.units]
         self.grads: dict[str, torch.Tensor] = {}
         for unit, (master, grad) in zip(layout.units, _params_and_grads(sizes), strict=True):
@@ -396,6 +396,11 @@ SECTIONS: dict[str, Callable[[Setup], Section]] = {
 }
 
 
+def _int_or_auto(text: str) -> int | str:
+    """An ``[offload]`` size: a whole number, or ``auto`` (sized from the units)."""
+    return text if text == "auto" else int(text)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, help="parameters in host memory (default 50M, --quick 5M)")
@@ -415,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }.items():
         default = getattr(offload, name)
         nvme_group.add_argument(
-            f"--{name.replace('_', '-')}", type=int, default=default, help=f"{help_} (default {default})"
+            f"--{name.replace('_', '-')}", type=_int_or_auto, default=default, help=f"{help_} (default {default})"
         )
     args = parser.parse_args(argv)
     setup_logging(args.verbose)

@@ -36,9 +36,9 @@ import torch
 
 from benchmarks.plans import TierPlan
 from engine.config import Config, OffloadConfig
-from engine.runtime.sizes import MIB
 from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.parameters import PARAM_KIND, PARAM_STORE
+from engine.tiers.sizing import optimizer_buffer_bytes
 from engine.zero.partition import ModelLayout, UnitLayout
 from engine.zero.precision import compute_dtype
 from offload import (
@@ -120,16 +120,14 @@ class StoreTraffic:
     engine's ``store.mode`` does, each step reads one generation and writes the other, or with
     ``in_place`` rewrites the one it reads."""
 
-    def __init__(
-        self, path: Path, transfers: list[Transfer], offload: OffloadConfig, *, in_place: bool
-    ) -> None:
+    def __init__(self, path: Path, transfers: list[Transfer], offload: OffloadConfig, *, in_place: bool) -> None:
         self.transfers = transfers
         self.in_place = in_place
         self.runner = IORunner(threads=offload.io_threads)
         self.store = ShardStore.create(
             path, {}, runner=self.runner, checksum=offload.checksum, direct_io=offload.direct_io
         )
-        budget = offload.buffer_mb * MIB
+        budget = optimizer_buffer_bytes(offload, [t.unit for t in transfers])
         self.pool = BufferPool(budget)
         self.pipeline: Pipeline[Transfer] = Pipeline(self.pool, self.runner, window_bytes=budget // 2)
         self._read_generation = 0

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import torch
 from torch import nn
 
@@ -23,6 +24,7 @@ from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
 from engine.tiers.sizing import optimizer_buffer_bytes, param_window_bytes, prefetch_bytes
+from engine.tiers.store_checks import check_buffer_memory
 from engine.tiers.store_io import StoreIO
 from engine.zero.buffers import materialize_buffers_
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
@@ -130,12 +132,15 @@ def optimizer_state(
             assert checkpoint is not None  # the engine refuses resuming a memory tier without one
             state.restore(checkpoint)
         return state
+    buffer_bytes = optimizer_buffer_bytes(offload, layout.units)
+    if offload.buffer_mb == "auto":
+        check_buffer_memory(layout, buffer_bytes, psutil.virtual_memory().available)
     return StoreOptimizerState(
         Path(offload.nvme_path),
         layout,
         rank,
         io,
-        buffer_bytes=optimizer_buffer_bytes(offload),
+        buffer_bytes=buffer_bytes,
         resume=resume,
         checkpoint=checkpoint,
         mode=config.store.mode,

@@ -62,8 +62,10 @@ class OffloadConfig:
     """Tier of the compute-dtype parameter shards (stage 3 only)."""
     nvme_path: str = "offload_store"
     """Folder of the zarr store used by the ``nvme`` tier (created if missing)."""
-    buffer_mb: int = 256
-    """Host staging budget for the ``nvme`` tier in MiB: peak host memory for streamed state."""
+    buffer_mb: int | Literal["auto"] = "auto"
+    """Host staging budget for the ``nvme`` tier in MiB: peak host memory for streamed state.
+    ``auto``: twice the largest unit's optimizer state (one unit read while another is written),
+    at least 256 MiB (``engine.tiers.sizing.optimizer_buffer_bytes``)."""
     chunk_mb: int = 16
     """Largest zarr chunk in MiB of fp32; a shard is cut into the fewest chunks within it, all of
     one 4 KiB-aligned size, so padding (read and written every step) stays under 4 KiB a chunk."""
@@ -258,14 +260,16 @@ class Config:
             z.device_memory_limit_mb,
             "must be >= 0 (0: no limit)",
         )
-        _check(o.buffer_mb >= 1, "offload.buffer_mb", o.buffer_mb, "must be >= 1")
         _check(o.chunk_mb >= 1, "offload.chunk_mb", o.chunk_mb, "must be >= 1")
-        _check(
-            o.buffer_mb >= 3 * o.chunk_mb,
-            "offload.buffer_mb",
-            o.buffer_mb,
-            f"must hold at least one unit's master and moments of one chunk each (3 x offload.chunk_mb = {3 * o.chunk_mb})",
-        )
+        if o.buffer_mb != "auto":
+            _check(o.buffer_mb >= 1, "offload.buffer_mb", o.buffer_mb, 'must be >= 1 (or "auto")')
+            _check(
+                o.buffer_mb >= 3 * o.chunk_mb,
+                "offload.buffer_mb",
+                o.buffer_mb,
+                f"must hold at least one unit's master and moments of one chunk each (3 x offload.chunk_mb = "
+                f'{3 * o.chunk_mb}), or be "auto"',
+            )
         _check(1 <= o.io_threads <= 64, "offload.io_threads", o.io_threads, "must be in [1, 64]")
         _check(
             p.compute_dtype != "fp16" or p.loss_scaling != "none",

@@ -13,7 +13,7 @@ import torch
 
 from engine.config import OffloadConfig, ZeroConfig
 from engine.runtime.sizes import MIB
-from engine.tiers.store_checks import IN_PLACE, store_bytes
+from engine.tiers.store_checks import IN_PLACE, store_bytes, unit_state_bytes
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import shard_bytes
 
@@ -35,9 +35,20 @@ def param_pool_bytes(units: Iterable[UnitLayout], dtype: torch.dtype, window_byt
     return window_bytes + 2 * max(shard_bytes(u, dtype) for u in units)
 
 
-def optimizer_buffer_bytes(offload: OffloadConfig) -> int:
-    """The ``nvme`` optimizer tier's host pool budget (``offload.buffer_mb``)."""
-    return offload.buffer_mb * MIB
+AUTO_BUFFER_FLOOR_MB = 256
+"""The least host pool ``offload.buffer_mb = "auto"`` gives the ``nvme`` optimizer tier: room
+to read several small units ahead."""
+
+
+def optimizer_buffer_bytes(offload: OffloadConfig, units: Iterable[UnitLayout]) -> int:
+    """The ``nvme`` optimizer tier's host pool budget: ``offload.buffer_mb``, or for ``"auto"``
+    the least pool that reads one unit's state while another's is written (twice the largest
+    unit's, ``store_checks.check_buffer``'s minimum) rounded up to whole MiB, and at least
+    ``AUTO_BUFFER_FLOOR_MB``."""
+    if offload.buffer_mb != "auto":
+        return offload.buffer_mb * MIB
+    need_mb = -(-2 * max(unit_state_bytes(u) for u in units) // MIB)
+    return max(need_mb, AUTO_BUFFER_FLOOR_MB) * MIB
 
 
 def checkpoint_bytes(layout: ModelLayout) -> int:

@@ -69,6 +69,20 @@ def check_buffer(layout: ModelLayout, buffer_bytes: int) -> None:
         )
 
 
+def check_buffer_memory(layout: ModelLayout, buffer_bytes: int, available_bytes: int) -> None:
+    """Refuse a host buffer sized by ``offload.buffer_mb = "auto"`` that this machine's memory
+    cannot hold (the pool grows to the buffer or to the rank's whole state, if smaller)."""
+    largest = max(layout.units, key=unit_state_bytes)
+    need = min(buffer_bytes, sum(unit_state_bytes(u) for u in layout.units))
+    if need > available_bytes:
+        raise ValueError(
+            f'offload.buffer_mb = "auto": the nvme tier\'s host buffer needs {need / MIB:.0f} MiB (unit '
+            f"{largest.name!r} stages {unit_state_bytes(largest) / MIB:.1f} MiB of optimizer state, twice that to "
+            f"read one unit while writing another) but only {available_bytes / MIB:.0f} MiB of memory are "
+            f"available: free memory, use more ranks, or split the largest unit with zero.unit_classes"
+        )
+
+
 def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS) -> None:
     """Refuse, before any work, a path that cannot hold the store (missing rights or space)."""
     parent = path if path.exists() else path.parent

@@ -89,7 +89,7 @@ def optimizer_state_bytes(run: RunShape) -> int:
 def optimizer_staging_bytes(run: RunShape) -> int:
     """``nvme`` optimizer tier: its buffer pool, which grows up to ``offload.buffer_mb`` (or
     to all of the rank's state, if that is smaller) and keeps what it allocated."""
-    return min(optimizer_buffer_bytes(run.config.offload), optimizer_state_bytes(run))
+    return min(optimizer_buffer_bytes(run.config.offload, run.layout.units), optimizer_state_bytes(run))
 
 
 def grad_shard_bytes(run: RunShape) -> int:
