@@ -5,8 +5,9 @@
   continues from the store at ``offload.nvme_path`` when it holds a committed step, or from
   its checkpoint TAG with ``--from-checkpoint TAG``; ``--plan auto`` first sets ``zero.stage``,
   ``offload.optimizer`` and ``offload.param`` to the least offload that fits this machine.
-- ``estimate [--config run.toml | --params N --layers L --hidden H] [--world-size W] [--json]``:
-  predicted memory per tier of every stage and tier plan, and the one ``--plan auto`` would take.
+- ``estimate [--config run.toml | --params N --layers L --hidden H | --model.hf FOLDER] [--world-size W]
+  [--json]``: predicted memory per tier of every stage and tier plan, and the one ``--plan auto``
+  would take; a ``model.hf`` folder needs only its ``config.json`` (no weights are read).
 - ``generate [--config run.toml] [--key value ...] --prompt TEXT [--tokens N] [--temperature T]
   [--top-k K] [--seed S]``: text sampled from the run's committed step (or ``--from-checkpoint
   TAG``), its model and tokenizer set up from the same config as ``train``; greedy at temperature 0.
@@ -169,11 +170,6 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
-    if args.plan == "auto" and config.model.hf:
-        raise ConfigError(
-            "--plan auto sizes the built-in GPT, not a model.hf checkpoint: leave it out and set zero.stage, "
-            "offload.optimizer and offload.param yourself (e.g. --stage 3 --param nvme)"
-        )
     from engine.run.train import train
     from engine.runtime.heap import return_freed_buffers
 
@@ -211,7 +207,13 @@ def _estimate(args: argparse.Namespace, extra: list[str]) -> int:
         run_shape,
     )
 
-    run = run_shape(config, args.world_size, gpt_shape(config, args.params, args.layers, args.hidden))
+    sized = args.params or args.layers is not None or args.hidden is not None
+    if sized and config.model.hf:
+        raise ConfigError(
+            "--params, --layers and --hidden size a built-in GPT: leave them out to estimate the model.hf model"
+        )
+    gpt = gpt_shape(config, args.params, args.layers, args.hidden) if sized or not config.model.hf else None
+    run = run_shape(config, args.world_size, gpt)
     estimates = estimate_plans(run, baseline_bytes=measured_baseline_bytes())
     machine = Machine.detect(config)
     choice = recommend(estimates, machine, config)

@@ -82,7 +82,7 @@ def test_auto_refuses_a_buffer_the_machine_cannot_hold_naming_the_fix(tmp_path, 
 
 @pytest.mark.parametrize("value", [0, -1, "big"])
 def test_a_buffer_that_is_neither_a_size_nor_auto_is_refused(value) -> None:
-    with pytest.raises(ConfigError, match="offload.buffer_mb"):
+    with pytest.raises(ConfigError, match=r"offload\.buffer_mb"):
         Config.from_dict({"offload": {"buffer_mb": value}})
     assert Config.from_dict({}, ["offload.buffer_mb=auto"]).offload.buffer_mb == "auto"
     assert Config.from_dict({}, ["buffer_mb=512"]).offload.buffer_mb == 512

@@ -1,4 +1,5 @@
-"""Memory per tier for a run of the built-in GPT, and the plan that fits this machine.
+"""Memory per tier for a run of the built-in GPT, a ``model.hf`` folder's model (its
+``config.json`` alone) or any ``nn.Module``, and the plan that fits this machine.
 
 Choosing a ZeRO stage and offload tiers by trial costs a run killed by the kernel after
 minutes of model building; this estimate costs a second. For every stage and tier plan it
@@ -40,15 +41,17 @@ from engine.tools.estimate.machine import (
     stage_preference,
     why_none_fits,
 )
-from engine.tools.estimate.memory import Footprint, PlanEstimate, estimate, estimate_plans
+from engine.tools.estimate.memory import Footprint, PlanEstimate, estimate, estimate_plans, refusal
 from engine.tools.estimate.report import format_table, report_json
 from engine.tools.estimate.shape import (
     TIER_ORDER,
+    ModelShape,
     Plan,
     RunShape,
     all_plans,
     gpt_of,
     gpt_shape,
+    module_shape,
     plan_of,
     run_shape,
     vocab_size,
@@ -83,6 +86,7 @@ __all__ = [
     "TIER_ORDER",
     "Footprint",
     "Machine",
+    "ModelShape",
     "Plan",
     "PlanEstimate",
     "RunShape",
@@ -100,6 +104,7 @@ __all__ = [
     "grad_shard_bytes",
     "heap_retention_bytes",
     "measured_baseline_bytes",
+    "module_shape",
     "optimizer_staging_bytes",
     "optimizer_state_bytes",
     "param_grad_bytes",
@@ -108,6 +113,7 @@ __all__ = [
     "plan_of",
     "prefetch_window_bytes",
     "recommend",
+    "refusal",
     "replicated_param_bytes",
     "report_json",
     "run_shape",

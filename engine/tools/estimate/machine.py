@@ -82,7 +82,7 @@ class Machine:
     def shortfalls(self, est: PlanEstimate, headroom: float = HEADROOM) -> list[str]:
         """What ``est`` lacks to leave ``headroom`` of every resource unused, each with a fix."""
         usable = 1.0 - headroom
-        short = []
+        short = [f"the engine refuses it: {est.refused}"] if est.refused else []
         if est.node_rss_bytes > usable * self.ram_bytes:
             short.append(
                 f"host memory: {est.world_size} rank(s) x {gib(est.peak_rss_bytes)} GiB peak RSS over "

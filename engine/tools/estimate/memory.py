@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from engine.config import Tier
-from engine.tiers.store_checks import unit_state_bytes
+from engine.tiers.sizing import optimizer_buffer_bytes
+from engine.tiers.store_checks import check_buffer, unit_state_bytes
 from engine.tools.estimate.shape import Plan, RunShape, all_plans
 from engine.tools.estimate.terms import (
     HEAP_BUFFER_LIMIT,
@@ -143,6 +144,16 @@ def _heap_sized(buffers: Iterable[int]) -> int:
     return sum(b for b in buffers if b < HEAP_BUFFER_LIMIT)
 
 
+def refusal(run: RunShape, plan: Plan) -> str:
+    """The engine's own refusal of ``plan`` for ``run`` whatever the machine, or ""."""
+    if plan.optimizer == "nvme":
+        try:
+            check_buffer(run.layout, optimizer_buffer_bytes(run.config.offload, run.layout.units))
+        except ValueError as err:
+            return str(err)
+    return ""
+
+
 @dataclass(frozen=True)
 class PlanEstimate:
     """One plan's predicted memory, per rank unless named ``node``."""
@@ -165,6 +176,9 @@ class PlanEstimate:
     """When the peak RSS comes: construction, backward start or end, optimizer step."""
     terms: dict[str, int] = field(default_factory=dict)
     """What is held at the peak of training, by term (device and host bytes together)."""
+    refused: str = ""
+    """Why the engine would refuse this plan with this config whatever the machine (e.g. an
+    ``offload.buffer_mb`` too small for a unit); empty if it would not."""
 
     @property
     def node_rss_bytes(self) -> int:
@@ -213,6 +227,7 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
         disk_bytes=store_bytes(run, plan),
         peak_phase=peak,
         terms={name: f.device + f.host for name, f in terms.items() if f.device + f.host},
+        refused=refusal(run, plan),
     )
 
 

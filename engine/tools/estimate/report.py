@@ -15,11 +15,11 @@ def format_table(
     run: RunShape, estimates: Sequence[PlanEstimate], machine: Machine, choice: PlanEstimate | None
 ) -> str:
     """Every plan's bytes per tier, and the recommendation, as ``python -m engine estimate`` prints them."""
-    gpt, world = run.gpt, run.layout.world_size
+    shape, world = run.model, run.layout.world_size
     lines = [
         (
-            f"model: {run.layout.numel / 1e6:.1f}M params ({gpt.n_layer} layers, d_model {gpt.d_model}, "
-            f"vocab {gpt.vocab_size}, seq {gpt.seq_len}), {len(run.layout.units)} units, "
+            f"model: {shape.name}, {run.layout.numel / 1e6:.1f}M params ({shape.n_layer} layers, d_model "
+            f"{shape.d_model}, vocab {shape.vocab_size}, seq {shape.seq_len}), {len(run.layout.units)} units, "
             f"{run.config.precision.compute_dtype}, micro-batch {run.config.data.micro_batch}, {world} rank(s)"
         ),
         f"machine: {gib(machine.ram_bytes)} GiB RAM available, {gib(machine.disk_free_bytes)} GiB free disk, "
@@ -55,7 +55,7 @@ def report_json(run: RunShape, estimates: Sequence[PlanEstimate], machine: Machi
     """The same as ``format_table``, as JSON."""
     return json.dumps(
         {
-            "model": dataclasses.asdict(run.gpt) | {"params": run.layout.numel, "units": len(run.layout.units)},
+            "model": dataclasses.asdict(run.model) | {"params": run.layout.numel, "units": len(run.layout.units)},
             "world_size": run.layout.world_size,
             "machine": machine.to_dict(),
             "headroom": HEADROOM,

@@ -1,5 +1,9 @@
 """The run an estimate is for: the model's shape, the engine's own layout of it, the config,
-and the plans (ZeRO stage and tiers) it is estimated under."""
+and the plans (ZeRO stage and tiers) it is estimated under.
+
+The model is the built-in GPT the config describes, the Hugging Face model of ``model.hf``
+(built from its ``config.json`` alone, on the meta device: no weights are read), or any
+``nn.Module`` (``run_shape(config, world, model=module)``, best built on the meta device)."""
 
 from __future__ import annotations
 
@@ -8,12 +12,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine.config import Config, ConfigError, Tier
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
-from engine.zero.partition import ModelLayout, build_layout, find_units, max_chunk_numel, unit_parameters
+from engine.zero.partition import (
+    ROOT_UNIT,
+    ModelLayout,
+    build_layout,
+    find_units,
+    max_chunk_numel,
+    unit_parameters,
+)
 from engine.zero.precision import compute_dtype
 
 TIER_ORDER: tuple[tuple[Tier, Tier], ...] = (
@@ -63,10 +75,64 @@ def plan_of(config: Config) -> Plan:
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """What the activation estimate knows of a transformer: its depth, width, heads, vocabulary,
+    sequence length and feed-forward width; 0 where a module does not say (no estimate)."""
+
+    name: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    seq_len: int
+    ffn: int
+    """The feed-forward layer's inner width (4 x d_model in the built-in GPT)."""
+
+    @classmethod
+    def of_gpt(cls, gpt: GPTConfig) -> ModelShape:
+        return cls("GPT", gpt.n_layer, gpt.d_model, gpt.n_head, gpt.vocab_size, gpt.seq_len, 4 * gpt.d_model)
+
+
+SHAPE_NAMES = {
+    "n_layer": ("num_hidden_layers", "n_layer", "num_layers"),
+    "d_model": ("hidden_size", "n_embd", "d_model"),
+    "n_head": ("num_attention_heads", "n_head", "num_heads"),
+    "vocab_size": ("vocab_size",),
+    "ffn": ("intermediate_size", "n_inner", "ffn_dim"),
+}
+"""Where a Hugging Face config keeps each of ``ModelShape``'s numbers, by model family."""
+
+
+def module_shape(model: nn.Module, seq_len: int, blocks: int) -> ModelShape:
+    """The shape of ``model``: from its Hugging Face ``config`` where it has one, else guessed
+    from its largest embedding (vocabulary and width) and its ``blocks`` units."""
+    settings = getattr(model, "config", None)
+    found: dict[str, int] = {}
+    for key, names in SHAPE_NAMES.items():
+        value = next((getattr(settings, n) for n in names if isinstance(getattr(settings, n, None), int)), 0)
+        found[key] = value
+    if not found["d_model"] or not found["vocab_size"]:
+        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        if embeddings:
+            largest = max(embeddings, key=lambda m: m.weight.numel())
+            found["vocab_size"], found["d_model"] = largest.num_embeddings, largest.embedding_dim
+    d_model = found["d_model"]
+    return ModelShape(
+        name=type(model).__name__,
+        n_layer=found["n_layer"] or blocks,
+        d_model=d_model,
+        n_head=found["n_head"] or max(1, d_model // HEAD_DIM),
+        vocab_size=found["vocab_size"],
+        seq_len=seq_len,
+        ffn=found["ffn"] or 4 * d_model,
+    )
+
+
+@dataclass(frozen=True)
 class RunShape:
     """What the terms need to know of a run: the model, its layout and the config."""
 
-    gpt: GPTConfig
+    model: ModelShape
     layout: ModelLayout
     config: Config
 
@@ -135,14 +201,24 @@ def gpt_shape(config: Config, params: float = 0, layers: int | None = None, hidd
     return GPTConfig(n_layer=layers, d_model=hidden, n_head=heads, **shape)
 
 
-def run_shape(config: Config, world_size: int, gpt: GPTConfig | None = None) -> RunShape:
-    """The engine's layout of ``gpt`` (default: the config's model) on ``world_size`` ranks,
-    from a model built on the meta device (no memory, any size)."""
+def run_shape(
+    config: Config, world_size: int, gpt: GPTConfig | None = None, *, model: nn.Module | None = None
+) -> RunShape:
+    """The engine's layout on ``world_size`` ranks of ``model``, of the built-in GPT ``gpt``, or
+    (neither given) of the config's model: ``model.hf``'s or the built-in GPT. Each is built on
+    the meta device (no memory, any size) unless ``model`` comes built."""
     if world_size < 1:
         raise ConfigError(f"world size = {world_size}: must be >= 1 (the number of ranks on this node)")
-    gpt = gpt or gpt_of(config)
-    with torch.device("meta"):
-        model = GPT(gpt)
+    if model is None and gpt is None and config.model.hf:
+        from engine.run.pretrained import meta_model
+
+        model = meta_model(config.model.hf)
+    if model is None:
+        gpt = gpt or gpt_of(config)
+        with torch.device("meta"):
+            model = GPT(gpt)
     units = find_units(model, config.zero.unit_classes)
     layout = build_layout(unit_parameters(model, units), world_size, max_chunk_numel(config.offload.chunk_mb))
-    return RunShape(gpt, layout, config)
+    blocks = sum(1 for name, _ in units if name != ROOT_UNIT)
+    shape = ModelShape.of_gpt(gpt) if gpt is not None else module_shape(model, config.data.seq_len, blocks)
+    return RunShape(shape, layout, config)

@@ -119,10 +119,12 @@ def param_grad_bytes(run: RunShape) -> int:
 
 
 def activation_bytes(run: RunShape) -> int:
-    """Peak activation memory of one micro-batch of the built-in GPT.
+    """Peak activation memory of one micro-batch of the built-in GPT (of another transformer,
+    by the same count with its own widths: an approximation).
 
-    Per token, a block saves for backward 16 x d_model compute-dtype values (LayerNorm inputs
-    and outputs, qkv, the attention output, the MLP's 4d input and GELU output, the residual)
+    Per token, a block saves for backward 8 x d_model + 2 x ffn compute-dtype values, 16 x
+    d_model in the GPT (LayerNorm inputs and outputs, qkv, the attention output, the MLP's 4d
+    input and GELU output, the residual)
     plus fp32 LayerNorm statistics and the attention's log-sum-exp per head; SDPA's fused CPU
     and CUDA kernels never hold the seq x seq scores. The root saves the final LayerNorm's
     input and output and the fp32 log-softmax over the vocabulary. At the peak, the start of
@@ -130,17 +132,17 @@ def activation_bytes(run: RunShape) -> int:
     block's backward, about 10 x d_model of gradients. With activation checkpointing a block
     saves only its input and recomputes its 16 x d_model in its backward.
     """
-    gpt, data = run.gpt, run.config.data
-    tokens, e, d = data.micro_batch * data.seq_len, run.itemsize, gpt.d_model
-    block_saved = 16 * d * e + 4 * FP32 + gpt.n_head * FP32
-    root_saved = 2 * d * e + FP32 * gpt.vocab_size
-    logit_grads = max(2 * FP32, FP32 + e) * gpt.vocab_size
+    shape, data = run.model, run.config.data
+    tokens, e, d = data.micro_batch * data.seq_len, run.itemsize, shape.d_model
+    block_saved = (8 * d + 2 * shape.ffn) * e + 4 * FP32 + shape.n_head * FP32
+    root_saved = 2 * d * e + FP32 * shape.vocab_size
+    logit_grads = max(2 * FP32, FP32 + e) * shape.vocab_size
     block_grads = 10 * d * e
     if run.config.zero.activation_checkpointing:
-        saved = gpt.n_layer * d * e + root_saved
+        saved = shape.n_layer * d * e + root_saved
         block_grads += block_saved  # the block recomputed for its backward
     else:
-        saved = gpt.n_layer * block_saved + root_saved
+        saved = shape.n_layer * block_saved + root_saved
     return tokens * (saved + max(logit_grads, block_grads))
 
 
