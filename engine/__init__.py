@@ -13,7 +13,7 @@ Where things are
 - ``engine.runtime``: the machine: the device and its copy stream (and a simulated one for
   tests), the process group, device memory accounting, sizes.
 - ``engine.run``: ``python -m engine``: the CLI, the training loop, data, validation, the
-  built-in GPT.
+  built-in GPT, pretrained imports, and ``generate`` (text from a run's store).
 - ``engine.tools``: what works on a store or a plan from outside a run: ``estimate``,
   ``inspect``, ``consolidate``.
 - ``offload`` (a sibling package) moves bytes: host buffers, the I/O runner, the zarr shard
