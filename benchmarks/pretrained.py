@@ -65,11 +65,8 @@ def import_phase(folder: Path, store: Path) -> dict[str, float]:
     from engine.run.train import peak_rss_bytes
 
     model, init = pretrained_model(str(folder), seq_len=128)
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.layers."))
-    buffer_mb = -(-2 * 12 * max(largest, root) // MIB)
     overrides = ["stage=3", "offload.param=nvme", "offload.optimizer=nvme", "compute_dtype=bf16"]
-    config = Config.from_dict({}, [*overrides, f"nvme_path={store}", f"buffer_mb={buffer_mb}"])
+    config = Config.from_dict({}, [*overrides, f"nvme_path={store}"])  # buffer_mb "auto": sized for the root
     start = time.perf_counter()
     engine = Engine(model, config, init_unit=init)
     engine.close()
