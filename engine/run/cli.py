@@ -124,7 +124,7 @@ def _recommended_plan(config: Config, world_size: int) -> Plan:
         why_none_fits,
     )
 
-    estimates = estimate_plans(run_shape(config, world_size), baseline_bytes=measured_baseline_bytes())
+    estimates = estimate_plans(run_shape(config, world_size), baseline_bytes=measured_baseline_bytes(config.model.hf))
     machine = Machine.detect(config)
     best = recommend(estimates, machine, config)
     if best is None:
@@ -214,7 +214,7 @@ def _estimate(args: argparse.Namespace, extra: list[str]) -> int:
         )
     gpt = gpt_shape(config, args.params, args.layers, args.hidden) if sized or not config.model.hf else None
     run = run_shape(config, args.world_size, gpt)
-    estimates = estimate_plans(run, baseline_bytes=measured_baseline_bytes())
+    estimates = estimate_plans(run, baseline_bytes=measured_baseline_bytes(config.model.hf))
     machine = Machine.detect(config)
     choice = recommend(estimates, machine, config)
     print((report_json if args.json else format_table)(run, estimates, machine, choice))
@@ -279,7 +279,9 @@ def _parser() -> argparse.ArgumentParser:
         "--plan", choices=["auto"], help="auto: set the stage and tiers to the least offload that fits this machine"
     )
     estimate = commands.add_parser(
-        "estimate", help="memory per tier of every stage and tier plan (any config key: --section.key value)"
+        "estimate",
+        allow_abbrev=False,  # --param (offload.param) is not --params
+        help="memory per tier of every stage and tier plan (any config key: --section.key value)",
     )
     estimate.add_argument("--config", help="a .toml or .json config file")
     estimate.add_argument("--params", type=_positive(float), default=0, help="a model of about this many parameters")

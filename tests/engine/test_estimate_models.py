@@ -140,3 +140,9 @@ def test_train_with_plan_auto_fine_tunes_a_pretrained_model(tmp_path, monkeypatc
         assert main(args) == 0
     assert "--plan auto: stage 2, optimizer device, param device" in caplog.text
     assert "done: 2 steps" in caplog.text
+
+
+def test_estimate_takes_offload_param_not_as_params(tmp_path, capsys) -> None:
+    folder = config_folder(tmp_path)
+    assert main(["estimate", "--model.hf", str(folder), "--seq_len", "32", "--stage", "3", "--param", "nvme"]) == 0
+    assert "model: LlamaForCausalLM" in capsys.readouterr().out

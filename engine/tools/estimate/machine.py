@@ -27,9 +27,17 @@ estimate's own error (tested within 15%), the page cache the nvme tier streams t
 whatever else the machine runs."""
 
 _BASELINE_PROBE = """
-import psutil, torch
+import sys, psutil, torch
 import engine.run.train
 from engine.run.models.gpt import GPT, GPTConfig
+if sys.argv[1:]:  # a model.hf run also loads transformers, the model's code and its tokenizer
+    from transformers import AutoTokenizer
+    from engine.run.pretrained import meta_model
+    meta_model(sys.argv[1])
+    try:
+        AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        pass
 model = GPT(GPTConfig.preset("tiny"))
 x = torch.randint(0, 256, (1, 16))
 model(x, x).backward()
@@ -38,12 +46,18 @@ print(psutil.Process().memory_info().rss)
 
 
 @functools.cache
-def measured_baseline_bytes() -> int:
+def measured_baseline_bytes(model_hf: str = "") -> int:
     """Resident bytes of a fresh process that has imported torch and the engine and run one tiny
     forward and backward (kernels, thread pools, allocator arenas): what a rank holds before
-    any model. Measured in a subprocess, since this process may hold anything; once per process."""
+    any model; with ``model_hf`` (a Hugging Face folder), also transformers, the model's code
+    and its tokenizer. Measured in a subprocess, since this process may hold anything; once
+    per process."""
     done = subprocess.run(
-        [sys.executable, "-c", _BASELINE_PROBE], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", _BASELINE_PROBE, *([model_hf] if model_hf else [])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"measuring the baseline memory of a torch process failed:\n{done.stderr[-2000:]}")
