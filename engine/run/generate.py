@@ -17,6 +17,7 @@ token cache, as ``train`` left it) or the ``model.hf`` folder's own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -180,7 +181,23 @@ def continue_ids(
         return sample_ids(logits_of(engine, bool(config.model.hf)), prompt, sampling, positions)
 
 
+def recorded_model(config: Config) -> Config:
+    """``config``, or where it names no ``model.hf`` but its store records the Hugging Face
+    folder its run started from (``<store>/hf/``: config.json and tokenizer), the config with
+    that folder as ``model.hf``."""
+    from engine.run.pretrained import SOURCE_FOLDER
+
+    recorded = Path(config.offload.nvme_path) / SOURCE_FOLDER
+    if config.model.hf or not (recorded / "config.json").is_file():
+        return config
+    logger.info("%s records a model.hf run: generating with its model and tokenizer from %s", recorded.parent, recorded)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, hf=str(recorded)))
+
+
 def generate(config: Config, prompt: str, sampling: Sampling, checkpoint: str | None = None) -> str:
-    """The text ``sampling`` continues ``prompt`` with, from the run whose config is ``config``."""
+    """The text ``sampling`` continues ``prompt`` with, from the run whose config is ``config``
+    (a ``model.hf`` run's model and tokenizer are found in its store if the config names none)."""
+    sampling.check()
+    config = recorded_model(config)
     codec = text_codec(config)
     return codec.decode(continue_ids(config, codec.encode(prompt), sampling, checkpoint, codec))

@@ -158,3 +158,5 @@ def test_a_pretrained_model_generates_as_its_plain_hugging_face_model_would(tmp_
             ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
     assert ours == ids[len(prompt) :]
     assert generate(config, "the quick brown", greedy) == tokenizer.decode(ours, skip_special_tokens=True)
+    unnamed = dataclasses.replace(config, model=Config().model)  # the store records the model and tokenizer
+    assert generate(unnamed, "the quick brown", greedy) == tokenizer.decode(ours, skip_special_tokens=True)
