@@ -160,3 +160,17 @@ def test_a_pretrained_model_generates_as_its_plain_hugging_face_model_would(tmp_
     assert generate(config, "the quick brown", greedy) == tokenizer.decode(ours, skip_special_tokens=True)
     unnamed = dataclasses.replace(config, model=Config().model)  # the store records the model and tokenizer
     assert generate(unnamed, "the quick brown", greedy) == tokenizer.decode(ours, skip_special_tokens=True)
+
+
+def test_a_bpe_run_generates_with_the_bpe_it_trained(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("tokenizers")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    base = run_config(tmp_path)
+    config = dataclasses.replace(base, data=dataclasses.replace(base.data, tokenizer="bpe", vocab_size=300))
+    config.train.steps = 1
+    train(config)
+    text = generate(config, PROMPT, Sampling(tokens=8, temperature=0))
+    from engine.run.generate import text_codec
+
+    codec = text_codec(config)
+    assert codec.vocab_size <= 300 and text == codec.decode(continue_ids(config, codec.encode(PROMPT), Sampling(8, 0)))
