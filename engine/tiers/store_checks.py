@@ -65,7 +65,8 @@ def check_buffer(layout: ModelLayout, buffer_bytes: int) -> None:
         raise ValueError(
             f"offload.buffer_mb = {buffer_bytes // MIB}: unit {largest.name!r} needs "
             f"{unit_state_bytes(largest) / MIB:.1f} MiB of host buffer to stage its optimizer state, "
-            f"twice that to read one unit while writing another; set offload.buffer_mb >= {need_mb}"
+            f"twice that to read one unit while writing another; set offload.buffer_mb >= {need_mb} "
+            f'(or "auto", the default, which sizes it so)'
         )
 
 
