@@ -104,7 +104,7 @@ class Engine:
             config, self.layout, owned, self.comm, self.device, self.budget, self.params, opt_device
         )
         self.params.hook(dict(units), unit_needs(model, units, owned))
-        self.params.check_fits({u.name: bucket_bytes(u) for u in self.layout.units}, MAX_IN_FLIGHT)
+        self.params.check_fits({u.name: bucket_bytes(u) * u.trainable for u in self.layout.all_units}, MAX_IN_FLIGHT)
         self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, model, opt_device)
         self.scaler = LossScaler(config.precision)
         self._start_counting()
@@ -134,6 +134,7 @@ class Engine:
         if config.offload.optimizer == "device":
             self.budget.charge(self.optimizer_state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
         self.params = build.parameters(config, self.layout, self.comm, self.device, self.dtype, self.budget, self.io)
+        checkpoints.frozen = self.params.frozen_shards  # a checkpoint stores the frozen values they hold
 
     def _start_counting(self) -> None:
         """The counters and per-step records of a run that has taken no step yet."""
