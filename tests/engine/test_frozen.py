@@ -251,3 +251,17 @@ def test_a_model_with_nothing_to_train_is_refused() -> None:
     model.requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter of the model requires grad"):
         Engine(model, config())
+
+
+def test_a_store_of_two_ranks_resumes_on_one(tmp_path) -> None:
+    cfg = nvme_config(tmp_path)
+    [ranks_result, _] = run_ranks(2, train_engine_on_ranks, cfg, 2, 2)
+    eng = Engine.resume(frozen_gpt(seed=1), cfg, total_steps=STEPS)  # frozen shards cut for two ranks, read by one
+    with eng.gathered():
+        restored = _snapshot(eng.module)
+    assert all(torch.equal(restored[n], ranks_result["params"][n]) for n in restored)
+    initial = _snapshot(frozen_gpt())
+    assert all(torch.equal(restored[n], initial[n]) for n in frozen_names(frozen_gpt()))
+    after = run_engine(eng, 1, skip=2)
+    eng.close()
+    assert rel_diff(after["params"], train_reference(cfg, steps=3)["params"]) <= 1e-6
