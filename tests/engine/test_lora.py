@@ -1,6 +1,7 @@
 """LoRA through peft: a Hugging Face Llama (built from a config) wrapped by ``peft.get_peft_model``
 trains at stage 3 with its frozen base on nvme, bit-identically (fp32, one rank) to peft and
-``torch.optim.AdamW``; the store holds optimizer state for the adapters only."""
+``torch.optim.AdamW``; the store holds optimizer state for the adapters only, and peft's
+``save_pretrained`` inside ``eng.gathered()`` writes the trained adapter alone."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def test_lora_stage3_base_on_nvme_is_bit_identical_to_peft_and_adamw(tmp_path) -
     ours = train(eng, engine_step)
     with eng.gathered():
         ours_params = snapshot(model)
+        model.save_pretrained(tmp_path / "adapter")  # peft's own format: the adapters alone
     layout = eng.layout
     eng.close()
 
@@ -104,3 +106,7 @@ def test_lora_stage3_base_on_nvme_is_bit_identical_to_peft_and_adamw(tmp_path) -
         assert state_numel == 3 * sum(u.padded_numel for u in layout.units)
         assert {unit for unit, _ in unit_arrays(store, FROZEN).values()} == {u.name for u in layout.frozen}
     assert report["frozen"]["numel"] == layout.frozen_numel
+
+    loaded = peft.PeftModel.from_pretrained(llama(), tmp_path / "adapter")
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param, ours_params[name]), f"{name} differs in the saved adapter"
