@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from engine.config import Config
 from engine.engine import Engine
+from engine.runtime.device import SIM_ENV
 from engine.tiers.frozen import FROZEN, FROZEN_KIND
 from engine.tools.consolidate import consolidate
 from engine.tools.export import export
@@ -265,3 +266,22 @@ def test_a_store_of_two_ranks_resumes_on_one(tmp_path) -> None:
     after = run_engine(eng, 1, skip=2)
     eng.close()
     assert rel_diff(after["params"], train_reference(cfg, steps=3)["params"]) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("stage", "optimizer", "param"), [(1, "cpu", "device"), (3, "cpu", "device"), (3, "nvme", "nvme")]
+)
+def test_late_copies_save_and_resume_bit_identically(stage, optimizer, param, tmp_path, monkeypatch) -> None:
+    """On the simulated device, whose copies land late: training, a checkpoint of the frozen
+    values from the parameters, and their restore on resume."""
+    monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=1")
+    offload = {"optimizer": optimizer, "param": param, "nvme_path": str(tmp_path / "store")}
+    cfg = config(zero={"stage": stage, "prefetch_mb": 1}, offload=offload)
+    eng = Engine(frozen_gpt(), cfg, total_steps=STEPS)
+    first = run_engine(eng, 2)
+    eng.save("two")
+    eng.close()
+    eng = Engine.resume(frozen_gpt(seed=1), cfg, total_steps=STEPS, checkpoint="two")
+    rest = run_engine(eng, STEPS - 2, skip=2)
+    eng.close()
+    assert_bit_identical({k: first[k] + rest[k] for k in ("losses", "history")}, train_reference(cfg))
