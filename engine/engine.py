@@ -164,10 +164,12 @@ class Engine:
     def _log_start(self) -> None:
         config = self.config
         logger.info(
-            "engine: stage %d, %d units, %.1fM params, compute %s, optimizer on %s, parameters on %s, rank %d of %d",
+            "engine: stage %d, %d units, %.1fM trained params, %.1fM frozen, compute %s, optimizer on %s, "
+            "parameters on %s, rank %d of %d",
             config.zero.stage,
-            len(self.layout.units),
+            len(self.layout.all_units),
             self.layout.numel / 1e6,
+            self.layout.frozen_numel / 1e6,
             config.precision.compute_dtype,
             config.offload.optimizer,
             config.offload.param,
