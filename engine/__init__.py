@@ -25,6 +25,9 @@ Words, each with one meaning
   ``nn.ModuleList``, plus the ``root`` unit); *layout*: every unit's flat buffer and shards.
 - *shard*: one rank's equal slice of a unit's flat buffer; *master*: the fp32 shard the
   optimizer updates; the *state kinds* are master, exp_avg and exp_avg_sq.
+- *frozen unit*: a unit's parameters with ``requires_grad=False`` (``<unit>.frozen``): held and
+  gathered like any unit, with no gradient and no state kinds; a store keeps its values once
+  (``engine.tiers.frozen``).
 - *tier*: where shards live between uses: ``device``, ``cpu`` or ``nvme`` (a store).
 - *generation*: one complete copy of the optimizer state in a store; *commit*: make a step's
   generation the one a run resumes from; *checkpoint*: a committed step kept under a tag.

@@ -19,7 +19,7 @@ from engine.config import Config
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
-from engine.tiers.checkpoint import MemoryCheckpoints
+from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
@@ -40,6 +40,7 @@ from engine.zero.partition import (
     param_views,
     unit_parameters,
 )
+from engine.zero.precision import compute_dtype
 from engine.zero.recompute import checkpoint_forward
 
 logger = logging.getLogger(__name__)
@@ -48,16 +49,21 @@ logger = logging.getLogger(__name__)
 def model_units(
     model: nn.Module, config: Config, world_size: int
 ) -> tuple[list[tuple[str, nn.Module]], dict[str, list[tuple[str, nn.Parameter]]], ModelLayout]:
-    """The model's units (recomputing their activations if asked), the parameters each owns,
-    and the layout of their flat buffers and shards."""
+    """The model's units (recomputing their activations if asked), the parameters each owns
+    (trainable and frozen units alike), and the layout of their flat buffers and shards."""
     units = find_units(model, config.zero.unit_classes)
     if config.zero.activation_checkpointing:
         for name, module in units:
             if name != ROOT_UNIT:
                 checkpoint_forward(module)
-    owned = unit_parameters(model, units)
-    layout = build_layout(owned, world_size, max_chunk_numel(config.offload.chunk_mb))
-    return units, {u.name: owned[u.name] for u in layout.units}, layout
+    owned, frozen = unit_parameters(model, units), unit_parameters(model, units, trainable=False)
+    layout = build_layout(owned, world_size, max_chunk_numel(config.offload.chunk_mb), frozen)
+    if not layout.units:
+        raise ValueError(
+            "no parameter of the model requires grad, so there is nothing to train: set requires_grad=True on "
+            "the parameters to train before building the engine"
+        )
+    return units, {u.name: (owned | frozen)[u.name] for u in layout.all_units}, layout
 
 
 def place_model(model: nn.Module, device: torch.device, on_meta: bool) -> None:
@@ -91,7 +97,8 @@ def check_start(
 
 class CheckpointStore:
     """Opens the store at ``offload.nvme_path`` that a memory tier keeps its checkpoints in, on
-    first use, after taking its writer lock (``lock(create)``, created by the first ``save``)."""
+    first use, after taking its writer lock (``lock(create)``, created by the first ``save``);
+    ``frozen`` gives the frozen units' values it stores once (the parameters', set once built)."""
 
     def __init__(
         self, config: Config, layout: ModelLayout, rank: int, io: StoreIO, lock: Callable[[bool], None]
@@ -103,12 +110,16 @@ class CheckpointStore:
             io,
             lock,
         )
+        self.frozen: FrozenShards = lambda: iter(())
+        self._dtype = compute_dtype(config.precision.compute_dtype)
         self._opened: MemoryCheckpoints | None = None
 
     def __call__(self, create: bool) -> MemoryCheckpoints:
         if self._opened is None:
             self._lock(create)
-            self._opened = MemoryCheckpoints(self._path, self._layout, self._rank, self._io, create=create)
+            self._opened = MemoryCheckpoints(
+                self._path, self._layout, self._rank, self._io, create=create, frozen=self.frozen, dtype=self._dtype
+            )
         return self._opened
 
 
@@ -184,7 +195,7 @@ def required_headroom(layout: ModelLayout, dtype: torch.dtype) -> int:
     have to allocate before anything optional is released (a unit gathered on demand, the
     root's gradient bucket, which lives through all of backward, and the buckets in flight)."""
     units = layout.units
-    largest_unit = max(u.padded_numel for u in units) * dtype.itemsize
+    largest_unit = max(u.padded_numel for u in layout.all_units) * dtype.itemsize
     largest_bucket = max(bucket_bytes(u) for u in units)
     root_bucket = sum(bucket_bytes(u) for u in units if u.name == ROOT_UNIT)
     return largest_unit + root_bucket + MAX_IN_FLIGHT * largest_bucket
@@ -229,10 +240,11 @@ def build_units(
     resume: bool,
 ) -> None:
     """Unit by unit: give a meta model's parameters memory (and ``init_unit`` values), flatten
-    them, ``add`` the fp32 shard to the optimizer tier (a resume reads it from the store instead)
-    and the compute-dtype flat to the parameters, whose views the module's parameters become.
-    At most one unit's fp32 values exist at a time, so a model larger than memory builds."""
-    units = layout.units
+    them, ``add`` the fp32 shard to the optimizer tier (a frozen unit's compute-dtype shard; a
+    resume reads them from the store instead) and the compute-dtype flat to the parameters, whose
+    views the module's parameters become. At most one unit's fp32 values exist at a time, so a
+    model larger than memory builds."""
+    units = layout.all_units
     built, started, every = 0, time.perf_counter(), max(1, len(units) // 10)
     for index, unit in enumerate(units, 1):
         if materialize:
@@ -241,9 +253,9 @@ def build_units(
             init_unit(dict(owned[unit.name]))
         full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
         flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
-        if not resume:
-            optimizer_state.add(unit, full[unit.shard_slice(rank)])
         flat = full.to(dtype) if dtype != torch.float32 else full
+        if not resume:
+            optimizer_state.add(unit, (full if unit.trainable else flat)[unit.shard_slice(rank)])
         del full
         views = param_views(flat, unit)
         for name, param in owned[unit.name]:

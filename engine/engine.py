@@ -104,7 +104,7 @@ class Engine:
             config, self.layout, owned, self.comm, self.device, self.budget, self.params, opt_device
         )
         self.params.hook(dict(units), unit_needs(model, units, owned))
-        self.params.check_fits({u.name: bucket_bytes(u) for u in self.layout.units}, MAX_IN_FLIGHT)
+        self.params.check_fits({u.name: bucket_bytes(u) * u.trainable for u in self.layout.all_units}, MAX_IN_FLIGHT)
         self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, model, opt_device)
         self.scaler = LossScaler(config.precision)
         self._start_counting()
@@ -134,6 +134,7 @@ class Engine:
         if config.offload.optimizer == "device":
             self.budget.charge(self.optimizer_state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
         self.params = build.parameters(config, self.layout, self.comm, self.device, self.dtype, self.budget, self.io)
+        checkpoints.frozen = self.params.frozen_shards  # a checkpoint stores the frozen values they hold
 
     def _start_counting(self) -> None:
         """The counters and per-step records of a run that has taken no step yet."""
@@ -163,10 +164,12 @@ class Engine:
     def _log_start(self) -> None:
         config = self.config
         logger.info(
-            "engine: stage %d, %d units, %.1fM params, compute %s, optimizer on %s, parameters on %s, rank %d of %d",
+            "engine: stage %d, %d units, %.1fM trained params, %.1fM frozen, compute %s, optimizer on %s, "
+            "parameters on %s, rank %d of %d",
             config.zero.stage,
-            len(self.layout.units),
+            len(self.layout.all_units),
             self.layout.numel / 1e6,
+            self.layout.frozen_numel / 1e6,
             config.precision.compute_dtype,
             config.offload.optimizer,
             config.offload.param,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine.tiers.frozen import create_frozen, read_frozen, write_frozen
 from engine.tiers.optimizer import STATE_KINDS, ShardState
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import first_difference, naming_way_out
@@ -46,6 +47,10 @@ class PendingCheckpoint:
         self._keep()
 
 
+FrozenShards = Callable[[], Iterator[tuple[UnitLayout, torch.Tensor]]]
+"""This rank's shard of each frozen unit, as the parameters hold it (compute dtype)."""
+
+
 class MemoryCheckpoints:
     """Checkpoints of the memory tiers (``device``, ``cpu``) in a store at ``offload.nvme_path``.
 
@@ -54,6 +59,9 @@ class MemoryCheckpoints:
     a superseded one: the same arrays and record, so every tier resumes from either's
     checkpoints. The writes run in the background (``PendingCheckpoint``), overlapped with
     the next step's forward and backward; that step updates a unit only once its writes are done.
+    The frozen units' values (``frozen``) are written once, with a run's first checkpoint,
+    unless the run resumed from this store, which holds them already; a run that starts afresh
+    replaces the ones an earlier run left.
     """
 
     def __init__(
@@ -64,8 +72,13 @@ class MemoryCheckpoints:
         io: StoreIO,
         *,
         create: bool,
+        frozen: FrozenShards = lambda: iter(()),
+        dtype: torch.dtype = torch.float32,
     ):
         self.layout, self.rank = layout, rank
+        self._frozen, self._dtype = frozen, dtype
+        self._frozen_stored = not layout.frozen
+        """This run's frozen values are in the store (none to store, written, or resumed from)."""
         self._barrier = io.barrier
         self._leader = rank == 0
         if self._leader and create and not (path / "zarr.json").exists():
@@ -89,6 +102,7 @@ class MemoryCheckpoints:
             prefix, record = self.generations.checkpoint(tag)
             check_step_record(record, str(self.store.path / prefix / "COMMITTED"))
         logger.info("resuming from checkpoint %s (step %s) of %s", tag, record.get("step"), self.store.path)
+        self._frozen_stored = True
 
         def shards() -> Iterator[tuple[UnitLayout, ShardState]]:
             for unit in self.layout.units:
@@ -98,12 +112,28 @@ class MemoryCheckpoints:
 
         return record, shards()
 
+    def read_frozen(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
+        """This rank's shard of each frozen unit's values, as the store holds them."""
+        return read_frozen(self.store, self.layout.frozen, self.rank)
+
+    def _store_frozen(self) -> None:
+        """Write this run's frozen values, once (every rank: it synchronises)."""
+        if self._frozen_stored:
+            return
+        if self._leader:
+            create_frozen(self.store, self.layout.frozen, self._dtype)
+        self._barrier()
+        for unit, values in self._frozen():
+            write_frozen(self.store, unit, self.rank, values)
+        self._frozen_stored = True
+
     def save(
         self, tag: str, record: dict, states: Iterator[tuple[UnitLayout, ShardState]], keep: int
     ) -> PendingCheckpoint:
         """Start writing every unit's state as checkpoint ``tag`` with ``record``; the returned
         checkpoint is kept, and the oldest beyond ``keep`` (0 keeps all) deleted, by its ``commit``."""
         self.generations.check_free_tag(tag)  # on every rank, so that all of them raise or none
+        self._store_frozen()  # made durable with the checkpoint
         generation = self.generations.next_free()
         prefix = generation_prefix(generation)
         self._barrier()

@@ -55,11 +55,14 @@ class OptimizerState(Protocol):
     survives a failed step, so a checkpoint can still be saved from it."""
 
     def add(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """Take a unit's initial fp32 master shard (copied) with zero moments."""
+        """Take a unit's initial fp32 master shard (copied) with zero moments. A frozen unit
+        (``unit.trainable`` False) gives its compute-dtype shard instead: no moments, no master
+        updated each step, just its values kept once (``engine.tiers.frozen``)."""
         ...
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
-        """Each unit's committed fp32 master shard, in layout order (to rebuild parameters on resume)."""
+        """Each unit's committed fp32 master shard, in layout order, then each frozen unit's
+        values (to rebuild parameters on resume)."""
         ...
 
     def read(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
@@ -145,7 +148,9 @@ class MemoryOptimizerState:
         return state
 
     def add(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        self._new_state(unit).master.copy_(master)
+        """A frozen unit's values are held by the parameters alone (the first checkpoint stores them)."""
+        if unit.trainable:
+            self._new_state(unit).master.copy_(master)
 
     def restore(self, tag: str) -> None:
         """Resume: take every unit's state as checkpoint ``tag`` holds it, and the record it was
@@ -157,9 +162,12 @@ class MemoryOptimizerState:
         self.resumed_from = record
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
-        """Each unit's master shard (to rebuild parameters on resume)."""
+        """Each unit's master shard, then (resumed from a checkpoint) each frozen unit's values
+        from its store (to rebuild parameters on resume)."""
         for unit in self._units:
             yield unit, self._states[unit.name].master
+        if self.resumed_from is not None:
+            yield from self._checkpoints(False).read_frozen()
 
     def read(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
         """The held state, each unit's once a checkpoint being saved has written it."""

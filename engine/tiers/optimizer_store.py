@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.runtime.sizes import FP32
+from engine.tiers.frozen import create_frozen, read_frozen, write_frozen
 from engine.tiers.optimizer import STATE_KINDS, ShardState
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import (
@@ -109,6 +110,7 @@ class StoreOptimizerState:
         self.target_generation = 0  # the generation the next step writes (the mode's choice)
         self._read_prefix = generation_prefix(0)  # where the next step reads: it, or a checkpoint
         self._generation_zero_ready = False
+        self._frozen_ready = False  # the frozen units' arrays exist (a new store's, made at the first one added)
         self._layout_adopted = True  # the store's attributes and committed arrays are this layout
         self._deferred: dict | None = None  # the record of a step whose commit waits for ``flush``
         self._bytes_read = self._bytes_written = 0  # by the steps since ``take_io_bytes``
@@ -229,7 +231,11 @@ class StoreOptimizerState:
     # ------------------------------------------------------- the lifecycle
 
     def add(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """Write the unit's initial master and zero moments to generation 0."""
+        """Write the unit's initial master and zero moments to generation 0; a frozen unit's
+        values once, outside the generations (``engine.tiers.frozen``)."""
+        if not unit.trainable:
+            self._add_frozen(unit, master)
+            return
         if not self._generation_zero_ready:
             if self.leader:
                 self.generations.prepare(0, self.create_arrays)
@@ -241,6 +247,14 @@ class StoreOptimizerState:
             state.exp_avg.zero_()
             state.exp_avg_sq.zero_()
             self._save(unit, buf)
+
+    def _add_frozen(self, unit: UnitLayout, values: torch.Tensor) -> None:
+        if not self._frozen_ready:
+            if self.leader:
+                create_frozen(self.store, self.layout.frozen, values.dtype)
+            self.barrier()
+            self._frozen_ready = True
+        write_frozen(self.store, unit, self.rank, values)  # durable with generation 0's commit
 
     def _views(self, unit: UnitLayout, buf: HostBuffer) -> ShardState:
         n = unit.shard_numel
@@ -255,7 +269,8 @@ class StoreOptimizerState:
         write_shard(self.store, prefix, unit, self.rank, self._views(unit, buf).views())
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
-        """Each unit's committed master shard, read ahead (to rebuild parameters on resume)."""
+        """Each unit's committed master shard, read ahead, then each frozen unit's values (to
+        rebuild parameters on resume)."""
         for unit, buf in self.pipeline.read_ahead(
             self.layout.units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"master of unit {u.name}"
         ):
@@ -264,6 +279,8 @@ class StoreOptimizerState:
             finally:
                 self.pipeline.release(buf)
         self.pipeline.drain()  # its reads are the resume's, not the next step's
+        with naming_way_out(self.generations):
+            yield from read_frozen(self.store, self.layout.frozen, self.rank)
 
     def read(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
         """The units' state in order; the first reads are issued now, not at the first ``next``.

@@ -155,7 +155,7 @@ class StoreParamTier:
         buffer_bytes: int,
     ):
         self._rank, self._dtype = rank, dtype
-        self.pool = BufferPool(param_pool_bytes(layout.units, dtype, buffer_bytes))
+        self.pool = BufferPool(param_pool_bytes(layout.all_units, dtype, buffer_bytes))
         self.runner = io.runner
         if rank == 0:
             # Derived data: whatever an earlier run left here is replaced, never resumed from.
@@ -168,7 +168,7 @@ class StoreParamTier:
                 direct_io=io.direct_io,
                 overwrite=True,
             )
-            create_arrays(store, TOP, layout.units, (PARAM_KIND,), dtype)
+            create_arrays(store, TOP, layout.all_units, (PARAM_KIND,), dtype)
             store.sync()
         io.barrier()
         self.store = ShardStore.open(path, runner=self.runner, direct_io=io.direct_io)

@@ -223,8 +223,9 @@ def check_new(path: Path, runner: IORunner) -> bool:
 def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> None:
     """Refuse a store written for another model, naming the first difference. Another world
     size (or chunk size) is no difference: only the shards are cut differently."""
-    stored_params = [(u.name, p.name, p.shape) for u in stored.units for p in u.params]
-    current_params = [(u.name, p.name, p.shape) for u in current.units for p in u.params]
+    _same_frozen(stored, current, path)
+    stored_params = [(u.name, p.name, p.shape) for u in stored.all_units for p in u.params]
+    current_params = [(u.name, p.name, p.shape) for u in current.all_units for p in u.params]
     for old, new in zip(stored_params, current_params, strict=False):  # a longer side is reported below
         if old != new:
             raise ValueError(
@@ -239,4 +240,16 @@ def first_difference(stored: ModelLayout, current: ModelLayout, path: Path) -> N
         raise ValueError(
             f"store {path} does not match this model: the {which} has {len(longer) - min(len(stored_params), len(current_params))} "
             f"more parameter(s), first {longer[min(len(stored_params), len(current_params))][1]!r}"
+        )
+
+
+def _same_frozen(stored: ModelLayout, current: ModelLayout, path: Path) -> None:
+    """Refuse a model that freezes other parameters than the run that wrote the store."""
+    frozen = [{p.name for u in layout.frozen for p in u.params} for layout in (stored, current)]
+    trained = [{p.name for u in layout.units for p in u.params} for layout in (stored, current)]
+    for name in sorted((frozen[0] & trained[1]) | (trained[0] & frozen[1])):
+        was, now = ("frozen", "trains") if name in frozen[0] else ("trained", "freezes")
+        raise ValueError(
+            f"store {path} does not match this model: its run {was} parameter {name!r}, which this model {now}; "
+            f"set requires_grad as the run that wrote the store did"
         )

@@ -1,7 +1,8 @@
 """Full fp32 weights out of a store, as one ``.safetensors`` file under the model's own names.
 
-The masters in the store are the weights (sharded and padded per unit), and the layout saved
-with the store names every parameter and its place, so no model class is needed. The model
+The masters in the store are the weights (sharded and padded per unit), with the frozen
+units' values stored once beside them (``engine.tiers.frozen``), and the layout saved with the
+store names every parameter and its place, so no model class is needed. The model
 may be larger than memory, so the file is written by streaming: the safetensors header is
 known from the layout alone and goes first, then each unit's master is read one chunk at a
 time and its bytes appended, padding dropped. Units are written in layout order and each
@@ -35,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from engine.runtime.sizes import FP32
+from engine.tiers.frozen import frozen_array
 from engine.tools.inspect import IO_THREADS, committed_record, generation_array, open_store, store_layout
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import ChunkReader, Generations, IORunner, ShardStore
@@ -55,21 +57,32 @@ class Masters:
     reader: ChunkReader
 
     def pieces(self) -> Iterator[tuple[UnitLayout, int, torch.Tensor]]:
-        """Each unit's master in layout order, padding dropped, as ``(unit, offset, values)``: the
-        values of elements ``[offset, offset + len(values))`` of the unit, in one reused buffer
-        (valid until the next piece)."""
-        for unit in self.layout.units:
-            name = generation_array(self.generation, unit.name, "master")
+        """Each unit's master in layout order, then each frozen unit's values (cast to fp32),
+        padding dropped, as ``(unit, offset, values)``: the values of elements
+        ``[offset, offset + len(values))`` of the unit, in one reused buffer (valid until the
+        next piece)."""
+        for unit in self.layout.all_units:
+            name = unit_array(self.generation, unit)
             info = self.reader.infos[name]
-            if info.dtype != torch.float32 or info.numel < unit.numel:
+            if (unit.trainable and info.dtype != torch.float32) or not info.dtype.is_floating_point:
                 raise ValueError(
-                    f"array {name!r} in {self.reader.store.path} holds {info.numel} {info.dtype} elements, but unit "
-                    f"{unit.name!r} needs {unit.numel} float32 masters; the store does not match its layout"
+                    f"array {name!r} in {self.reader.store.path} holds {info.dtype} elements, but unit {unit.name!r} "
+                    f"needs {'float32 masters' if unit.trainable else 'float values'}; the store does not match its layout"
+                )
+            if info.numel < unit.numel:
+                raise ValueError(
+                    f"array {name!r} in {self.reader.store.path} holds {info.numel} elements, but unit "
+                    f"{unit.name!r} needs {unit.numel}; the store does not match its layout"
                 )
             offset = 0
             for values in self.reader.content(name, unit.numel):
-                yield unit, offset, values
+                yield unit, offset, values.float()
                 offset += values.numel()
+
+
+def unit_array(generation: int, unit: UnitLayout) -> str:
+    """The array holding a unit's weights: its master in ``generation``, or a frozen unit's values."""
+    return generation_array(generation, unit.name, "master") if unit.trainable else frozen_array(unit)
 
 
 @contextlib.contextmanager
@@ -79,7 +92,7 @@ def open_masters(store_path: str | os.PathLike[str], generation: int | None = No
         store = open_store(Path(store_path), runner)
         layout = store_layout(store)
         generation, metadata = _choose_generation(store, generation)
-        reader = ChunkReader(store, (generation_array(generation, u.name, "master") for u in layout.units))
+        reader = ChunkReader(store, (unit_array(generation, u) for u in layout.all_units))
         yield Masters(layout, generation, metadata, reader)
 
 
@@ -108,11 +121,11 @@ def consolidate(
         except BaseException:
             os.unlink(tmp_name)
             raise
-    count = sum(len(u.params) for u in layout.units)
+    count = sum(len(u.params) for u in layout.all_units)
     logger.info(
         "wrote %d tensors (%.1fM fp32 weights) of %s generation %d to %s",
         count,
-        layout.numel / 1e6,
+        (layout.numel + layout.frozen_numel) / 1e6,
         store_path,
         masters.generation,
         out_path,
@@ -148,7 +161,7 @@ def safetensors_header(layout: ModelLayout, metadata: dict[str, str]) -> bytes:
     ``layout`` in fp32, its data laid out unit by unit in layout order."""
     entries: dict[str, object] = {"__metadata__": metadata}
     base = 0
-    for unit in layout.units:
+    for unit in layout.all_units:
         end = 0
         for slot in unit.params:
             if slot.offset != end or slot.numel != math.prod(slot.shape):
@@ -181,7 +194,7 @@ def header_bytes(entries: dict[str, object]) -> bytes:
 
 def _write_masters(masters: Masters, out: BinaryIO) -> None:
     """Append each unit's master, cut to its real length, one chunk at a time."""
-    total = masters.layout.numel * FP32
+    total = (masters.layout.numel + masters.layout.frozen_numel) * FP32
     with tqdm(total=total, desc="consolidate", unit="B", unit_scale=True, disable=None) as bar:
         for _, _, values in masters.pieces():
             out.write(values.numpy().data)

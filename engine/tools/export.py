@@ -65,7 +65,7 @@ def plan_shards(layout: ModelLayout, dtype: str, max_bytes: int, metadata: dict[
     itemsize = DTYPES[dtype][1].itemsize
     groups: list[list[ParamSlot]] = [[]]
     size = 0
-    for unit in layout.units:
+    for unit in layout.all_units:
         for slot in unit.params:
             nbytes = slot.numel * itemsize
             if groups[-1] and size + nbytes > max_bytes:
@@ -140,7 +140,7 @@ def _write_shards(masters: Masters, shards: list[Shard], dtype: torch.dtype, fol
     shard_of = {slot.name: index for index, shard in enumerate(shards) for slot in shard.slots}
     segments = {
         unit.name: [(slot.offset, slot.offset + slot.numel, shard_of[slot.name]) for slot in unit.params]
-        for unit in masters.layout.units
+        for unit in masters.layout.all_units
     }
     writer = _ShardWriter(folder, shards)
     total = sum(shard.nbytes for shard in shards)
@@ -198,7 +198,7 @@ def export(
     _write_side_files(source, out_dir, shards, dtype)
     logger.info(
         "exported %.1fM %s weights of %s (generation %d) to %s in %d file(s)",
-        masters.layout.numel / 1e6,
+        (masters.layout.numel + masters.layout.frozen_numel) / 1e6,
         dtype,
         store_path,
         masters.generation,

@@ -22,6 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from engine.tiers.frozen import FROZEN
 from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.store_checks import (
     GENERATIONS,
@@ -147,13 +148,14 @@ def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[st
                 for u in layout.units
             ],
             "bytes_per_kind": _bytes_per_kind(store, arrays),
+            "frozen": _frozen(store, layout),
             "generations": Generations(store).on_disk(),
             "checkpoints": _checkpoints(path),
             "disk_bytes": _disk_bytes(path),
             "verify": None,
         }
         if verify:
-            report["verify"] = _verify(store, layout, generation, arrays)
+            report["verify"] = _verify(store, layout, generation, arrays | unit_arrays(store, FROZEN))
     return report
 
 
@@ -175,6 +177,17 @@ def _bytes_per_kind(store: ShardStore, arrays: dict[str, tuple[str, str]]) -> di
         sizes[kind] = sizes.get(kind, 0) + store.array_info(name).nbytes
     order = {kind: i for i, kind in enumerate(("param", *STATE_KINDS))}
     return dict(sorted(sizes.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
+
+
+def _frozen(store: ShardStore, layout: ModelLayout) -> dict[str, Any]:
+    """The frozen units: parameters, elements, and the bytes of their values, stored once."""
+    arrays = unit_arrays(store, FROZEN)
+    return {
+        "units": [u.name for u in layout.frozen],
+        "params": sum(len(u.params) for u in layout.frozen),
+        "numel": layout.frozen_numel,
+        "bytes": sum(store.array_info(name).nbytes for name in arrays),
+    }
 
 
 def _checkpoints(path: Path) -> list[str]:
@@ -277,6 +290,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"  {u['name']:<{width}} {u['params']:>6} {u['numel']:>12,} {u['shard_numel']:>12,} {u['chunk_numel']:>12,}"
         for u in report["units"]
     ]
+    frozen = report["frozen"]
+    if frozen["units"]:
+        lines.append(
+            f"frozen:      {len(frozen['units'])} units, {frozen['params']} parameters, {frozen['numel']:,} elements, "
+            f"stored once ({_size(frozen['bytes'])}), no optimizer state"
+        )
     kinds = ", ".join(f"{kind} {_size(n)}" for kind, n in report["bytes_per_kind"].items()) or "none"
     lines.append(f"state:       {kinds} (committed generation)")
     lines.append(f"generations: {', '.join(map(str, report['generations'])) or 'none'}")

@@ -89,6 +89,8 @@ class GradientShards:
         self._last_micro_batch = False
         self._first_micro_batch = True
         self._in_flight: collections.deque[tuple[UnitLayout, Work, torch.Tensor]] = collections.deque()
+        self._trains = [(name, p, unit.trainable) for unit in layout.all_units for name, p in params[unit.name]]
+        """Each parameter with whether it was trainable when the engine was built."""
         self._handles = []
         for bucket in self._buckets:
             slots = {s.name: s for s in bucket.unit.params}
@@ -121,7 +123,16 @@ class GradientShards:
         return torch.zeros(unit.padded_numel, dtype=torch.float32, device=self._device.device)
 
     def start_backward(self, last_micro_batch: bool) -> None:
-        """Before ``loss.backward()``: whether this micro-batch ends the accumulation window."""
+        """Before ``loss.backward()``: whether this micro-batch ends the accumulation window.
+        Refuses a parameter frozen or unfrozen since the engine was built: its gradient would go
+        nowhere, or be taken as zero."""
+        for name, param, trainable in self._trains:
+            if param.requires_grad != trainable:
+                now = "requires grad" if param.requires_grad else "is frozen"
+                raise ValueError(
+                    f"parameter {name!r} {now} since the engine was built: the engine lays out trainable and frozen "
+                    f"parameters once; set requires_grad before Engine(model, config) and build a new engine"
+                )
         self._last_micro_batch = last_micro_batch
         if last_micro_batch:
             self.order.start()

@@ -1,8 +1,9 @@
 """The compute-dtype parameters on the device: replicated (stages 1, 2) or sharded (stage 3).
 
 Either way each unit's parameters are views into one flat buffer, and an optimizer step
-hands each rank's updated fp32 master shard to ``write_back`` (then ``flush``). What differs is when the full
-buffer exists:
+hands each rank's updated fp32 master shard to ``write_back`` (then ``flush``). A frozen unit
+(``UnitLayout.trainable`` False) is held, gathered and released as any other, but nothing is
+written back to it after it is built (or restored). What differs is when the full buffer exists:
 
 - ``ReplicatedParams`` keeps every unit gathered for the whole run and all-gathers each
   unit right after its shard is updated.
@@ -65,6 +66,11 @@ class ReplicatedParams:
 
     def begin_iteration(self) -> None:
         return None
+
+    def frozen_shards(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
+        """This rank's shard of each frozen unit (compute dtype), to store once."""
+        for unit in self._layout.frozen:
+            yield unit, self._flats[unit.name][unit.shard_slice(self._comm.rank)]
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -436,6 +442,16 @@ class ShardedParams:
             if entry.persistent and entry.work is not None:
                 entry.work.wait()
                 entry.work = None
+
+    def frozen_shards(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
+        """This rank's shard of each frozen unit (compute dtype), read from its tier one at a time,
+        to store once."""
+        for unit in self._layout.frozen:
+            fetch = self._tier.read(unit)
+            try:
+                yield unit, fetch.wait()
+            finally:
+                fetch.release()
 
     # ------------------------------------------------------------ reports
 

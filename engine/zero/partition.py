@@ -23,6 +23,9 @@ from engine.runtime.sizes import FP32, MIB
 from offload import DIRECT_ALIGN
 
 ROOT_UNIT = "root"
+FROZEN_SUFFIX = ".frozen"
+"""A unit's frozen parameters (``requires_grad=False``) form a unit of their own, named after it
+with this suffix: it is gathered like any unit, but has no gradient and no optimizer state."""
 # Shards are aligned, for O_DIRECT, for the narrowest dtype a shard is stored in (2-byte bf16/fp16).
 ALIGN_ELEMS = DIRECT_ALIGN // 2
 
@@ -47,6 +50,8 @@ class UnitLayout:
     shard_numel: int
     chunk_numel: int
     padded_numel: int
+    trainable: bool = True
+    """False for a frozen unit: its values never change, so it has no gradient, master or moments."""
 
     def shard_slice(self, rank: int) -> slice:
         return slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
@@ -54,38 +59,53 @@ class UnitLayout:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """Every unit of a model for one world size."""
+    """Every unit of a model for one world size: the trainable ``units``, which the optimizer and
+    the gradients see, and the ``frozen`` ones, which only the parameters hold."""
 
     units: tuple[UnitLayout, ...]
     world_size: int
+    frozen: tuple[UnitLayout, ...] = ()
+
+    @property
+    def all_units(self) -> tuple[UnitLayout, ...]:
+        """The units whose parameters the model holds: the trainable ones, then the frozen."""
+        return self.units + self.frozen
 
     def unit(self, name: str) -> UnitLayout:
-        for unit in self.units:
+        for unit in self.all_units:
             if unit.name == name:
                 return unit
-        raise KeyError(f"no unit named {name!r} (units: {', '.join(u.name for u in self.units)})")
+        raise KeyError(f"no unit named {name!r} (units: {', '.join(u.name for u in self.all_units)})")
 
     @property
     def numel(self) -> int:
+        """Elements of the trainable parameters."""
         return sum(u.numel for u in self.units)
+
+    @property
+    def frozen_numel(self) -> int:
+        return sum(u.numel for u in self.frozen)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelLayout:
-        units = tuple(
-            UnitLayout(
+        """The layout ``to_dict`` gave (a store written before frozen units has none)."""
+
+        def unit(u: dict) -> UnitLayout:
+            return UnitLayout(
                 name=u["name"],
                 params=tuple(ParamSlot(p["name"], tuple(p["shape"]), p["offset"], p["numel"]) for p in u["params"]),
                 numel=u["numel"],
                 shard_numel=u["shard_numel"],
                 chunk_numel=u["chunk_numel"],
                 padded_numel=u["padded_numel"],
+                trainable=u.get("trainable", True),
             )
-            for u in data["units"]
-        )
-        return cls(units, data["world_size"])
+
+        frozen = tuple(unit(u) for u in data.get("frozen", ()))
+        return cls(tuple(unit(u) for u in data["units"]), data["world_size"], frozen)
 
 
 def find_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[tuple[str, nn.Module]]:
@@ -114,25 +134,29 @@ def find_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[
     return units
 
 
-def unit_parameters(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Each unit's own parameters by qualified name; a shared (tied) parameter belongs to the
-    first unit that reaches it, the root unit owns what no other unit does."""
+def unit_parameters(
+    model: nn.Module, units: list[tuple[str, nn.Module]], trainable: bool = True
+) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Each unit's own trainable parameters by qualified name (with ``trainable=False``, its
+    frozen ones, under its frozen unit's name); a shared (tied) parameter belongs to the first
+    unit that reaches it, the root unit owns what no other unit does."""
     owner: dict[int, str] = {}
-    owned: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name, _ in units}
+    suffix = "" if trainable else FROZEN_SUFFIX
+    owned: dict[str, list[tuple[str, nn.Parameter]]] = {name + suffix: [] for name, _ in units}
     qualified = {id(p): n for n, p in model.named_parameters()}
     for unit_name, module in units:
         for param in module.parameters():
-            if id(param) not in owner and param.requires_grad:
+            if id(param) not in owner and param.requires_grad == trainable:
                 owner[id(param)] = unit_name
-                owned[unit_name].append((qualified[id(param)], param))
+                owned[unit_name + suffix].append((qualified[id(param)], param))
     return owned
 
 
 def unit_needs(
     model: nn.Module, units: list[tuple[str, nn.Module]], owned: dict[str, list[tuple[str, nn.Parameter]]]
 ) -> dict[str, list[str]]:
-    """For each unit module, the units whose parameters it uses when it runs: its own and
-    any it borrows (a weight tied to one another unit owns). The root's module is the whole
+    """For each unit module, the units whose parameters it uses when it runs: its own (the
+    trainable and the frozen one) and any it borrows (a weight tied to one another unit owns). The root's module is the whole
     model, so for it only what lies outside every other unit counts."""
     owner = {id(p): unit for unit, params in owned.items() for _, p in params}
     unit_modules = {id(m) for name, m in units if name != ROOT_UNIT}
@@ -158,9 +182,13 @@ def max_chunk_numel(chunk_mb: int) -> int:
 
 
 def build_layout(
-    params_by_unit: dict[str, list[tuple[str, nn.Parameter]]], world_size: int, max_chunk_numel: int
+    params_by_unit: dict[str, list[tuple[str, nn.Parameter]]],
+    world_size: int,
+    max_chunk_numel: int,
+    frozen: dict[str, list[tuple[str, nn.Parameter]]] | None = None,
 ) -> ModelLayout:
-    """Flat-buffer offsets, padded shard sizes and chunk sizes for ``world_size`` ranks.
+    """Flat-buffer offsets, padded shard sizes and chunk sizes for ``world_size`` ranks, of the
+    trainable units ``params_by_unit`` and the ``frozen`` ones (``unit_parameters``).
 
     A shard is cut into the fewest chunks of at most ``max_chunk_numel`` elements, all of one
     size, a multiple of ``ALIGN_ELEMS``: padding stays under ``ALIGN_ELEMS`` per chunk (chunks
@@ -169,6 +197,18 @@ def build_layout(
     """
     if max_chunk_numel % ALIGN_ELEMS:
         raise ValueError(f"chunk size {max_chunk_numel} elements must be a multiple of {ALIGN_ELEMS}")
+    units = _unit_layouts(params_by_unit, world_size, max_chunk_numel, trainable=True)
+    frozen_units = _unit_layouts(frozen or {}, world_size, max_chunk_numel, trainable=False)
+    names = [u.name for u in units + frozen_units]
+    if len(set(names)) != len(names):
+        clash = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"two units are named {clash!r}: rename the module, or name unit classes in zero.unit_classes")
+    return ModelLayout(tuple(units), world_size, tuple(frozen_units))
+
+
+def _unit_layouts(
+    params_by_unit: dict[str, list[tuple[str, nn.Parameter]]], world_size: int, max_chunk_numel: int, trainable: bool
+) -> list[UnitLayout]:
     units = []
     for unit_name, params in params_by_unit.items():
         slots, offset = [], 0
@@ -181,8 +221,8 @@ def build_layout(
         chunks = math.ceil(shard / max_chunk_numel)
         chunk = _round_up(math.ceil(shard / chunks), ALIGN_ELEMS)
         shard = chunk * chunks
-        units.append(UnitLayout(unit_name, tuple(slots), offset, shard, chunk, shard * world_size))
-    return ModelLayout(tuple(units), world_size)
+        units.append(UnitLayout(unit_name, tuple(slots), offset, shard, chunk, shard * world_size, trainable))
+    return units
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -18,7 +18,7 @@ from torch import nn
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
-from engine.tiers.checkpoint import MemoryCheckpoints
+from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.optimizer import STATE_KINDS, MemoryOptimizerState, OptimizerState, ShardState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_KIND, MemoryParamTier, ParamTier, StoreParamTier
@@ -62,7 +62,15 @@ class OptimizerKind:
     def on_disk(self) -> bool:
         return self.name.startswith("nvme")
 
-    def open(self, path: Path, layout: ModelLayout, io: StoreIO, checkpoint: str | None = None, resume: bool = False):
+    def open(
+        self,
+        path: Path,
+        layout: ModelLayout,
+        io: StoreIO,
+        checkpoint: str | None = None,
+        resume: bool = False,
+        frozen: FrozenShards = lambda: iter(()),
+    ):
         if self.on_disk:
             mode = "in-place" if self.name == "nvme in-place" else "generations"
             return StoreOptimizerState(
@@ -77,7 +85,7 @@ class OptimizerKind:
             )
 
         def checkpoints(create: bool) -> MemoryCheckpoints:
-            return MemoryCheckpoints(path, layout, 0, io, create=create)
+            return MemoryCheckpoints(path, layout, 0, io, create=create, frozen=frozen, dtype=torch.bfloat16)
 
         state = MemoryOptimizerState(torch.device("cpu"), checkpoints)
         if checkpoint is not None:
@@ -182,6 +190,29 @@ def test_a_saved_checkpoint_resumes_with_its_values_on_a_new_tier(kind, tmp_path
     resumed = kind.open(path, layout, io, checkpoint="one")
     assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 1
     assert_state(held(resumed, layout, {"step": 99}), expected(layout, 4))
+    resumed.close()
+
+
+def test_frozen_units_are_kept_once_without_state_and_read_back_on_resume(kind, tmp_path, io) -> None:
+    frozen = {"unit1.frozen": [("bias", nn.Parameter(torch.empty(2500, device="meta"), requires_grad=False))]}
+    units = {"unit0": [("weight", nn.Parameter(torch.empty(3000, device="meta")))]}
+    layout = build_layout(units, world_size=1, max_chunk_numel=MIB // 4, frozen=frozen)
+    [unit], [fixed] = layout.units, layout.frozen
+    assert not fixed.trainable and layout.all_units == (unit, fixed)
+    values = torch.arange(fixed.shard_numel, dtype=torch.bfloat16)
+    path = tmp_path / "store"
+    tier = kind.open(path, layout, io, frozen=lambda: iter([(fixed, values)]))
+    tier.add(unit, master_of(unit, 0))
+    tier.add(fixed, values)  # the compute-dtype shard: no master, no moments
+    tier.commit({"step": 0})
+    pending = tier.save("zero", lambda: {"step": 0}, keep=0)
+    if pending is not None:
+        pending.commit()
+    tier.close()
+    resumed = kind.open(path, layout, io, checkpoint="zero")
+    read = {u.name: t.clone() for u, t in resumed.read_masters()}
+    assert list(read) == ["unit0", "unit1.frozen"]
+    assert read["unit1.frozen"].dtype == torch.bfloat16 and torch.equal(read["unit1.frozen"], values)
     resumed.close()
 
 
