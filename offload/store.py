@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -110,18 +110,21 @@ class ShardStore(NodeOps):
         direct_io: bool = True,
         overwrite: bool = False,
         file_ops: FileOps | None = None,
+        beside: Collection[str] = (),
     ) -> ShardStore:
         """Create an empty store at `path` with group attributes `attrs`.
 
         `checksum` is the default for `create_array`. With `overwrite`, an
         existing store (or empty directory) at `path` is replaced; anything
-        else there is left alone and refused.
+        else there is left alone and refused. The entries named in `beside`
+        (another store nested in the folder) are neither the store's nor in its way.
         """
         root = Path(path)
         if FORMAT_KEY in attrs:
             raise ValueError(f"group attribute {FORMAT_KEY!r} is reserved for the store's format marker")
         if root.exists():
-            contents = [p for p in root.iterdir() if p.name != LOCK_FILE] if root.is_dir() else [root]
+            ignored = {LOCK_FILE, *beside}
+            contents = [p for p in root.iterdir() if p.name not in ignored] if root.is_dir() else [root]
             if contents and not overwrite:
                 raise FileExistsError(
                     f"cannot create an offload store at {root}: the path exists and is not empty; "

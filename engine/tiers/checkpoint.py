@@ -16,6 +16,7 @@ import torch
 
 from engine.tiers.frozen import create_frozen, read_frozen, write_frozen
 from engine.tiers.optimizer import STATE_KINDS, ShardState
+from engine.tiers.parameters import PARAM_STORE
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import first_difference, naming_way_out
 from engine.tiers.store_io import StoreIO
@@ -83,8 +84,14 @@ class MemoryCheckpoints:
         self._leader = rank == 0
         if self._leader and create and not (path / "zarr.json").exists():
             attrs = {"layout": layout.to_dict()}
-            ShardStore.create(
-                path, attrs, runner=io.runner, checksum=io.checksum, direct_io=io.direct_io, overwrite=path.exists()
+            ShardStore.create(  # beside the parameter tier's store, which offload.param = "nvme" puts there first
+                path,
+                attrs,
+                runner=io.runner,
+                checksum=io.checksum,
+                direct_io=io.direct_io,
+                overwrite=path.exists(),
+                beside=(PARAM_STORE,),
             )
         io.barrier()
         self.store = ShardStore.open(path, runner=io.runner, direct_io=io.direct_io)

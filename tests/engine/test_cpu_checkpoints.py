@@ -97,3 +97,12 @@ def test_a_checkpoint_saved_last_is_kept_by_close(tmp_path) -> None:
     assert "last" not in kept(store), "written in the background until the next step or close"
     eng.close()
     assert kept(store) == ["last"] and read_committed(store / "checkpoints" / "last")["step"] == 2
+
+
+def test_cpu_checkpoint_beside_parameters_on_nvme_resumes_bit_identically(tmp_path) -> None:
+    """The parameter tier's store is in offload.nvme_path before the first checkpoint is."""
+    cfg = cpu(tmp_path, stage=3)
+    cfg.offload.param = "nvme"
+    expected_losses, expected = saved_midway(cfg)
+    assert kept(tmp_path / "store") == ["step-3"]
+    assert_resumes_identically(cfg, expected_losses, expected)
