@@ -23,6 +23,7 @@ import crc32c
 import numpy as np
 import torch
 
+from offload.costs import CostAccount
 from offload.metadata import ArrayInfo
 
 # The fallback from O_DIRECT is the store's behaviour, reported under its name.
@@ -90,12 +91,13 @@ class ChunkFiles:
     """The chunk files of one store, each read or written whole by one call, safely from many
     threads at once (for distinct chunks). `ops` is the only door to the OS, so that tests can
     substitute it; O_DIRECT is dropped for good, with a warning, the first time the
-    filesystem refuses it."""
+    filesystem refuses it. `costs` accounts the CPU time of each stage (`offload.costs`)."""
 
-    def __init__(self, root: Path, ops: FileOps, direct: bool) -> None:
+    def __init__(self, root: Path, ops: FileOps, direct: bool, costs: CostAccount | None = None) -> None:
         self.root = root
         self.ops = ops
         self.direct = direct and bool(O_DIRECT)
+        self.costs = costs if costs is not None else CostAccount()
         self._lock = threading.Lock()
 
     def check_size(self, name: str, index: int, info: ArrayInfo) -> None:
@@ -120,14 +122,15 @@ class ChunkFiles:
 
         Returns the descriptor and whether it is in O_DIRECT mode.
         """
+        timed = self.costs.timed
         if aligned and self.direct:
             try:
-                return self.ops.open(path, flags | O_DIRECT), True
+                return timed("open/close", self.ops.open, path, flags | O_DIRECT), True
             except OSError as err:
                 if err.errno != errno.EINVAL:
                     raise
                 self._disable_direct(path, err)
-        return self.ops.open(path, flags), False
+        return timed("open/close", self.ops.open, path, flags), False
 
     def _disable_direct(self, path: str, err: OSError) -> None:
         with self._lock:
@@ -140,7 +143,7 @@ class ChunkFiles:
         view = memoryview(buf)
         done = 0
         while done < len(view):
-            n = self.ops.pwrite(fd, view[done:], offset + done)
+            n = self.costs.timed("write syscalls", self.ops.pwrite, fd, view[done:], offset + done)
             if n <= 0:
                 raise OSError(errno.EIO, f"pwrite made no progress at offset {offset + done}")
             done += n
@@ -150,7 +153,7 @@ class ChunkFiles:
         view = memoryview(buf)
         done = 0
         while done < len(view):
-            n = self.ops.preadv(fd, view[done:], offset + done)
+            n = self.costs.timed("read syscalls", self.ops.preadv, fd, view[done:], offset + done)
             if n == 0:
                 break
             done += n
@@ -164,10 +167,12 @@ class ChunkFiles:
             self._write_all(fd, body, 0)
             if checksum:
                 if direct:
-                    self.ops.clear_direct(fd)
-                self._write_all(fd, crc32c_of(body).to_bytes(CRC_BYTES, "little"), body.size)
+                    self.costs.timed("write syscalls", self.ops.clear_direct, fd)
+                crc = self.costs.timed("crc32c", crc32c_of, body)
+                self._write_all(fd, crc.to_bytes(CRC_BYTES, "little"), body.size)
         finally:
-            self.ops.close(fd)
+            self.costs.timed("open/close", self.ops.close, fd)
+        self.costs.moved("written", body.size)
 
     def read(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> None:
         """Read chunk `index` of `name` into `body`, refusing a short file or a bad CRC."""
@@ -177,18 +182,19 @@ class ChunkFiles:
             trailer = bytearray(CRC_BYTES)
             if checksum and got == body.size:
                 if direct:
-                    self.ops.clear_direct(fd)
+                    self.costs.timed("read syscalls", self.ops.clear_direct, fd)
                 got += self._read_all(fd, trailer, body.size)
         finally:
-            self.ops.close(fd)
+            self.costs.timed("open/close", self.ops.close, fd)
         expected = body.size + (CRC_BYTES if checksum else 0)
         if got != expected:
             raise ChecksumError(
                 f"array {name!r} chunk {index}: {path} is truncated ({got} of {expected} bytes); "
                 f"the chunk must be rewritten or restored from a checkpoint"
             )
+        self.costs.moved("read", body.size)
         if checksum:
-            stored, actual = int.from_bytes(trailer, "little"), crc32c_of(body)
+            stored, actual = int.from_bytes(trailer, "little"), self.costs.timed("crc32c", crc32c_of, body)
             if stored != actual:
                 raise ChecksumError(
                     f"array {name!r} chunk {index}: {path} fails its CRC-32C check "
@@ -198,8 +204,8 @@ class ChunkFiles:
 
     def fsync(self, path: str, flags: int) -> None:
         """Flush one file or directory to disk (opened with `flags`)."""
-        fd = self.ops.open(path, flags)
+        fd = self.costs.timed("open/close", self.ops.open, path, flags)
         try:
-            self.ops.fsync(fd)
+            self.costs.timed("fsync", self.ops.fsync, fd)
         finally:
-            self.ops.close(fd)
+            self.costs.timed("open/close", self.ops.close, fd)

@@ -26,6 +26,7 @@ import torch
 
 from offload.buffers import DIRECT_ALIGN
 from offload.chunks import ChunkFiles, FileOps, byte_view, chunk_dir, chunk_path
+from offload.costs import CostAccount
 from offload.io import IORunner, OffloadIOError
 from offload.lock import LOCK_FILE
 from offload.metadata import (
@@ -87,6 +88,11 @@ class ShardStore(NodeOps):
         self._pending_writes: list[tuple[str, int, int, Future]] = []
         self._pending_files: set[str] = set()
         self._pending_dirs: set[str] = set()
+
+    @property
+    def costs(self) -> CostAccount:
+        """The CPU time each stage of this store's I/O took, and the bytes it moved (`offload.costs`)."""
+        return self._files.costs
 
     @property
     def _ops(self) -> FileOps:
@@ -324,9 +330,10 @@ class ShardStore(NodeOps):
         scratch = {index: torch.empty(size, dtype=info.dtype) for index in partial}
         futures += [self.read_async(name, index * size, chunk) for index, chunk in scratch.items()]
         IORunner.gather(futures).result()
-        for index, chunk in scratch.items():
-            lo, hi = max(start, index * size), min(end, (index + 1) * size)
-            out[lo - start : hi - start].copy_(chunk[lo - index * size : hi - index * size])
+        with self.costs.stage("copy"):
+            for index, chunk in scratch.items():
+                lo, hi = max(start, index * size), min(end, (index + 1) * size)
+                out[lo - start : hi - start].copy_(chunk[lo - index * size : hi - index * size])
 
     def chunk_path(self, name: str, index: int) -> Path:
         """The file holding chunk `index` of array `name`."""
