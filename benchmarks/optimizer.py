@@ -70,7 +70,7 @@ from engine.tiers.store_checks import unit_state_bytes
 from engine.tiers.store_io import StoreIO
 from engine.zero.optim import ShardAdamW
 from engine.zero.partition import ModelLayout, build_layout, max_chunk_numel
-from offload import IORunner, PipelineStats
+from offload import CHUNK_RANGE, IORunner, PipelineStats, auto_settings
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v
 STATE_BYTES_PER_PARAM = 16  # fp32 p, g, m, v
@@ -415,10 +415,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }.items():
         default = getattr(offload, name)
         nvme_group.add_argument(
-            f"--{name.replace('_', '-')}", type=int, default=default, help=f"{help_} (default {default})"
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=None if default == "auto" else default,
+            help=f"{help_} (default {default}: the machine's I/O profile of --dir)",
         )
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
+    auto = auto_settings(args.dir, max_chunk_mb=min(CHUNK_RANGE[1], max(1, args.buffer_mb // 3)))
+    args.chunk_mb = args.chunk_mb or auto.chunk_mb
+    args.io_threads = args.io_threads or auto.io_threads
     params = args.params or (5_000_000 if args.quick else 50_000_000)
     nvme_params = args.nvme_params or (4_000_000 if args.quick else 200_000_000)
     reps = args.reps or (3 if args.quick else 7)

@@ -31,10 +31,10 @@ from tqdm import tqdm
 
 from benchmarks.bandwidth import drop_page_cache, memcpy_gbps, raw_disk_gbps
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
-from engine.config import OffloadConfig
 from engine.runtime.sizes import MIB
 from offload import BufferPool, IORunner, ShardStore
 from offload.costs import STAGES, per_gb
+from offload.tuning import FALLBACK, auto_settings, label, profile_path, record
 
 GOAL = 0.85
 TIE = 0.05  # relative step cost below which two configurations count as equally fast
@@ -111,7 +111,7 @@ def store_configs(chunk_mbs: list[int], threads: list[int]) -> list[StoreConfig]
     the unchecksummed one is not (checksums are a safety choice, not a speed one).
     """
     grid = [StoreConfig(c, t) for c in chunk_mbs for t in threads]
-    default = StoreConfig(OffloadConfig.chunk_mb, OffloadConfig.io_threads)
+    default = StoreConfig(*FALLBACK)
     return [*grid, replace(default, direct_io=False), replace(default, checksum=False)]
 
 
@@ -216,10 +216,30 @@ def build_rows(m: Measurements) -> list[Row]:
     ]
 
 
+def keep_profile(directory: Path, m: Measurements) -> dict[str, Any]:
+    """Record the checksummed O_DIRECT grid as the machine's I/O profile of this disk (what
+    `offload.chunk_mb = "auto"` reads), and what `auto` now chooses from it, with its ratios."""
+    measured = {label(c.chunk_mb, c.io_threads): dict(bw) for c, bw in m.store.items() if c.checksum and c.direct_io}
+    record(directory, measured, "benchmarks.tiers")
+    auto = auto_settings(directory, measure=False)
+    config = StoreConfig(auto.chunk_mb, auto.io_threads)
+    ratios = m.ratios(config) if config in m.store else {}
+    return {
+        "chunk_mb": auto.chunk_mb,
+        "io_threads": auto.io_threads,
+        "why": auto.why,
+        "profile": str(profile_path()),
+    } | {f"{kind}_ratio": r for kind, r in ratios.items()}
+
+
 def cost_rows(m: Measurements) -> list[Row]:
     """CPU-seconds per GB moved, per stage of the path, for each store configuration and kind;
     `stages` is their sum (the I/O threads' CPU), `process` every thread of the process."""
-    rows: list[Row] = [{"config": f"raw, {t} threads", "kind": "w+r", "process": cpu} for t, cpu in m.raw_cpu.items()]
+    rows: list[Row] = [
+        {"config": f"raw, {t} threads", "kind": kind, "process": cpu[kind]}
+        for t, cpu in m.raw_cpu.items()
+        for kind in KINDS
+    ]
     for config, by_kind in m.costs.items():
         for kind in KINDS:
             costs = by_kind[kind]
@@ -271,6 +291,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     costs = cost_rows(m)
     print()
     print_table("CPU-seconds per GB moved, by stage (thread CPU time of the I/O threads; median of rounds)", costs)
+    auto = keep_profile(args.dir, m)
+    print(
+        f"\nauto (the I/O profile, {auto['profile']}): {auto['chunk_mb']} MiB x {auto['io_threads']}"
+        + (
+            f": write {auto['write_ratio']:.2f} x raw, read {auto['read_ratio']:.2f} x raw"
+            if "write_ratio" in auto
+            else ""
+        )
+    )
     print("\nIn this machine's config file:\n[offload]")
     print("\n".join(f"{key} = {str(value).lower()}" for key, value in recommended.items()))
 
@@ -301,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "recommended": recommended,
         "rows": rows,
         "cpu_s_per_gb": costs,
+        "auto": auto,
     }
     save_json(args.out, "tiers", result)
     return result

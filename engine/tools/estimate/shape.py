@@ -13,6 +13,7 @@ from engine.config import Config, ConfigError, Tier
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
+from engine.tiers.store_io import settle_io
 from engine.zero.partition import ModelLayout, build_layout, find_units, max_chunk_numel, unit_parameters
 from engine.zero.precision import compute_dtype
 
@@ -69,6 +70,8 @@ class RunShape:
     gpt: GPTConfig
     layout: ModelLayout
     config: Config
+    io: str = ""
+    """The I/O settings the run would use, and why (``engine.tiers.store_io.settle_io``)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -141,8 +144,9 @@ def run_shape(config: Config, world_size: int, gpt: GPTConfig | None = None) -> 
     if world_size < 1:
         raise ConfigError(f"world size = {world_size}: must be >= 1 (the number of ranks on this node)")
     gpt = gpt or gpt_of(config)
+    config, io = settle_io(config, resume=True, measure=False)  # `train` resumes a store that is there
     with torch.device("meta"):
         model = GPT(gpt)
     units = find_units(model, config.zero.unit_classes)
     layout = build_layout(unit_parameters(model, units), world_size, max_chunk_numel(config.offload.chunk_mb))
-    return RunShape(gpt, layout, config)
+    return RunShape(gpt, layout, config, io)
