@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -31,6 +32,8 @@ log = logging.getLogger("offload.store")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 CRC_BYTES = 4
+TRAILER_BLOCK = 4096
+"""An O_DIRECT read of the trailer reads this aligned block; the file ends 4 bytes into it."""
 
 
 class ChecksumError(ValueError):
@@ -56,14 +59,19 @@ class FileOps:
         return os.pwrite(fd, buf, offset)
 
     def preadv(self, fd: int, buf: Any, offset: int) -> int:
-        return os.preadv(fd, [buf], offset)
+        """Read at ``offset`` into ``buf``: one buffer, or a list of them filled in turn."""
+        return os.preadv(fd, buf if isinstance(buf, list) else [buf], offset)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
 
     def clear_direct(self, fd: int) -> None:
-        """Drop O_DIRECT from an open file, for the unaligned 4-byte CRC trailer."""
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+        """Drop O_DIRECT from an open chunk file, for the unaligned 4-byte CRC trailer.
+
+        One call, no F_GETFL first: of the flags F_SETFL changes (O_APPEND, O_ASYNC, O_DIRECT,
+        O_NOATIME, O_NONBLOCK) a chunk file is only ever opened with O_DIRECT.
+        """
+        fcntl.fcntl(fd, fcntl.F_SETFL, 0)
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
@@ -99,6 +107,7 @@ class ChunkFiles:
         self.direct = direct and bool(O_DIRECT)
         self.costs = costs if costs is not None else CostAccount()
         self._lock = threading.Lock()
+        self._local = threading.local()  # per I/O thread: an aligned block for the CRC trailer
 
     def check_size(self, name: str, index: int, info: ArrayInfo) -> None:
         """Refuse a chunk whose file does not hold the bytes its array's metadata promises."""
@@ -178,12 +187,13 @@ class ChunkFiles:
         """Read chunk `index` of `name` into `body`, refusing a short file or a bad CRC."""
         fd, direct = self._open(path, os.O_RDONLY, aligned)
         try:
-            got = self._read_all(fd, body, 0)
-            trailer = bytearray(CRC_BYTES)
-            if checksum and got == body.size:
-                if direct:
-                    self.costs.timed("read syscalls", self.ops.clear_direct, fd)
-                got += self._read_all(fd, trailer, body.size)
+            if checksum and direct:
+                got, trailer = self._read_with_trailer(fd, body)
+            else:
+                got = self._read_all(fd, body, 0)
+                trailer = bytearray(CRC_BYTES)
+                if checksum and got == body.size:
+                    got += self._read_all(fd, trailer, body.size)
         finally:
             self.costs.timed("open/close", self.ops.close, fd)
         expected = body.size + (CRC_BYTES if checksum else 0)
@@ -201,6 +211,17 @@ class ChunkFiles:
                     f"(stored {stored:#010x}, computed {actual:#010x}); the file is corrupt, "
                     f"restore it from a checkpoint"
                 )
+
+    def _read_with_trailer(self, fd: int, body: np.ndarray) -> tuple[int, bytearray]:
+        """Body and CRC trailer in one O_DIRECT call: the trailer lands in an aligned block of
+        its own, which the read fills only up to the end of the file. Returns the bytes read
+        (body plus at most the trailer) and the trailer's bytes."""
+        tail = getattr(self._local, "tail", None)
+        if tail is None:
+            tail = self._local.tail = np.frombuffer(mmap.mmap(-1, TRAILER_BLOCK), dtype=np.uint8)
+        got = self.costs.timed("read syscalls", self.ops.preadv, fd, [body, tail], 0)
+        extra = min(max(got - body.size, 0), CRC_BYTES)
+        return min(got, body.size) + extra, bytearray(tail[:extra])
 
     def fsync(self, path: str, flags: int) -> None:
         """Flush one file or directory to disk (opened with `flags`)."""

@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 
+from offload.chunks import FileOps
 from offload.costs import STAGES, CostAccount, difference, per_gb
 from offload.io import IORunner
 from offload.store import ShardStore
@@ -72,3 +73,42 @@ def test_the_account_sums_across_threads():
     assert spent["seconds"]["crc32c"] == pytest.approx(4.0)
     assert spent["bytes"]["read"] == 4000
     assert per_gb({"seconds": {}, "bytes": {"read": 0, "written": 0}}) == {}
+
+
+class CountingOps(FileOps):
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def _count(self, name: str) -> None:
+        with self.lock:
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def preadv(self, fd, buf, offset):
+        self._count("preadv")
+        return super().preadv(fd, buf, offset)
+
+    def pwrite(self, fd, buf, offset):
+        self._count("pwrite")
+        return super().pwrite(fd, buf, offset)
+
+    def clear_direct(self, fd):
+        self._count("clear_direct")
+        return super().clear_direct(fd)
+
+
+def test_a_checksummed_direct_chunk_is_read_in_one_call(tmp_path):
+    """Body and CRC trailer come in one O_DIRECT read; writing still needs the trailer written
+    buffered (O_DIRECT cannot write 4 bytes), so O_DIRECT is dropped once per chunk written."""
+    src, dst = aligned(4 * CHUNK), aligned(4 * CHUNK)
+    src.uniform_()
+    ops = CountingOps()
+    with IORunner(threads=2) as runner:
+        store = ShardStore.create(tmp_path / "s", {}, runner=runner, file_ops=ops)
+        store.create_array("a", src.numel(), CHUNK, torch.float32)
+        store.write_from("a", 0, src)
+        assert ops.calls == {"pwrite": 8, "clear_direct": 4}
+        ops.calls.clear()
+        store.read_into("a", 0, dst)
+        assert ops.calls == {"preadv": 4}
+    assert torch.equal(src, dst)
