@@ -3,8 +3,8 @@
 The best chunk size and thread count depend on the disk (a fast NVMe wants large chunks and
 many requests in flight; a virtual disk is happy with fewer). The first run on a disk
 measures it: a probe store of `PROBE_BYTES`, written durably and read back with checksums
-on, for each of a few (chunk MiB, threads) candidates, under the store's folder (or its
-nearest existing parent) and removed after. The measurements are kept in a profile,
+on, for each of a few (chunk MiB, threads) candidates, beside the store's folder (in its
+nearest existing parent on the same disk) and removed after. The measurements are kept in a profile,
 `$XDG_CACHE_HOME/offload-engine/io_profile.json` (`~/.cache` by default), keyed by the
 filesystem the store lives on; later runs read it and measure nothing. `benchmarks.tiers`
 writes its longer measurement there too. A profile that cannot be read is ignored, with a
@@ -173,11 +173,19 @@ def probe(
     with pool.acquire(nbytes) as buf:
         data = buf.view(torch.float32, nbytes // 4)
         data.uniform_()  # also the first touch, outside the timing
-        work = Path(tempfile.mkdtemp(prefix=".io-probe-", dir=existing_dir(path)))
+        work = Path(tempfile.mkdtemp(prefix=".io-probe-", dir=_probe_dir(path)))
         try:
             return {label(c, t): _probe_one(work / label(c, t), data, c, t, direct_io) for c, t in candidates}
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _probe_dir(path: str | os.PathLike[str]) -> Path:
+    """Beside the store (not inside it, where a store's own checks would meet a crashed
+    probe's leftovers), unless only the store's own folder is on its disk."""
+    inside = existing_dir(path)
+    beside = existing_dir(Path(path).absolute().parent)
+    return beside if os.stat(beside).st_dev == os.stat(inside).st_dev else inside
 
 
 def _probe_one(root: Path, data: torch.Tensor, chunk_mb: int, threads: int, direct_io: bool) -> dict[str, float]:

@@ -117,7 +117,7 @@ def io_line(path: Path) -> str:
     chunk_mb = stored_chunk_mb(path)
     auto = auto_settings(path, measure=False)
     cut = f"chunks of up to {chunk_mb} MiB (its layout; kept on resume)" if chunk_mb else "no layout recorded"
-    return f"{cut}; auto on this machine: {auto.chunk_mb} MiB x {auto.io_threads} threads ({auto.why})"
+    return f"{cut}; a new store here: {auto.chunk_mb} MiB x {auto.io_threads} threads ({auto.why})"
 
 
 def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[str, Any]:
