@@ -168,8 +168,11 @@ class ChunkFiles:
             done += n
         return done
 
-    def write(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> None:
-        """Write chunk `index` of `name` from `body`, then its CRC trailer if `checksum`."""
+    def write(
+        self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool, crc: int | None = None
+    ) -> None:
+        """Write chunk `index` of `name` from `body`, then its CRC trailer if `checksum`: `crc`
+        where the caller knows it (a chunk just read and verified, copied as it is), else computed."""
         # In place, no temp file and rename: crash consistency comes from generations.
         fd, direct = self._open(path, os.O_WRONLY | os.O_CREAT, aligned)
         try:
@@ -177,14 +180,16 @@ class ChunkFiles:
             if checksum:
                 if direct:
                     self.costs.timed("write syscalls", self.ops.clear_direct, fd)
-                crc = self.costs.timed("crc32c", crc32c_of, body)
+                if crc is None:
+                    crc = self.costs.timed("crc32c", crc32c_of, body)
                 self._write_all(fd, crc.to_bytes(CRC_BYTES, "little"), body.size)
         finally:
             self.costs.timed("open/close", self.ops.close, fd)
         self.costs.moved("written", body.size)
 
-    def read(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> None:
-        """Read chunk `index` of `name` into `body`, refusing a short file or a bad CRC."""
+    def read(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> int | None:
+        """Read chunk `index` of `name` into `body`, refusing a short file or a bad CRC; returns
+        the verified CRC-32C (None if the array has none)."""
         fd, direct = self._open(path, os.O_RDONLY, aligned)
         try:
             if checksum and direct:
@@ -211,6 +216,8 @@ class ChunkFiles:
                     f"(stored {stored:#010x}, computed {actual:#010x}); the file is corrupt, "
                     f"restore it from a checkpoint"
                 )
+            return stored
+        return None
 
     def _read_with_trailer(self, fd: int, body: np.ndarray) -> tuple[int, bytearray]:
         """Body and CRC trailer in one O_DIRECT call: the trailer lands in an aligned block of

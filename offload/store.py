@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -297,14 +297,20 @@ class ShardStore(NodeOps):
         self.write_async(name, start, src).result()
 
     def read_async(self, name: str, start: int, out: torch.Tensor) -> Future:
-        """Start reading whole chunks into `out`; do not touch `out` until the future completes."""
+        """Start reading whole chunks into `out`; do not touch `out` until the future completes.
+        Its result: each chunk's verified CRC-32C (None without checksums), for `write_async`."""
         info, first, buf, aligned = self._plan("read", name, start, out)
         return self._submit_chunks("read", name, info, first, buf, aligned, self._files.read)
 
-    def write_async(self, name: str, start: int, src: torch.Tensor) -> Future:
-        """Start writing whole chunks from `src`; do not modify `src` until the future completes."""
+    def write_async(self, name: str, start: int, src: torch.Tensor, crcs: Sequence[int | None] | None = None) -> Future:
+        """Start writing whole chunks from `src`; do not modify `src` until the future completes.
+
+        `crcs`, one a chunk, are the chunks' CRC-32C where known: what `read_async` verified for
+        these very bytes, copied unchanged; a checksum is then never computed twice."""
         info, first, buf, aligned = self._plan("write", name, start, src)
-        future = self._submit_chunks("write", name, info, first, buf, aligned, self._files.write)
+        if crcs is not None and len(crcs) != buf.size // info.chunk_bytes:
+            raise ValueError(f"write {name!r}: {len(crcs)} CRCs for {buf.size // info.chunk_bytes} chunks")
+        future = self._submit_chunks("write", name, info, first, buf, aligned, self._files.write, crcs)
         with self._lock:
             self._pending_writes.append((name, first, buf.size // info.chunk_bytes, future))
             self._pending_dirs.add(str(chunk_dir(self.path, name)))
@@ -378,7 +384,8 @@ class ShardStore(NodeOps):
         first: int,
         buf: np.ndarray,
         aligned: bool,
-        task: Callable[..., None],
+        task: Callable[..., Any],
+        crcs: Sequence[int | None] | None = None,
     ) -> Future:
         arrow = "->" if kind == "write" else "<-"
         size = info.chunk_bytes
@@ -389,7 +396,10 @@ class ShardStore(NodeOps):
             lo = index * info.chunk_elems
             what = f"{kind} {name} chunk {index} elements [{lo}, {lo + info.chunk_elems}) {arrow} {path}"
             body = buf[k * size : (k + 1) * size]
-            futures.append(self._runner.submit(task, name, index, path, body, info.checksum, aligned, what=what))
+            known = () if crcs is None else (crcs[k],)
+            futures.append(
+                self._runner.submit(task, name, index, path, body, info.checksum, aligned, *known, what=what)
+            )
         return IORunner.gather(futures)
 
     # -------------------------------------------------------------- durability

@@ -112,3 +112,12 @@ def test_a_checksummed_direct_chunk_is_read_in_one_call(tmp_path):
         store.read_into("a", 0, dst)
         assert ops.calls == {"preadv": 4}
     assert torch.equal(src, dst)
+
+
+def test_write_async_refuses_crcs_that_do_not_match_its_chunks(tmp_path):
+    src = aligned(2 * CHUNK)
+    with IORunner(threads=1) as runner:
+        store = ShardStore.create(tmp_path / "s", {}, runner=runner)
+        store.create_array("a", src.numel(), CHUNK, torch.float32)
+        with pytest.raises(ValueError, match="1 CRCs for 2 chunks"):
+            store.write_async("a", 0, src, [0])
