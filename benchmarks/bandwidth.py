@@ -47,9 +47,7 @@ def page_aligned(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
-def interleaved_medians(
-    fns: Mapping[K, Callable[[], object]], reps: int, *, desc: str | None = None
-) -> dict[K, float]:
+def interleaved_medians(fns: Mapping[K, Callable[[], object]], reps: int, *, desc: str | None = None) -> dict[K, float]:
     """Median wall time of each callable over `reps` rounds, every round calling each one once.
 
     Interleaving spreads the machine's slow spells over all callables alike,
@@ -151,8 +149,9 @@ def raw_disk_gbps(
 
     `buffer` (uint8, page-aligned, `nbytes` long) lets a caller reuse memory
     it has already touched across calls. Returns medians over `reps` of
-    `write` and `read`, plus `direct` (whether O_DIRECT was used) and `cold`
-    (whether the page cache could be dropped).
+    `write` and `read`, plus `direct` (whether O_DIRECT was used), `cold`
+    (whether the page cache could be dropped) and `cpu_s_per_gb` (the process's
+    CPU-seconds per GB while each was timed, by kind).
     """
     if nbytes % mmap.PAGESIZE:
         raise ValueError(f"nbytes must be a multiple of {mmap.PAGESIZE} for O_DIRECT, got {nbytes}")
@@ -161,7 +160,7 @@ def raw_disk_gbps(
         buffer.fill_(0x5A)  # first touch outside the timed region
     elif buffer.numel() != nbytes or buffer.dtype != torch.uint8:
         raise ValueError(f"buffer must be {nbytes} uint8 elements, got {buffer.numel()} x {buffer.dtype}")
-    writes, reads = [], []
+    writes, reads, cpu = [], [], []
     used_direct = cold = True
     fd, path = tempfile.mkstemp(prefix="raw-disk-", suffix=".bin", dir=directory)
     os.close(fd)
@@ -171,18 +170,20 @@ def raw_disk_gbps(
             try:
                 os.posix_fallocate(fd, 0, nbytes)
                 os.fsync(fd)
-                start = time.perf_counter()
+                cpu_start, start = time.process_time(), time.perf_counter()
                 _parallel_io(fd, buffer, threads, write=True)
                 os.fsync(fd)
                 writes.append(nbytes / (time.perf_counter() - start) / 1e9)
+                cpu_write = time.process_time() - cpu_start
             finally:
                 os.close(fd)
             cold &= drop_page_cache()
             fd, is_direct_read = _open(path, os.O_RDONLY, direct)
             try:
-                start = time.perf_counter()
+                cpu_start, start = time.process_time(), time.perf_counter()
                 _parallel_io(fd, buffer, threads, write=False)
                 reads.append(nbytes / (time.perf_counter() - start) / 1e9)
+                cpu.append((cpu_write, time.process_time() - cpu_start))
             finally:
                 os.close(fd)
             used_direct &= is_direct and is_direct_read
@@ -194,4 +195,7 @@ def raw_disk_gbps(
         "read": statistics.median(reads),
         "direct": used_direct,
         "cold": cold,
+        "cpu_s_per_gb": {
+            kind: statistics.median(c[i] for c in cpu) / (nbytes / 1e9) for i, kind in enumerate(("write", "read"))
+        },
     }

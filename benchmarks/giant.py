@@ -50,6 +50,7 @@ from benchmarks.runs import disk_usage
 from engine.config import Config
 from engine.run.models.gpt import Block, GPTConfig
 from engine.runtime.sizes import GIB, MIB
+from engine.tiers.store_io import settle_io
 from engine.tools.estimate import estimate, gpt_of, measured_baseline_bytes, plan_of, run_shape
 from offload import read_committed
 
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     metrics, log = work / "metrics.jsonl", work / "train.log"
     train_args = run_config(args, store, metrics)
     config = Config.from_dict({}, [f"{k[2:]}={v}" for k, v in zip(train_args[::2], train_args[1::2])])
+    config, _ = settle_io(config, resume=False)  # as the engine settles "auto" I/O settings
     gpt = gpt_of(config)
     predicted = estimate(run_shape(config, 1, gpt), plan_of(config), baseline_bytes=measured_baseline_bytes())
     n_params = gpt.num_params()

@@ -65,12 +65,12 @@ from benchmarks.report import Row, bar_chart, base_parser, print_table, save_jso
 from engine.config import OffloadConfig, OptimConfig
 from engine.runtime.sizes import MIB
 from engine.tiers.optimizer_store import StoreOptimizerState
-from engine.tiers.sizing import optimizer_buffer_bytes
+from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB, optimizer_buffer_bytes
 from engine.tiers.store_checks import unit_state_bytes
 from engine.tiers.store_io import StoreIO
 from engine.zero.optim import ShardAdamW
 from engine.zero.partition import ModelLayout, build_layout, max_chunk_numel
-from offload import IORunner, PipelineStats
+from offload import CHUNK_RANGE, IORunner, PipelineStats, auto_settings
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v
 STATE_BYTES_PER_PARAM = 16  # fp32 p, g, m, v
@@ -424,6 +424,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
+    buffer_mb = AUTO_BUFFER_FLOOR_MB if args.buffer_mb == "auto" else args.buffer_mb
+    auto = auto_settings(args.dir, max_chunk_mb=min(CHUNK_RANGE[1], max(1, buffer_mb // 3)))
+    args.chunk_mb = auto.chunk_mb if args.chunk_mb == "auto" else args.chunk_mb
+    args.io_threads = auto.io_threads if args.io_threads == "auto" else args.io_threads
     params = args.params or (5_000_000 if args.quick else 50_000_000)
     nvme_params = args.nvme_params or (4_000_000 if args.quick else 200_000_000)
     reps = args.reps or (3 if args.quick else 7)

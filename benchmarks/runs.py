@@ -38,6 +38,7 @@ from engine.run.models.gpt import GPT
 from engine.run.train import meta_model, peak_rss_bytes
 from engine.runtime.device import SIM_ENV
 from engine.runtime.heap import return_freed_buffers
+from engine.tiers.store_io import settle_io
 from engine.zero.partition import ModelLayout, build_layout, find_units, max_chunk_numel, unit_parameters
 
 DEFAULT_THREADS = os.cpu_count() or 1
@@ -118,6 +119,7 @@ def model_and_data(config: Config) -> tuple[GPT, Callable[[dict[str, torch.Tenso
 def model_layout(config: Config) -> ModelLayout:
     """The units, shards and chunks the engine lays ``config``'s model out in, on one rank,
     without building an engine (so without touching a store)."""
+    config, _ = settle_io(config, resume=False)  # as the engine settles "auto" I/O settings
     model, _, _ = model_and_data(config)
     owned = unit_parameters(model, find_units(model, config.zero.unit_classes))
     return build_layout(owned, world_size=1, max_chunk_numel=max_chunk_numel(config.offload.chunk_mb))

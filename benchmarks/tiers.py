@@ -16,12 +16,13 @@ then hurts all configurations alike instead of one, and the ratios hold.
 
 from __future__ import annotations
 
+import resource
 import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,10 @@ from tqdm import tqdm
 
 from benchmarks.bandwidth import drop_page_cache, memcpy_gbps, raw_disk_gbps
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
-from engine.config import OffloadConfig
 from engine.runtime.sizes import MIB
 from offload import BufferPool, IORunner, ShardStore
+from offload.costs import STAGES, per_gb
+from offload.tuning import FALLBACK, auto_settings, label, profile_path, record
 
 GOAL = 0.85
 TIE = 0.05  # relative step cost below which two configurations count as equally fast
@@ -57,8 +59,23 @@ class StoreConfig:
         return f"{self.chunk_mb} MiB x {self.io_threads}{extra}"
 
 
-def store_gbps(directory: Path, src: torch.Tensor, dst: torch.Tensor, config: StoreConfig) -> Bandwidth:
-    """One durable write of `src` into a fresh store and one cold read back into `dst`, in GB/s.
+def process_cpu() -> float:
+    """CPU seconds (user + system) this process has used so far, every thread included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _stage_costs(store: ShardStore, cpu_start: float, nbytes: int) -> dict[str, float]:
+    """CPU-seconds per GB of each stage since the store's account was last taken, and the
+    whole process's (`process`: every thread, the waiting training thread's Python too)."""
+    costs = per_gb(store.costs.take())
+    costs["process"] = (process_cpu() - cpu_start) / (nbytes / 1e9)
+    return costs
+
+
+def store_gbps(directory: Path, src: torch.Tensor, dst: torch.Tensor, config: StoreConfig) -> dict[str, Any]:
+    """One durable write of `src` into a fresh store and one cold read back into `dst`: GB/s of
+    each, and under `costs` the CPU-seconds per GB of each stage of each (`offload.costs`).
 
     A fresh store each time: a step writes a whole new generation, so chunk
     files are created, not overwritten in place.
@@ -66,23 +83,24 @@ def store_gbps(directory: Path, src: torch.Tensor, dst: torch.Tensor, config: St
     nbytes = src.numel() * src.element_size()
     root = directory / "store"
     with IORunner(threads=config.io_threads) as runner:
-        store = ShardStore.create(
-            root, {}, runner=runner, checksum=config.checksum, direct_io=config.direct_io
-        )
+        store = ShardStore.create(root, {}, runner=runner, checksum=config.checksum, direct_io=config.direct_io)
         try:
             store.create_array("bench", src.numel(), config.chunk_mb * MIB // src.element_size(), src.dtype)
             store.sync()  # metadata out of the way: time only the data
-            start = time.perf_counter()
+            store.costs.take()
+            cpu, start = process_cpu(), time.perf_counter()
             store.write_async("bench", 0, src)
             store.sync()
             write = nbytes / (time.perf_counter() - start) / 1e9
+            write_costs = _stage_costs(store, cpu, nbytes)
             drop_page_cache()
-            start = time.perf_counter()
+            cpu, start = process_cpu(), time.perf_counter()
             store.read_async("bench", 0, dst).result()
             read = nbytes / (time.perf_counter() - start) / 1e9
+            read_costs = _stage_costs(store, cpu, nbytes)
         finally:
             shutil.rmtree(root)
-    return {"write": write, "read": read}
+    return {"write": write, "read": read, "costs": {"write": write_costs, "read": read_costs}}
 
 
 def store_configs(chunk_mbs: list[int], threads: list[int]) -> list[StoreConfig]:
@@ -93,12 +111,22 @@ def store_configs(chunk_mbs: list[int], threads: list[int]) -> list[StoreConfig]
     the unchecksummed one is not (checksums are a safety choice, not a speed one).
     """
     grid = [StoreConfig(c, t) for c in chunk_mbs for t in threads]
-    default = StoreConfig(OffloadConfig.chunk_mb, OffloadConfig.io_threads)
+    default = StoreConfig(*FALLBACK)
     return [*grid, replace(default, direct_io=False), replace(default, checksum=False)]
 
 
 def _medians(results: list[Mapping[str, Any]]) -> Bandwidth:
     return {kind: statistics.median(r[kind] for r in results) for kind in KINDS}
+
+
+def _median_costs(results: list[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per kind, the median CPU-seconds per GB of each stage over the rounds."""
+    return {
+        kind: {
+            stage: statistics.median(r["costs"][kind][stage] for r in results) for stage in results[0]["costs"][kind]
+        }
+        for kind in KINDS
+    }
 
 
 @dataclass
@@ -110,6 +138,10 @@ class Measurements:
     store: dict[StoreConfig, Bandwidth]
     direct: bool
     cold: bool
+    costs: dict[StoreConfig, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """Per store configuration and kind, median CPU-seconds per GB of each stage."""
+    raw_cpu: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Per raw thread count and kind, the process's CPU-seconds per GB moved."""
 
     @property
     def best_raw(self) -> Bandwidth:
@@ -120,9 +152,7 @@ class Measurements:
         return {kind: self.store[config][kind] / self.best_raw[kind] for kind in KINDS}
 
 
-def measure(
-    work: Path, nbytes: int, configs: list[StoreConfig], threads: list[int], reps: int
-) -> Measurements:
+def measure(work: Path, nbytes: int, configs: list[StoreConfig], threads: list[int], reps: int) -> Measurements:
     """Raw I/O at each thread count and the store in each configuration, in `reps` interleaved rounds."""
     pool = BufferPool(2 * nbytes)
     src = pool.acquire(nbytes).view(torch.float32, nbytes // 4)
@@ -130,7 +160,7 @@ def measure(
     src.uniform_()  # also the first touch of both buffers, outside any timing
     dst.zero_()
     raw: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
-    store: dict[StoreConfig, list[Bandwidth]] = {c: [] for c in configs}
+    store: dict[StoreConfig, list[dict[str, Any]]] = {c: [] for c in configs}
     with tqdm(total=reps * (len(raw) + len(store)), desc="tiers", unit="run") as bar:
         for _ in range(reps):
             for t, results in raw.items():
@@ -146,6 +176,11 @@ def measure(
         store={c: _medians(results) for c, results in store.items()},
         direct=all(r["direct"] for r in runs),
         cold=all(r["cold"] for r in runs),
+        costs={c: _median_costs(results) for c, results in store.items()},
+        raw_cpu={
+            t: {kind: statistics.median(r["cpu_s_per_gb"][kind] for r in results) for kind in KINDS}
+            for t, results in raw.items()
+        },
     )
 
 
@@ -181,11 +216,44 @@ def build_rows(m: Measurements) -> list[Row]:
     ]
 
 
+def keep_profile(directory: Path, m: Measurements) -> dict[str, Any]:
+    """Record the checksummed O_DIRECT grid as the machine's I/O profile of this disk (what
+    `offload.chunk_mb = "auto"` reads), and what `auto` now chooses from it, with its ratios."""
+    measured = {label(c.chunk_mb, c.io_threads): dict(bw) for c, bw in m.store.items() if c.checksum and c.direct_io}
+    record(directory, measured, "benchmarks.tiers")
+    auto = auto_settings(directory, measure=False)
+    config = StoreConfig(auto.chunk_mb, auto.io_threads)
+    ratios = m.ratios(config) if config in m.store else {}
+    return {
+        "chunk_mb": auto.chunk_mb,
+        "io_threads": auto.io_threads,
+        "why": auto.why,
+        "profile": str(profile_path()),
+    } | {f"{kind}_ratio": r for kind, r in ratios.items()}
+
+
+def cost_rows(m: Measurements) -> list[Row]:
+    """CPU-seconds per GB moved, per stage of the path, for each store configuration and kind;
+    `stages` is their sum (the I/O threads' CPU), `process` every thread of the process."""
+    rows: list[Row] = [
+        {"config": f"raw, {t} threads", "kind": kind, "process": cpu[kind]}
+        for t, cpu in m.raw_cpu.items()
+        for kind in KINDS
+    ]
+    for config, by_kind in m.costs.items():
+        for kind in KINDS:
+            costs = by_kind[kind]
+            stages = {stage: costs.get(stage, 0.0) for stage in STAGES}
+            rows.append(
+                {"config": config.label, "kind": kind, **stages, "stages": costs.get("total", 0.0)}
+                | {"process": costs["process"]}
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--dir", type=Path, default=Path("."), help="directory on the disk to measure (default .)"
-    )
+    parser.add_argument("--dir", type=Path, default=Path("."), help="directory on the disk to measure (default .)")
     parser.add_argument("--mb", type=int, help="MiB moved per measurement (default 1024, --quick 64)")
     parser.add_argument("--chunk-mb", type=int, nargs="+", default=[4, 16, 64], help="store chunk sizes, MiB")
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 4, 8], help="I/O thread counts")
@@ -195,9 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mb = args.mb or (64 if args.quick else 1024)
     configs = store_configs(args.chunk_mb, args.threads)
     if any(mb % c.chunk_mb for c in configs):
-        parser.error(
-            f"--mb {mb} must be a multiple of every chunk size: {sorted({c.chunk_mb for c in configs})}"
-        )
+        parser.error(f"--mb {mb} must be a multiple of every chunk size: {sorted({c.chunk_mb for c in configs})}")
 
     args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-tiers-", dir=args.dir) as work:
@@ -213,9 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
 
     reads = "cold" if m.cold else "WARM (not root)"
-    print_table(
-        f"Tier bandwidth, {mb} MiB each, median of {args.reps} rounds; writes durable, reads {reads}", rows
-    )
+    print_table(f"Tier bandwidth, {mb} MiB each, median of {args.reps} rounds; writes durable, reads {reads}", rows)
     print(
         f"\nGoal: store >= {GOAL} x raw for write and read (best raw: write {m.best_raw['write']:.2f} GB/s, "
         f"read {m.best_raw['read']:.2f} GB/s; the store checksums unless noted)."
@@ -223,6 +287,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"Recommended store config {chosen.label}: write {ratios['write']:.2f} x raw, "
         f"read {ratios['read']:.2f} x raw: goal {'met' if met else 'NOT met'}."
+    )
+    costs = cost_rows(m)
+    print()
+    print_table("CPU-seconds per GB moved, by stage (thread CPU time of the I/O threads; median of rounds)", costs)
+    auto = keep_profile(args.dir, m)
+    print(
+        f"\nauto (the I/O profile, {auto['profile']}): {auto['chunk_mb']} MiB x {auto['io_threads']}"
+        + (
+            f": write {auto['write_ratio']:.2f} x raw, read {auto['read_ratio']:.2f} x raw"
+            if "write_ratio" in auto
+            else ""
+        )
     )
     print("\nIn this machine's config file:\n[offload]")
     print("\n".join(f"{key} = {str(value).lower()}" for key, value in recommended.items()))
@@ -253,6 +329,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "goal_met": met,
         "recommended": recommended,
         "rows": rows,
+        "cpu_s_per_gb": costs,
+        "auto": auto,
     }
     save_json(args.out, "tiers", result)
     return result

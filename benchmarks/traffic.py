@@ -39,6 +39,7 @@ from engine.config import Config, OffloadConfig
 from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.parameters import PARAM_KIND, PARAM_STORE
 from engine.tiers.sizing import optimizer_buffer_bytes
+from engine.tiers.store_io import settle_io
 from engine.zero.partition import ModelLayout, UnitLayout
 from engine.zero.precision import compute_dtype
 from offload import (
@@ -212,6 +213,7 @@ def measure_movement(path: Path, layout: ModelLayout, config: Config, plan: Tier
     """``reps`` timed steps of ``plan``'s store traffic after an untimed one (which also writes the
     second generation's files for the first time), with ``config``'s ``[offload]`` settings and
     ``store.mode``, in a store at ``path`` deleted afterwards."""
+    config, _ = settle_io(config, resume=False)  # as the engine settles "auto" I/O settings
     transfers = step_transfers(layout, plan, compute_dtype(config.precision.compute_dtype))
     if not transfers:
         return Movement(0.0, [], 0, 0)

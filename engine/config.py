@@ -66,11 +66,14 @@ class OffloadConfig:
     """Host staging budget for the ``nvme`` tier in MiB: peak host memory for streamed state.
     ``auto``: twice the largest unit's optimizer state (one unit read while another is written),
     at least 256 MiB (``engine.tiers.sizing.optimizer_buffer_bytes``)."""
-    chunk_mb: int = 16
+    chunk_mb: int | Literal["auto"] = "auto"
     """Largest zarr chunk in MiB of fp32; a shard is cut into the fewest chunks within it, all of
-    one 4 KiB-aligned size, so padding (read and written every step) stays under 4 KiB a chunk."""
-    io_threads: int = 4
-    """Threads doing positional reads and writes."""
+    one 4 KiB-aligned size, so padding (read and written every step) stays under 4 KiB a chunk.
+    ``auto``: the fastest on the store's disk, from the machine's I/O profile (measured in a few
+    seconds by the first run on a disk, see ``offload.tuning``), at most ``buffer_mb / 3``; a
+    resumed store keeps its own chunk size."""
+    io_threads: int | Literal["auto"] = "auto"
+    """Threads doing positional reads and writes; ``auto``: from the I/O profile, as ``chunk_mb``."""
     checksum: bool = True
     """Store a CRC-32C with every chunk and verify it on every read."""
     direct_io: bool = True
@@ -260,17 +263,23 @@ class Config:
             z.device_memory_limit_mb,
             "must be >= 0 (0: no limit)",
         )
-        _check(o.chunk_mb >= 1, "offload.chunk_mb", o.chunk_mb, "must be >= 1")
+        chunk_mb = 1 if o.chunk_mb == "auto" else o.chunk_mb  # auto stays within buffer_mb / 3
+        _check(chunk_mb >= 1, "offload.chunk_mb", o.chunk_mb, 'must be >= 1 (or "auto")')
         if o.buffer_mb != "auto":
             _check(o.buffer_mb >= 1, "offload.buffer_mb", o.buffer_mb, 'must be >= 1 (or "auto")')
             _check(
-                o.buffer_mb >= 3 * o.chunk_mb,
+                o.buffer_mb >= 3 * chunk_mb,
                 "offload.buffer_mb",
                 o.buffer_mb,
                 f"must hold at least one unit's master and moments of one chunk each (3 x offload.chunk_mb = "
-                f'{3 * o.chunk_mb}), or be "auto"',
+                f'{3 * chunk_mb}), or be "auto"',
             )
-        _check(1 <= o.io_threads <= 64, "offload.io_threads", o.io_threads, "must be in [1, 64]")
+        _check(
+            o.io_threads == "auto" or 1 <= o.io_threads <= 64,
+            "offload.io_threads",
+            o.io_threads,
+            'must be in [1, 64] (or "auto")',
+        )
         _check(
             p.compute_dtype != "fp16" or p.loss_scaling != "none",
             "precision.loss_scaling",

@@ -38,7 +38,7 @@ from engine.runtime.sizes import MIB
 from engine.tiers import rng
 from engine.tiers.checkpoint import PendingCheckpoint
 from engine.tiers.optimizer import ShardState
-from engine.tiers.store_io import StoreIO
+from engine.tiers.store_io import StoreIO, settle_for_ranks
 from engine.zero.divergence import DivergedError, diverged_message
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.optim import lr_factor
@@ -68,9 +68,9 @@ class Engine:
     ):
         config.validate()
         resume = resume or checkpoint is not None  # a checkpoint is only ever resumed from
-        self.config = config
         self.device = Device.detect()
         self.comm = Comm.from_env(self.device.backend, self.device.device)
+        self.config = config = settle_for_ranks(config, resume, self.comm)  # "auto" I/O settings made numbers
         self.dtype = compute_dtype(config.precision.compute_dtype)
         self.total_steps = total_steps or config.train.steps
         self.module = model

@@ -4,6 +4,7 @@ the engine; this is its public surface, the one the engine and the benchmarks us
 
 from offload.buffers import DIRECT_ALIGN, BufferPool, HostBuffer
 from offload.chunks import ChecksumError, FileOps
+from offload.costs import STAGES, CostAccount, per_gb
 from offload.generations import CHECKPOINTS, KEEP, CheckpointExistsError, Generations, generation_prefix
 from offload.io import IORunner, OffloadIOError
 from offload.lock import StoreLock, StoreLockedError, describe_holder, read_holder
@@ -26,22 +27,27 @@ from offload.shards import (
     write_shard_async,
 )
 from offload.store import ShardStore
+from offload.tuning import CHUNK_RANGE, IOSettings, auto_settings, profile_path
 
 __all__ = [
     "CHECKPOINTS",
+    "CHUNK_RANGE",
     "DIRECT_ALIGN",
     "FORMAT_VERSION",
     "KEEP",
+    "STAGES",
     "TOP",
     "ArrayInfo",
     "BufferPool",
     "CheckpointExistsError",
     "ChecksumError",
     "ChunkReader",
+    "CostAccount",
     "FileOps",
     "Generations",
     "HostBuffer",
     "IORunner",
+    "IOSettings",
     "ManifestError",
     "OffloadIOError",
     "Pipeline",
@@ -54,10 +60,13 @@ __all__ = [
     "array_bytes",
     "array_in_layout",
     "array_name",
+    "auto_settings",
     "commit",
     "create_arrays",
     "describe_holder",
     "generation_prefix",
+    "per_gb",
+    "profile_path",
     "read_committed",
     "read_holder",
     "read_shard",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -23,6 +24,7 @@ import crc32c
 import numpy as np
 import torch
 
+from offload.costs import CostAccount
 from offload.metadata import ArrayInfo
 
 # The fallback from O_DIRECT is the store's behaviour, reported under its name.
@@ -30,6 +32,8 @@ log = logging.getLogger("offload.store")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 CRC_BYTES = 4
+TRAILER_BLOCK = 4096
+"""An O_DIRECT read of the trailer reads this aligned block; the file ends 4 bytes into it."""
 
 
 class ChecksumError(ValueError):
@@ -55,14 +59,19 @@ class FileOps:
         return os.pwrite(fd, buf, offset)
 
     def preadv(self, fd: int, buf: Any, offset: int) -> int:
-        return os.preadv(fd, [buf], offset)
+        """Read at ``offset`` into ``buf``: one buffer, or a list of them filled in turn."""
+        return os.preadv(fd, buf if isinstance(buf, list) else [buf], offset)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
 
     def clear_direct(self, fd: int) -> None:
-        """Drop O_DIRECT from an open file, for the unaligned 4-byte CRC trailer."""
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+        """Drop O_DIRECT from an open chunk file, for the unaligned 4-byte CRC trailer.
+
+        One call, no F_GETFL first: of the flags F_SETFL changes (O_APPEND, O_ASYNC, O_DIRECT,
+        O_NOATIME, O_NONBLOCK) a chunk file is only ever opened with O_DIRECT.
+        """
+        fcntl.fcntl(fd, fcntl.F_SETFL, 0)
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
@@ -90,13 +99,15 @@ class ChunkFiles:
     """The chunk files of one store, each read or written whole by one call, safely from many
     threads at once (for distinct chunks). `ops` is the only door to the OS, so that tests can
     substitute it; O_DIRECT is dropped for good, with a warning, the first time the
-    filesystem refuses it."""
+    filesystem refuses it. `costs` accounts the CPU time of each stage (`offload.costs`)."""
 
-    def __init__(self, root: Path, ops: FileOps, direct: bool) -> None:
+    def __init__(self, root: Path, ops: FileOps, direct: bool, costs: CostAccount | None = None) -> None:
         self.root = root
         self.ops = ops
         self.direct = direct and bool(O_DIRECT)
+        self.costs = costs if costs is not None else CostAccount()
         self._lock = threading.Lock()
+        self._local = threading.local()  # per I/O thread: an aligned block for the CRC trailer
 
     def check_size(self, name: str, index: int, info: ArrayInfo) -> None:
         """Refuse a chunk whose file does not hold the bytes its array's metadata promises."""
@@ -120,14 +131,15 @@ class ChunkFiles:
 
         Returns the descriptor and whether it is in O_DIRECT mode.
         """
+        timed = self.costs.timed
         if aligned and self.direct:
             try:
-                return self.ops.open(path, flags | O_DIRECT), True
+                return timed("open/close", self.ops.open, path, flags | O_DIRECT), True
             except OSError as err:
                 if err.errno != errno.EINVAL:
                     raise
                 self._disable_direct(path, err)
-        return self.ops.open(path, flags), False
+        return timed("open/close", self.ops.open, path, flags), False
 
     def _disable_direct(self, path: str, err: OSError) -> None:
         with self._lock:
@@ -140,7 +152,7 @@ class ChunkFiles:
         view = memoryview(buf)
         done = 0
         while done < len(view):
-            n = self.ops.pwrite(fd, view[done:], offset + done)
+            n = self.costs.timed("write syscalls", self.ops.pwrite, fd, view[done:], offset + done)
             if n <= 0:
                 raise OSError(errno.EIO, f"pwrite made no progress at offset {offset + done}")
             done += n
@@ -150,56 +162,78 @@ class ChunkFiles:
         view = memoryview(buf)
         done = 0
         while done < len(view):
-            n = self.ops.preadv(fd, view[done:], offset + done)
+            n = self.costs.timed("read syscalls", self.ops.preadv, fd, view[done:], offset + done)
             if n == 0:
                 break
             done += n
         return done
 
-    def write(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> None:
-        """Write chunk `index` of `name` from `body`, then its CRC trailer if `checksum`."""
+    def write(
+        self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool, crc: int | None = None
+    ) -> None:
+        """Write chunk `index` of `name` from `body`, then its CRC trailer if `checksum`: `crc`
+        where the caller knows it (a chunk just read and verified, copied as it is), else computed."""
         # In place, no temp file and rename: crash consistency comes from generations.
         fd, direct = self._open(path, os.O_WRONLY | os.O_CREAT, aligned)
         try:
             self._write_all(fd, body, 0)
             if checksum:
                 if direct:
-                    self.ops.clear_direct(fd)
-                self._write_all(fd, crc32c_of(body).to_bytes(CRC_BYTES, "little"), body.size)
+                    self.costs.timed("write syscalls", self.ops.clear_direct, fd)
+                if crc is None:
+                    crc = self.costs.timed("crc32c", crc32c_of, body)
+                self._write_all(fd, crc.to_bytes(CRC_BYTES, "little"), body.size)
         finally:
-            self.ops.close(fd)
+            self.costs.timed("open/close", self.ops.close, fd)
+        self.costs.moved("written", body.size)
 
-    def read(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> None:
-        """Read chunk `index` of `name` into `body`, refusing a short file or a bad CRC."""
+    def read(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> int | None:
+        """Read chunk `index` of `name` into `body`, refusing a short file or a bad CRC; returns
+        the verified CRC-32C (None if the array has none)."""
         fd, direct = self._open(path, os.O_RDONLY, aligned)
         try:
-            got = self._read_all(fd, body, 0)
-            trailer = bytearray(CRC_BYTES)
-            if checksum and got == body.size:
-                if direct:
-                    self.ops.clear_direct(fd)
-                got += self._read_all(fd, trailer, body.size)
+            if checksum and direct:
+                got, trailer = self._read_with_trailer(fd, body)
+            else:
+                got = self._read_all(fd, body, 0)
+                trailer = bytearray(CRC_BYTES)
+                if checksum and got == body.size:
+                    got += self._read_all(fd, trailer, body.size)
         finally:
-            self.ops.close(fd)
+            self.costs.timed("open/close", self.ops.close, fd)
         expected = body.size + (CRC_BYTES if checksum else 0)
         if got != expected:
             raise ChecksumError(
                 f"array {name!r} chunk {index}: {path} is truncated ({got} of {expected} bytes); "
                 f"the chunk must be rewritten or restored from a checkpoint"
             )
+        self.costs.moved("read", body.size)
         if checksum:
-            stored, actual = int.from_bytes(trailer, "little"), crc32c_of(body)
+            stored, actual = int.from_bytes(trailer, "little"), self.costs.timed("crc32c", crc32c_of, body)
             if stored != actual:
                 raise ChecksumError(
                     f"array {name!r} chunk {index}: {path} fails its CRC-32C check "
                     f"(stored {stored:#010x}, computed {actual:#010x}); the file is corrupt, "
                     f"restore it from a checkpoint"
                 )
+            return stored
+        return None
+
+    def _read_with_trailer(self, fd: int, body: np.ndarray) -> tuple[int, bytearray]:
+        """Body and CRC trailer in one O_DIRECT call: the trailer lands in an aligned block of
+        its own, which the read fills only up to the end of the file. Returns the bytes read
+        (body plus at most the trailer) and the trailer's bytes."""
+        tail = getattr(self._local, "tail", None)
+        if tail is None:
+            tail = self._local.tail = np.frombuffer(mmap.mmap(-1, TRAILER_BLOCK), dtype=np.uint8)
+        got = self.costs.timed("read syscalls", self.ops.preadv, fd, [body, tail], 0)
+        extra = min(max(got - body.size, 0), CRC_BYTES)
+        return min(got, body.size) + extra, bytearray(tail[:extra])
 
     def fsync(self, path: str, flags: int) -> None:
         """Flush one file or directory to disk (opened with `flags`)."""
-        fd = self.ops.open(path, flags)
+        fd = self.costs.timed("open/close", self.ops.open, path, flags)
         try:
-            self.ops.fsync(fd)
+            self.costs.timed("fsync", self.ops.fsync, fd)
         finally:
-            self.ops.close(fd)
+            self.costs.timed("open/close", self.ops.close, fd)

@@ -289,8 +289,10 @@ class Generations:
                     if pending is not None:
                         pending.result()  # this half is still being written from
                     data = halves[turn][: count * info.chunk_bytes].view(info.dtype)
-                    self.store.read_into(name, batch * info.chunk_elems, data)
-                    writes[turn] = self.store.write_async(target + name[len(source) :], batch * info.chunk_elems, data)
+                    crcs = self.store.read_async(name, batch * info.chunk_elems, data).result()
+                    writes[turn] = self.store.write_async(  # the CRCs just verified: none computed twice
+                        target + name[len(source) :], batch * info.chunk_elems, data, crcs
+                    )
                     turn ^= 1
         finally:
             # The writes read from ``buffer``, which the caller reuses: none may outlive this call.

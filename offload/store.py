@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ import torch
 
 from offload.buffers import DIRECT_ALIGN
 from offload.chunks import ChunkFiles, FileOps, byte_view, chunk_dir, chunk_path
+from offload.costs import CostAccount
 from offload.io import IORunner, OffloadIOError
 from offload.lock import LOCK_FILE
 from offload.metadata import (
@@ -87,6 +88,11 @@ class ShardStore(NodeOps):
         self._pending_writes: list[tuple[str, int, int, Future]] = []
         self._pending_files: set[str] = set()
         self._pending_dirs: set[str] = set()
+
+    @property
+    def costs(self) -> CostAccount:
+        """The CPU time each stage of this store's I/O took, and the bytes it moved (`offload.costs`)."""
+        return self._files.costs
 
     @property
     def _ops(self) -> FileOps:
@@ -294,14 +300,20 @@ class ShardStore(NodeOps):
         self.write_async(name, start, src).result()
 
     def read_async(self, name: str, start: int, out: torch.Tensor) -> Future:
-        """Start reading whole chunks into `out`; do not touch `out` until the future completes."""
+        """Start reading whole chunks into `out`; do not touch `out` until the future completes.
+        Its result: each chunk's verified CRC-32C (None without checksums), for `write_async`."""
         info, first, buf, aligned = self._plan("read", name, start, out)
         return self._submit_chunks("read", name, info, first, buf, aligned, self._files.read)
 
-    def write_async(self, name: str, start: int, src: torch.Tensor) -> Future:
-        """Start writing whole chunks from `src`; do not modify `src` until the future completes."""
+    def write_async(self, name: str, start: int, src: torch.Tensor, crcs: Sequence[int | None] | None = None) -> Future:
+        """Start writing whole chunks from `src`; do not modify `src` until the future completes.
+
+        `crcs`, one a chunk, are the chunks' CRC-32C where known: what `read_async` verified for
+        these very bytes, copied unchanged; a checksum is then never computed twice."""
         info, first, buf, aligned = self._plan("write", name, start, src)
-        future = self._submit_chunks("write", name, info, first, buf, aligned, self._files.write)
+        if crcs is not None and len(crcs) != buf.size // info.chunk_bytes:
+            raise ValueError(f"write {name!r}: {len(crcs)} CRCs for {buf.size // info.chunk_bytes} chunks")
+        future = self._submit_chunks("write", name, info, first, buf, aligned, self._files.write, crcs)
         with self._lock:
             self._pending_writes.append((name, first, buf.size // info.chunk_bytes, future))
             self._pending_dirs.add(str(chunk_dir(self.path, name)))
@@ -327,9 +339,10 @@ class ShardStore(NodeOps):
         scratch = {index: torch.empty(size, dtype=info.dtype) for index in partial}
         futures += [self.read_async(name, index * size, chunk) for index, chunk in scratch.items()]
         IORunner.gather(futures).result()
-        for index, chunk in scratch.items():
-            lo, hi = max(start, index * size), min(end, (index + 1) * size)
-            out[lo - start : hi - start].copy_(chunk[lo - index * size : hi - index * size])
+        with self.costs.stage("copy"):
+            for index, chunk in scratch.items():
+                lo, hi = max(start, index * size), min(end, (index + 1) * size)
+                out[lo - start : hi - start].copy_(chunk[lo - index * size : hi - index * size])
 
     def chunk_path(self, name: str, index: int) -> Path:
         """The file holding chunk `index` of array `name`."""
@@ -374,7 +387,8 @@ class ShardStore(NodeOps):
         first: int,
         buf: np.ndarray,
         aligned: bool,
-        task: Callable[..., None],
+        task: Callable[..., Any],
+        crcs: Sequence[int | None] | None = None,
     ) -> Future:
         arrow = "->" if kind == "write" else "<-"
         size = info.chunk_bytes
@@ -385,7 +399,10 @@ class ShardStore(NodeOps):
             lo = index * info.chunk_elems
             what = f"{kind} {name} chunk {index} elements [{lo}, {lo + info.chunk_elems}) {arrow} {path}"
             body = buf[k * size : (k + 1) * size]
-            futures.append(self._runner.submit(task, name, index, path, body, info.checksum, aligned, what=what))
+            known = () if crcs is None else (crcs[k],)
+            futures.append(
+                self._runner.submit(task, name, index, path, body, info.checksum, aligned, *known, what=what)
+            )
         return IORunner.gather(futures)
 
     # -------------------------------------------------------------- durability

@@ -4,15 +4,30 @@ The optimizer tier, the parameter tier and the memory tiers' checkpoints all rea
 through one ``IORunner``: one pool of I/O threads for the process, so ``offload.io_threads``
 bounds the threads the run starts, whichever tiers are on disk. The engine closes it once,
 after every tier.
+
+``offload.chunk_mb`` and ``offload.io_threads`` may be ``"auto"``: ``settle_io`` turns them
+into numbers before anything is built, from the machine's I/O profile of the store's disk
+(``offload.tuning``, measured once per disk), except that a resumed store keeps the chunk
+size its layout was cut with.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from engine.config import OffloadConfig
-from offload import IORunner
+from engine.config import Config, OffloadConfig
+from engine.runtime.comm import Comm
+from engine.runtime.sizes import FP32, MIB
+from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB
+from engine.zero.partition import ModelLayout
+from offload import CHUNK_RANGE, IORunner, IOSettings, auto_settings
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -27,8 +42,63 @@ class StoreIO:
 
     @classmethod
     def from_config(cls, offload: OffloadConfig, barrier: Callable[[], None]) -> StoreIO:
+        if offload.io_threads == "auto":
+            raise ValueError('offload.io_threads = "auto" must be settled first (engine.tiers.store_io.settle_io)')
         return cls(IORunner(threads=offload.io_threads), offload.checksum, offload.direct_io, barrier)
 
     def close(self) -> None:
         """Finish the pending I/O and stop the threads (after every tier is closed)."""
         self.runner.close()
+
+
+def stored_chunk_mb(path: Path) -> int | None:
+    """The ``chunk_mb`` that cuts the layout recorded in the store at ``path`` as it is cut
+    (the MiB holding its largest chunk), or None where there is no store with a layout."""
+    try:
+        layout = ModelLayout.from_dict(json.loads((path / "zarr.json").read_text())["attributes"]["layout"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    # With at most this many MiB a chunk, every shard is cut into as many chunks as before: the
+    # largest chunk fits, and no more chunks than before can be needed, since this is no more than
+    # the chunk size the store was made with.
+    return -(-max(u.chunk_numel for u in layout.units) * FP32 // MIB)
+
+
+def settle_io(config: Config, *, resume: bool, measure: bool = True) -> tuple[Config, str]:
+    """``config`` with ``auto`` I/O settings replaced by numbers, and one line saying what was
+    chosen and why. Measures the store's disk (a few seconds) if ``measure``, a disk tier is
+    configured and the machine's profile does not know that disk yet."""
+    o = config.offload
+    chunk, threads = o.chunk_mb, o.io_threads
+    if chunk != "auto" and threads != "auto":
+        return config, f"I/O: {chunk} MiB chunks x {threads} threads, set in the config"
+    path = Path(o.nvme_path)
+    reasons = []
+    kept = stored_chunk_mb(path) if resume and chunk == "auto" else None
+    if kept is not None:
+        chunk = kept
+        reasons.append("chunk size kept from the store's layout")
+    if chunk == "auto" or threads == "auto":
+        on_disk = o.optimizer == "nvme" or o.param == "nvme"
+        buffer_mb = AUTO_BUFFER_FLOOR_MB if o.buffer_mb == "auto" else o.buffer_mb  # auto is never less
+        max_chunk = max(CHUNK_RANGE[0], min(CHUNK_RANGE[1], buffer_mb // 3))
+        auto: IOSettings = auto_settings(
+            path, max_chunk_mb=max_chunk, measure=measure and on_disk, direct_io=o.direct_io
+        )
+        chunk = auto.chunk_mb if chunk == "auto" else chunk
+        threads = auto.io_threads if threads == "auto" else threads
+        reasons.append(auto.why)
+    settled = dataclasses.replace(config, offload=dataclasses.replace(o, chunk_mb=chunk, io_threads=threads))
+    why = f"I/O: {chunk} MiB chunks x {threads} threads ({'; '.join(reasons)})"
+    return settled, why
+
+
+def settle_for_ranks(config: Config, resume: bool, comm: Comm) -> Config:
+    """``settle_io`` on rank 0 (the only one that may measure), its choice on every rank: the
+    layout's chunk size must be one on all of them. Logs the line saying why."""
+    settled = comm.all_gather_object(comm.on_leader(lambda: settle_io(config, resume=resume)))[0]
+    assert settled is not None  # rank 0 always returns, or raises on every rank
+    config, why = settled
+    if comm.rank == 0:
+        logger.info("%s", why)
+    return config

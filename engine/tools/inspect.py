@@ -32,6 +32,7 @@ from engine.tiers.store_checks import (
     check_clean,
     naming_way_out,
 )
+from engine.tiers.store_io import stored_chunk_mb
 from engine.zero.partition import ModelLayout
 from offload import (
     CHECKPOINTS,
@@ -43,6 +44,7 @@ from offload import (
     ManifestError,
     ShardStore,
     array_name,
+    auto_settings,
     describe_holder,
     generation_prefix,
     read_committed,
@@ -111,6 +113,14 @@ def generation_array(generation: int, unit: str, kind: str) -> str:
     return array_name(generation_prefix(generation), unit, kind)
 
 
+def io_line(path: Path) -> str:
+    """The chunk size the store is cut with, and what ``auto`` would choose for its disk."""
+    chunk_mb = stored_chunk_mb(path)
+    auto = auto_settings(path, measure=False)
+    cut = f"chunks of up to {chunk_mb} MiB (its layout; kept on resume)" if chunk_mb else "no layout recorded"
+    return f"{cut}; a new store here: {auto.chunk_mb} MiB x {auto.io_threads} threads ({auto.why})"
+
+
 def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[str, Any]:
     """Describe the store at ``path`` as plain data (see ``format_report`` for the text form).
 
@@ -129,6 +139,7 @@ def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[st
             "format": {"zarr": 3, "offload_store": FORMAT_VERSION, "checksum": store.checksum},
             "committed": None if record is None else _scalars(record),
             "mode": store.attrs.get(MODE_ATTR, GENERATIONS),
+            "io": io_line(path),
             "dirty": dirty_status(store),
             "writer": read_holder(path),
             "world_size": layout.world_size,
@@ -264,6 +275,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"store:       {report['path']}",
         f"format:      zarr v{fmt['zarr']}, offload store v{fmt['offload_store']}, CRC-32C {checksum}",
+        f"io:          {report['io']}",
     ]
     if committed is None:
         lines.append("committed:   no committed generation (nothing was trained into this store yet)")

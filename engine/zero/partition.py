@@ -175,9 +175,11 @@ def unit_needs(
     return needs
 
 
-def max_chunk_numel(chunk_mb: int) -> int:
+def max_chunk_numel(chunk_mb: int | str) -> int:
     """Elements in a store chunk of at most ``chunk_mb`` MiB (``offload.chunk_mb``), counted
     in fp32, the widest dtype a shard is stored in."""
+    if not isinstance(chunk_mb, int):
+        raise ValueError(f"offload.chunk_mb = {chunk_mb!r} must be settled to a number first (engine.tiers.store_io)")
     return chunk_mb * MIB // FP32
 
 

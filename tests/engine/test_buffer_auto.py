@@ -34,7 +34,7 @@ class BigEmbedding(nn.Module):
 
 
 def nvme(tmp_path, **offload) -> Config:
-    return config(offload={"optimizer": "nvme", "nvme_path": str(tmp_path / "store"), **offload})
+    return config(offload={"optimizer": "nvme", "nvme_path": str(tmp_path / "store"), "chunk_mb": 16, **offload})
 
 
 def test_the_default_is_auto_and_auto_is_twice_the_largest_unit_at_least_the_floor(tmp_path) -> None:

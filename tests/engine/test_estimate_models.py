@@ -73,7 +73,7 @@ def test_a_config_folder_is_laid_out_and_sized_as_the_engine_does(tmp_path) -> N
     finally:
         engine.close()
     for world in (2, 3):
-        assert run_shape(config, world).layout == model_units(model, config, world)[2]
+        assert run_shape(config, world).layout == model_units(model, run.config, world)[2]
 
 
 def test_any_module_on_the_meta_device_is_estimated(tmp_path) -> None:
@@ -81,7 +81,7 @@ def test_any_module_on_the_meta_device_is_estimated(tmp_path) -> None:
     with torch.device("meta"):
         module = BigEmbedding()
     run = run_shape(config, 1, model=module)
-    assert run.layout == model_units(module, config, 1)[2]
+    assert run.layout == model_units(module, run.config, 1)[2]
     assert (run.model.name, run.model.vocab_size, run.model.d_model, run.model.n_layer) == (
         "BigEmbedding",
         VOCAB,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import offload.chunks
+
 from offload.generations import DIRTY, KEEP, Generations
 from offload.io import IORunner
 from offload.chunks import ChecksumError
@@ -97,19 +99,27 @@ def test_a_dirty_mark_holds_until_the_next_commit_voids_it(tmp_path) -> None:
 def test_copy_moves_every_chunk_through_a_small_buffer_with_its_checksum(tmp_path, monkeypatch) -> None:
     store, gens, data, runner = committed_generation(tmp_path)
     read_bytes: list[int] = []
-    read_into = ShardStore.read_into
+    read_async = ShardStore.read_async
+    crcs_computed = []
+    crc32c_of = offload.chunks.crc32c_of
 
     def recording(self, name, start, out):
         read_bytes.append(out.numel() * out.element_size())
-        return read_into(self, name, start, out)
+        return read_async(self, name, start, out)
 
-    monkeypatch.setattr(ShardStore, "read_into", recording)
+    def counting(buf):
+        crcs_computed.append(buf.size)
+        return crc32c_of(buf)
+
+    monkeypatch.setattr(ShardStore, "read_async", recording)
+    monkeypatch.setattr(offload.chunks, "crc32c_of", counting)
     gens.create_like("gen-0", "gen-7")
     buffer = torch.empty(4 * 8192, dtype=torch.uint8)  # two halves of two 4 KiB or one 8 KiB chunk
     for part in range(3):  # three processes sharing the copy, each its own chunks
         gens.copy("gen-0", "gen-7", buffer, part=(part, 3))
     store.sync()
     assert max(read_bytes) <= buffer.numel() // 2
+    assert sum(crcs_computed) == sum(v.numel() * 4 for v in data.values()), "each chunk's CRC computed once: verified on read, reused for the write"
     for name, values in data.items():
         out = torch.empty_like(values)
         store.read_into(f"gen-7/{name}", 0, out)

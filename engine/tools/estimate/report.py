@@ -24,6 +24,7 @@ def format_table(
         ),
         f"machine: {gib(machine.ram_bytes)} GiB RAM available, {gib(machine.disk_free_bytes)} GiB free disk, "
         + (f"{gib(machine.device_bytes)} GiB per device" if machine.device_bytes else "device memory is host memory"),
+        run.io,
         "GiB; device, host and RSS per rank; node RAM for all ranks; disk for the store",
         "",
         (
@@ -58,6 +59,7 @@ def report_json(run: RunShape, estimates: Sequence[PlanEstimate], machine: Machi
             "model": dataclasses.asdict(run.model) | {"params": run.layout.numel, "units": len(run.layout.units)},
             "world_size": run.layout.world_size,
             "machine": machine.to_dict(),
+            "io": run.io,
             "headroom": HEADROOM,
             "plans": [e.to_dict() | {"fits": machine.fits(e)} for e in estimates],
             "recommended": dataclasses.asdict(choice.plan) if choice else None,

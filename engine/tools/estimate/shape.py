@@ -18,6 +18,7 @@ from engine.config import Config, ConfigError, Tier
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
+from engine.tiers.store_io import settle_io
 from engine.zero.partition import (
     ROOT_UNIT,
     ModelLayout,
@@ -135,6 +136,8 @@ class RunShape:
     model: ModelShape
     layout: ModelLayout
     config: Config
+    io: str = ""
+    """The I/O settings the run would use, and why (``engine.tiers.store_io.settle_io``)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -217,8 +220,9 @@ def run_shape(
         gpt = gpt or gpt_of(config)
         with torch.device("meta"):
             model = GPT(gpt)
+    config, io = settle_io(config, resume=True, measure=False)  # `train` resumes a store that is there
     units = find_units(model, config.zero.unit_classes)
     layout = build_layout(unit_parameters(model, units), world_size, max_chunk_numel(config.offload.chunk_mb))
     blocks = sum(1 for name, _ in units if name != ROOT_UNIT)
     shape = ModelShape.of_gpt(gpt) if gpt is not None else module_shape(model, config.data.seq_len, blocks)
-    return RunShape(shape, layout, config)
+    return RunShape(shape, layout, config, io)
