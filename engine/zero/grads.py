@@ -192,7 +192,8 @@ class GradientShards:
         here first, so it waits for its copy into a staging shard."""
         target = self._shard(unit)
         if self._first_micro_batch or not self._early:
-            self._copies[unit.name] = (self._device.copy(target, reduced), reduced)
+            copied = self._device.copy(target, reduced)  # ``reduced`` is held only while the copy reads it
+            self._copies[unit.name] = (copied, None if copied.query() else reduced)
             return
         self.ready(unit.name)
         staged = torch.empty_like(target)
