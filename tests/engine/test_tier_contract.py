@@ -130,6 +130,16 @@ def held(tier: OptimizerState, layout: ModelLayout, record: dict) -> dict[str, l
     return values
 
 
+def assert_reopens(kind, path, layout, io, seed: int, *, step: int | None = None, **how) -> None:
+    """The tier reopened at ``path`` (``resume=True`` or ``checkpoint=tag``) holds the state of
+    ``seed``, and says it resumed from ``step`` when one is given."""
+    resumed = kind.open(path, layout, io, **how)
+    if step is not None:
+        assert resumed.resumed_from is not None and resumed.resumed_from["step"] == step
+    assert_state(held(resumed, layout, {"step": 99}), expected(layout, seed))
+    resumed.close()
+
+
 def expected(layout: ModelLayout, seed: int) -> dict[str, list[torch.Tensor]]:
     moments = (float(seed), float(seed * 2))
     return {u.name: [master_of(u, seed), *(torch.full((u.shard_numel,), m) for m in moments)] for u in layout.units}
@@ -187,10 +197,7 @@ def test_a_saved_checkpoint_resumes_with_its_values_on_a_new_tier(kind, tmp_path
         pending.commit()
     tier.commit({"step": 2})
     tier.close()
-    resumed = kind.open(path, layout, io, checkpoint="one")
-    assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 1
-    assert_state(held(resumed, layout, {"step": 99}), expected(layout, 4))
-    resumed.close()
+    assert_reopens(kind, path, layout, io, 4, step=1, checkpoint="one")
 
 
 def test_frozen_units_are_kept_once_without_state_and_read_back_on_resume(kind, tmp_path, io) -> None:
@@ -229,10 +236,7 @@ def test_a_durable_tier_resumes_from_its_last_commit(kind, tmp_path, io) -> None
     step(tier, layout, seed=7)
     tier.commit({"step": 2})
     tier.close()
-    resumed = kind.open(path, layout, io, resume=True)
-    assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 2
-    assert_state(held(resumed, layout, {"step": 99}), expected(layout, 7))
-    resumed.close()
+    assert_reopens(kind, path, layout, io, 7, step=2, resume=True)
 
 
 def test_a_deferred_commit_lands_at_flush(kind, tmp_path, io) -> None:
@@ -248,10 +252,7 @@ def test_a_deferred_commit_lands_at_flush(kind, tmp_path, io) -> None:
         assert_state(held(tier, layout, {"step": 2}), expected(layout, 8))
     tier.close()
     if kind.on_disk:
-        resumed = kind.open(path, layout, io, resume=True)
-        assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 1
-        assert_state(held(resumed, layout, {"step": 2}), expected(layout, 8))
-        resumed.close()
+        assert_reopens(kind, path, layout, io, 8, step=1, resume=True)
 
 
 def test_close_commits_a_deferred_step(kind, tmp_path, io) -> None:
@@ -263,10 +264,7 @@ def test_close_commits_a_deferred_step(kind, tmp_path, io) -> None:
     tier.close()
     assert not tier.commit_pending
     if kind.on_disk:
-        resumed = kind.open(path, layout, io, resume=True)
-        assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 1
-        assert_state(held(resumed, layout, {"step": 99}), expected(layout, 9))
-        resumed.close()
+        assert_reopens(kind, path, layout, io, 9, step=1, resume=True)
 
 
 def test_discard_step_never_commits_the_step(kind, tmp_path, io) -> None:
@@ -284,13 +282,8 @@ def test_discard_step_never_commits_the_step(kind, tmp_path, io) -> None:
     tier.close()
     if kind.name == "nvme generations":  # the store still holds step 1 as its last commit
         assert "its last committed step" in where
-        resumed = kind.open(path, layout, io, resume=True)
-        assert resumed.resumed_from is not None and resumed.resumed_from["step"] == 1
-        assert_state(held(resumed, layout, {"step": 99}), expected(layout, 10))
-        resumed.close()
-    resumed = kind.open(tmp_path / "store", layout, io, checkpoint="before")  # every tier: its checkpoint
-    assert_state(held(resumed, layout, {"step": 99}), expected(layout, 10))
-    resumed.close()
+        assert_reopens(kind, path, layout, io, 10, step=1, resume=True)
+    assert_reopens(kind, tmp_path / "store", layout, io, 10, checkpoint="before")  # every tier: its checkpoint
 
 
 def test_io_counters_count_a_step_and_reset_when_taken(kind, tmp_path, io) -> None:
