@@ -15,7 +15,7 @@ Where things are
 - ``engine.run``: ``python -m engine``: the CLI, the training loop, data, validation, the
   built-in GPT, pretrained imports, and ``generate`` (text from a run's store).
 - ``engine.tools``: what works on a store or a plan from outside a run: ``estimate``,
-  ``inspect``, ``consolidate``.
+  ``inspect``, ``consolidate``, ``export``.
 - ``offload`` (a sibling package) moves bytes: host buffers, the I/O runner, the zarr shard
   store, its generations and commits; it never imports the engine.
 
