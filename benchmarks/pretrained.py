@@ -62,7 +62,6 @@ def import_phase(folder: Path, store: Path) -> dict[str, float]:
     from engine.config import Config
     from engine.engine import Engine
     from engine.run.pretrained import pretrained_model, record_source
-    from engine.run.train import peak_rss_bytes
 
     model, init = pretrained_model(str(folder), seq_len=128)
     overrides = ["stage=3", "offload.param=nvme", "offload.optimizer=nvme", "compute_dtype=bf16"]
@@ -77,12 +76,20 @@ def import_phase(folder: Path, store: Path) -> dict[str, float]:
 
 def export_phase(store: Path, out: Path) -> dict[str, float]:
     """Export the store as a Hugging Face folder in bf16."""
-    from engine.run.train import peak_rss_bytes
     from engine.tools.export import export
 
     start = time.perf_counter()
     export(store, out, dtype="bf16", max_shard_size="2GB")
     return {"seconds": time.perf_counter() - start, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def peak_rss_bytes() -> int:
+    """This process's own resident high-water mark. Not ``ru_maxrss``, which ``execve`` keeps
+    from the parent (here the process that built the whole checkpoint model)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def in_process(phase: str, *paths: Path) -> dict[str, float]:
