@@ -350,23 +350,25 @@ def read_all(tier: ParamTier, layout: ModelLayout) -> dict[str, torch.Tensor]:
     return values
 
 
-def test_added_shards_read_back(param_kind, tmp_path, io) -> None:
+def added_param_tier(param_kind: str, tmp_path, io: StoreIO) -> tuple[ParamTier, ModelLayout]:
+    """A parameter tier of ``param_kind`` holding ``master_of(unit, 1)`` of every unit, flushed."""
     layout = small_layout()
     tier = new_param_tier(param_kind, tmp_path, layout, io)
     for unit in layout.units:
         tier.add(unit, master_of(unit, 1).to(DTYPE))
     tier.flush()
+    return tier, layout
+
+
+def test_added_shards_read_back(param_kind, tmp_path, io) -> None:
+    tier, layout = added_param_tier(param_kind, tmp_path, io)
     got = read_all(tier, layout)
     assert all(torch.equal(got[u.name], master_of(u, 1).to(DTYPE)) for u in layout.units)
     tier.close()
 
 
 def test_written_back_masters_read_back_cast_after_flush(param_kind, tmp_path, io) -> None:
-    layout = small_layout()
-    tier = new_param_tier(param_kind, tmp_path, layout, io)
-    for unit in layout.units:
-        tier.add(unit, master_of(unit, 1).to(DTYPE))
-    tier.flush()
+    tier, layout = added_param_tier(param_kind, tmp_path, io)
     for unit in layout.units:
         tier.write_back(unit, master_of(unit, 2))  # fp32: the tier casts
     tier.flush()
@@ -376,11 +378,7 @@ def test_written_back_masters_read_back_cast_after_flush(param_kind, tmp_path, i
 
 
 def test_param_io_counters_count_and_reset_when_taken(param_kind, tmp_path, io) -> None:
-    layout = small_layout()
-    tier = new_param_tier(param_kind, tmp_path, layout, io)
-    for unit in layout.units:
-        tier.add(unit, master_of(unit, 1).to(DTYPE))
-    tier.flush()
+    tier, layout = added_param_tier(param_kind, tmp_path, io)
     shard_bytes = sum(u.shard_numel for u in layout.units) * DTYPE.itemsize
     assert tier.take_io_bytes() == ((0, shard_bytes) if param_kind == "nvme" else (0, 0))
     read_all(tier, layout)
@@ -390,11 +388,7 @@ def test_param_io_counters_count_and_reset_when_taken(param_kind, tmp_path, io) 
 
 
 def test_host_bytes_are_the_host_memory_held(param_kind, tmp_path, io) -> None:
-    layout = small_layout()
-    tier = new_param_tier(param_kind, tmp_path, layout, io)
-    for unit in layout.units:
-        tier.add(unit, master_of(unit, 1).to(DTYPE))
-    tier.flush()
+    tier, layout = added_param_tier(param_kind, tmp_path, io)
     shard_bytes = sum(u.shard_numel for u in layout.units) * DTYPE.itemsize
     on_cpu_device = Device.detect().device.type == "cpu"
     if param_kind == "cpu" or (param_kind == "device" and on_cpu_device):
