@@ -9,7 +9,7 @@ from offload.generations import CHECKPOINTS, KEEP, CheckpointExistsError, Genera
 from offload.io import IORunner, OffloadIOError
 from offload.lock import StoreLock, StoreLockedError, describe_holder, read_holder
 from offload.manifest import ManifestError, commit, read_committed
-from offload.metadata import FORMAT_VERSION, ArrayInfo
+from offload.metadata import FORMAT_VERSION, ArrayInfo, group_attrs
 from offload.pipeline import Pipeline, PipelineStats, ReadAhead
 from offload.shards import (
     TOP,
@@ -65,6 +65,7 @@ __all__ = [
     "create_arrays",
     "describe_holder",
     "generation_prefix",
+    "group_attrs",
     "per_gb",
     "profile_path",
     "read_committed",

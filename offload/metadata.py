@@ -113,6 +113,13 @@ def check_no_links(root: Path) -> None:
                     pending.append(entry.path)
 
 
+def group_attrs(root: Path) -> dict[str, Any]:
+    """The attributes of the group at `root`, less the store's format marker."""
+    attrs = dict(read_json(root / "zarr.json").get("attributes", {}))
+    attrs.pop(FORMAT_KEY, None)
+    return attrs
+
+
 def store_marker(root: Path) -> dict[str, Any] | None:
     """The format marker of an offload store at `root`, or None if `root` is not one."""
     try:

@@ -38,6 +38,7 @@ from offload.metadata import (
     check_no_links,
     create_array_meta,
     create_group,
+    group_attrs,
     parse_array_meta,
     read_json,
     store_marker,
@@ -183,8 +184,7 @@ class ShardStore(NodeOps):
                 f"this code reads version {FORMAT_VERSION}"
             )
         check_no_links(root)
-        attrs = read_json(root / "zarr.json").get("attributes", {})
-        attrs.pop(FORMAT_KEY)
+        attrs = group_attrs(root)
         log.debug("opened offload store %s", root)
         checksum = bool(marker.get("checksum", True))
         return cls(root, attrs, runner=runner, checksum=checksum, direct_io=direct_io, file_ops=file_ops)

@@ -14,7 +14,6 @@ size its layout was cut with.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from engine.runtime.comm import Comm
 from engine.runtime.sizes import FP32, MIB
 from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB
 from engine.zero.partition import ModelLayout
-from offload import CHUNK_RANGE, IORunner, IOSettings, auto_settings
+from offload import CHUNK_RANGE, IORunner, IOSettings, auto_settings, group_attrs
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ def stored_chunk_mb(path: Path) -> int | None:
     """The ``chunk_mb`` that cuts the layout recorded in the store at ``path`` as it is cut
     (the MiB holding its largest chunk), or None where there is no store with a layout."""
     try:
-        layout = ModelLayout.from_dict(json.loads((path / "zarr.json").read_text())["attributes"]["layout"])
+        layout = ModelLayout.from_dict(group_attrs(path)["layout"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     # With at most this many MiB a chunk, every shard is cut into as many chunks as before: the
