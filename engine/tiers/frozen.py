@@ -14,18 +14,17 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from engine.tiers.parameters import PARAM_KIND
 from engine.zero.partition import UnitLayout
 from offload import ShardStore, array_name, create_arrays, read_shard, write_shard
 
 FROZEN = "frozen"
 """The group at a store's top holding the frozen units' values."""
-FROZEN_KIND = "param"
-"""The kind of the frozen values' arrays: compute-dtype parameters, as the parameter tier's."""
 
 
 def frozen_array(unit: UnitLayout) -> str:
     """The store array holding a frozen unit's values."""
-    return array_name(FROZEN, unit.name, FROZEN_KIND)
+    return array_name(FROZEN, unit.name, PARAM_KIND)
 
 
 def create_frozen(store: ShardStore, units: Iterable[UnitLayout], dtype: torch.dtype) -> None:
@@ -33,13 +32,13 @@ def create_frozen(store: ShardStore, units: Iterable[UnitLayout], dtype: torch.d
     units = tuple(units)
     if (store.path / FROZEN).is_dir():
         store.delete(FROZEN)
-    store.build(FROZEN, lambda staging: create_arrays(store, staging, units, (FROZEN_KIND,), dtype))
+    store.build(FROZEN, lambda staging: create_arrays(store, staging, units, (PARAM_KIND,), dtype))
 
 
 def write_frozen(store: ShardStore, unit: UnitLayout, rank: int, values: torch.Tensor) -> None:
     """Rank ``rank``'s shard of a frozen unit's values (blocks; durable at the store's next sync).
     Written from a copy: writing pins the memory it reads, which must not be a parameter's."""
-    write_shard(store, FROZEN, unit, rank, [(FROZEN_KIND, values.detach().to("cpu", copy=True))])
+    write_shard(store, FROZEN, unit, rank, [(PARAM_KIND, values.detach().to("cpu", copy=True))])
 
 
 def read_frozen(store: ShardStore, units: Iterable[UnitLayout], rank: int) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
@@ -53,5 +52,5 @@ def read_frozen(store: ShardStore, units: Iterable[UnitLayout], rank: int) -> It
                 f"first step or checkpoint completed; train afresh, or resume from a store that holds them"
             )
         values = torch.empty(unit.shard_numel, dtype=store.array_info(name).dtype)
-        read_shard(store, FROZEN, unit, rank, [(FROZEN_KIND, values)])
+        read_shard(store, FROZEN, unit, rank, [(PARAM_KIND, values)])
         yield unit, values

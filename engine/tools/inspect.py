@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from engine.tiers.frozen import FROZEN
 from engine.tiers.optimizer import STATE_KINDS
+from engine.tiers.parameters import PARAM_KIND
 from engine.tiers.store_checks import (
     GENERATIONS,
     IN_PLACE,
@@ -186,7 +187,7 @@ def _bytes_per_kind(store: ShardStore, arrays: dict[str, tuple[str, str]]) -> di
     sizes: dict[str, int] = {}
     for name, (_, kind) in arrays.items():
         sizes[kind] = sizes.get(kind, 0) + store.array_info(name).nbytes
-    order = {kind: i for i, kind in enumerate(("param", *STATE_KINDS))}
+    order = {kind: i for i, kind in enumerate((PARAM_KIND, *STATE_KINDS))}
     return dict(sorted(sizes.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
 
 

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from engine.config import Config
 from engine.engine import Engine
 from engine.runtime.device import SIM_ENV
-from engine.tiers.frozen import FROZEN, FROZEN_KIND
+from engine.tiers.frozen import FROZEN
+from engine.tiers.parameters import PARAM_KIND
 from engine.tools.consolidate import consolidate
 from engine.tools.export import export
 from engine.tools.inspect import inspect_store
@@ -179,7 +180,7 @@ def test_the_store_holds_optimizer_state_for_the_trainable_only(tmp_path) -> Non
     assert {unit for unit, _ in generation.values()} == trainable
     assert sorted(kind for unit, kind in generation.values() if unit == "root") == ["exp_avg", "exp_avg_sq", "master"]
     kept = store_arrays(store, FROZEN)
-    assert sorted(kept.values()) == sorted((name, FROZEN_KIND) for name in frozen)
+    assert sorted(kept.values()) == sorted((name, PARAM_KIND) for name in frozen)
     fp32_state = 3 * 4 * sum(u.padded_numel for u in layout.units)
     assert sum(report["bytes_per_kind"].values()) == fp32_state
     assert report["frozen"]["numel"] == layout.frozen_numel > layout.numel // 2
