@@ -89,12 +89,11 @@ def text_codec(config: Config) -> TextCodec:
 def generation_model(config: Config, vocab_size: int) -> tuple[nn.Module, int | None]:
     """The run's model on the meta device, and the most positions it takes (None: no limit known)."""
     if config.model.hf:
+        from engine.run.pretrained import max_positions
         from engine.run.pretrained import meta_model as hf_meta_model
 
         model = hf_meta_model(config.model.hf)
-        settings = model.config
-        positions = getattr(settings, "n_positions", None) or getattr(settings, "max_position_embeddings", None)
-        return model, positions
+        return model, max_positions(model)
     from engine.run.train import meta_model
 
     gpt, _ = meta_model(config, vocab_size)

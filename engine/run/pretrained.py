@@ -268,12 +268,18 @@ def check_vocabulary(model: nn.Module, vocab_size: int, folder: str) -> None:
         )
 
 
+def max_positions(model: nn.Module) -> int | None:
+    """The most positions a Hugging Face model takes, as its config says (None: it does not)."""
+    settings = model.config
+    return getattr(settings, "n_positions", None) or getattr(settings, "max_position_embeddings", None)
+
+
 def pretrained_model(folder: str, seq_len: int) -> tuple[nn.Module, Pretrained]:
     """The meta model of ``folder`` and its ``init_unit``, checked against the checkpoint, and
     refused if it cannot take sequences of ``seq_len``."""
     model = meta_model(folder)
     init = Pretrained(folder, model)
-    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    positions = max_positions(model)
     if positions is not None and seq_len > positions:
         raise ValueError(
             f"data.seq_len = {seq_len} is longer than the {positions} positions the model in {folder} was "
