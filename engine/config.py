@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import tomllib
@@ -180,8 +181,11 @@ class TrainConfig:
     """Seed of the model initialisation."""
     metrics: str = ""
     """A JSON-lines file that rank 0 appends one record to per step (loss, learning rate, gradient
-    norm, validation loss when taken, seconds, exposed parameter and optimizer waits, bytes read and
+    norm, validation loss when taken, seconds, tokens/s, exposed parameter and optimizer waits, bytes read and
     written, prefetch hit rate, device high-water, peak RSS); empty: none."""
+    tensorboard: str = ""
+    """A folder that rank 0 writes the same scalars to as TensorBoard events (needs the
+    ``tensorboard`` package); empty: none."""
     eval_every: int = 0
     """Steps between validation losses (``data.val_fraction > 0``); 0: after the last step only."""
     eval_batches: int = 8
@@ -317,6 +321,12 @@ class Config:
             "train.eval_every",
             self.train.eval_every,
             "needs held-out tokens: set data.val_fraction (for example 0.05)",
+        )
+        _check(
+            not self.train.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+            "train.tensorboard",
+            self.train.tensorboard,
+            "needs the tensorboard package: pip install tensorboard (or leave train.tensorboard empty)",
         )
         ckpt = self.checkpoint
         _check(ckpt.interval >= 0, "checkpoint.interval", ckpt.interval, "must be >= 0 (0: no periodic checkpoints)")
