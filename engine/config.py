@@ -155,6 +155,22 @@ class ModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on a ``model.hf`` run, through the ``peft`` library: the pretrained weights
+    frozen, the adapters trained; ``export`` writes the adapter in peft's format."""
+
+    r: int = 0
+    """Rank of the adapters; 0: no LoRA (every parameter trains)."""
+    alpha: float = 16.0
+    """peft's ``lora_alpha``: the adapters' output is scaled by ``alpha / r``."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps training deterministic)."""
+    target_modules: list[str] = field(default_factory=list)
+    """Names of the linear layers that get adapters (e.g. ``["q_proj", "v_proj"]``); empty:
+    peft's default for the model's architecture."""
+
+
+@dataclass
 class DataConfig:
     """The training text and how batches are drawn."""
 
@@ -214,6 +230,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -341,6 +358,20 @@ class Config:
             hf,
             "is not a folder holding config.json: give the folder save_pretrained wrote (weights, config, tokenizer)",
         )
+        lora = self.lora
+        _check(lora.r >= 0, "lora.r", lora.r, "must be >= 0 (0: no LoRA)")
+        if lora.r:
+            _check(
+                hf != "", "lora.r", lora.r, "LoRA fine-tunes a pretrained model: set model.hf = FOLDER (or lora.r = 0)"
+            )
+            _check(
+                importlib.util.find_spec("peft") is not None,
+                "lora.r",
+                lora.r,
+                "needs the peft library: pip install peft (or lora.r = 0)",
+            )
+        _check(lora.alpha > 0, "lora.alpha", lora.alpha, "must be > 0")
+        _check(0 <= lora.dropout < 1, "lora.dropout", lora.dropout, "must be in [0, 1)")
 
     def _check_finite(self) -> None:
         """Refuse inf and nan in every float (TOML, JSON and overrides all spell them): no setting

@@ -15,7 +15,8 @@
 - ``consolidate STORE OUT.safetensors``: full fp32 weights under the model's parameter names.
 - ``export STORE OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``: a run started from
   ``--model.hf FOLDER`` as a Hugging Face folder (sharded safetensors, config, tokenizer) that
-  ``from_pretrained`` loads; in the checkpoint's dtype unless ``--dtype`` says otherwise.
+  ``from_pretrained`` loads; in the checkpoint's dtype unless ``--dtype`` says otherwise. A run
+  with ``lora.r > 0`` exports its trained adapter alone, in peft's format (fp32 by default).
 - ``plot METRICS.jsonl [--out PNG]``: the loss (and validation loss), seconds per step and
   tokens/s of a ``train.metrics`` file against the step, as a PNG (needs matplotlib).
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import Config, ConfigError
+from engine.config import Config, ConfigError, LoraConfig
 from engine.engine import Engine
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, corpus_text, default_cache_dir, train_bpe
 from engine.tiers.store_checks import resume_point
@@ -93,7 +94,12 @@ def generation_model(config: Config, vocab_size: int) -> tuple[nn.Module, int | 
         from engine.run.pretrained import meta_model as hf_meta_model
 
         model = hf_meta_model(config.model.hf)
-        return model, max_positions(model)
+        positions = max_positions(model)
+        if config.lora.r:  # the store holds the adapters under peft's names
+            from engine.run.lora import with_lora
+
+            model = with_lora(model, config.lora)
+        return model, positions
     from engine.run.train import meta_model
 
     gpt, _ = meta_model(config, vocab_size)
@@ -182,15 +188,20 @@ def continue_ids(
 
 def recorded_model(config: Config) -> Config:
     """``config``, or where it names no ``model.hf`` but its store records the Hugging Face
-    folder its run started from (``<store>/hf/``: config.json and tokenizer), the config with
-    that folder as ``model.hf``."""
-    from engine.run.pretrained import SOURCE_FOLDER
+    folder its run started from (``<store>/hf/``: config.json and tokenizer, and the run's
+    ``[lora]`` settings if it trained adapters), the config with that folder as ``model.hf``."""
+    from engine.run.pretrained import SOURCE_FOLDER, SOURCE_RECORD
 
     recorded = Path(config.offload.nvme_path) / SOURCE_FOLDER
     if config.model.hf or not (recorded / "config.json").is_file():
         return config
     logger.info("%s records a model.hf run: generating with its model and tokenizer from %s", recorded.parent, recorded)
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, hf=str(recorded)))
+    lora = json.loads((recorded / SOURCE_RECORD).read_text()).get("lora")
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, hf=str(recorded)),
+        lora=LoraConfig(**lora) if lora else config.lora,
+    )
 
 
 def generate(config: Config, prompt: str, sampling: Sampling, checkpoint: str | None = None) -> str:

@@ -12,6 +12,7 @@ gradients).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -34,6 +35,7 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens, split
 from engine.run.evaluate import Validation, perplexity
+from engine.run.lora import LoraInit, lora_model
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
 from engine.run.watch import Scalars, step_record
@@ -216,8 +218,8 @@ def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> Non
 
 def run_model(config: Config) -> tuple[np.ndarray, nn.Module, Callable[[dict[str, torch.Tensor]], None], LossFn]:
     """The tokens, the model to train on the meta device, its ``init_unit`` and the loss of a
-    batch with it: the built-in GPT, or the pretrained model at ``model.hf``, which is checked
-    against its checkpoint before the corpus is tokenised."""
+    batch with it: the built-in GPT, or the pretrained model at ``model.hf`` (with LoRA adapters
+    if ``lora.r``), which is checked against its checkpoint before the corpus is tokenised."""
     data = config.data
     if not config.model.hf:
         tokens, vocab_size = load_tokens(data.source, data.tokenizer, vocab_size=data.vocab_size)
@@ -226,6 +228,8 @@ def run_model(config: Config) -> tuple[np.ndarray, nn.Module, Callable[[dict[str
     pretrained, init = pretrained_model(config.model.hf, data.seq_len)
     tokens, vocab_size = load_tokens(data.source, data.tokenizer, pretrained=config.model.hf)
     check_vocabulary(pretrained, vocab_size, config.model.hf)
+    if config.lora.r:
+        return tokens, *lora_model(pretrained, init, config.lora, config.train.seed), causal_lm_loss
     return tokens, pretrained, init, causal_lm_loss
 
 
@@ -240,8 +244,9 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
         )
     engine = start_engine(config, model, init, checkpoint)
     if config.model.hf and engine.comm.rank == 0 and Path(config.offload.nvme_path).is_dir():
-        assert isinstance(init, Pretrained)
-        record_source(config.model.hf, config.offload.nvme_path, init.dtype)  # for export
+        assert isinstance(init, (Pretrained, LoraInit))
+        lora = dataclasses.asdict(config.lora) if config.lora.r else None
+        record_source(config.model.hf, config.offload.nvme_path, init.dtype, lora)  # for export
     data = TokenBatches(
         tokens,
         seq_len=config.data.seq_len,
