@@ -10,7 +10,8 @@
   would take; a ``model.hf`` folder needs only its ``config.json`` (no weights are read).
 - ``generate [--config run.toml] [--key value ...] --prompt TEXT [--tokens N] [--temperature T]
   [--top-k K] [--seed S]``: text sampled from the run's committed step (or ``--from-checkpoint
-  TAG``), its model and tokenizer set up from the same config as ``train``; greedy at temperature 0.
+  TAG``), its model and tokenizer set up from the same config as ``train``; greedy at temperature 0;
+  each token one forward of its own position, with a key/value cache.
 - ``inspect STORE [--verify]``: what a store holds; ``--verify`` checks every chunk's CRC-32C.
 - ``consolidate STORE OUT.safetensors``: full fp32 weights under the model's parameter names.
 - ``export STORE OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``: a run started from
