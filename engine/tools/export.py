@@ -12,6 +12,10 @@ the store's layout alone, and the masters are read one chunk at a time
 weights are written once, under the name the layout records, as ``save_pretrained`` does. Each
 shard is written under a temporary name and renamed when complete, and the index and config come
 last: an export cut short leaves no folder that loads.
+
+A run that trained LoRA adapters (``lora.r > 0``) exports its adapter alone, as peft's
+``save_pretrained`` writes it (``export_adapter``): the adapters are small, read whole; the
+frozen base is not read at all.
 """
 
 from __future__ import annotations
