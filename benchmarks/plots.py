@@ -14,6 +14,7 @@ from types import ModuleType
 import numpy as np
 
 from benchmarks.report import save_figure
+from engine.tools.plot import pyplot as engine_pyplot
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +22,9 @@ log = logging.getLogger(__name__)
 def pyplot() -> ModuleType | None:
     """matplotlib's pyplot drawing to files only (servers have no display), or None if it is not installed."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+        return engine_pyplot()
+    except ModuleNotFoundError:
         return None
-    return plt
 
 
 Series = Sequence[float] | Callable[[float], float]

@@ -13,9 +13,10 @@ Where things are
 - ``engine.runtime``: the machine: the device and its copy stream (and a simulated one for
   tests), the process group, device memory accounting, sizes.
 - ``engine.run``: ``python -m engine``: the CLI, the training loop, data, validation, the
-  built-in GPT, pretrained imports, and ``generate`` (text from a run's store).
-- ``engine.tools``: what works on a store or a plan from outside a run: ``estimate``,
-  ``inspect``, ``consolidate``, ``export``.
+  step records (``watch``: metrics file and TensorBoard), the built-in GPT, pretrained
+  imports, and ``generate`` (text from a run's store).
+- ``engine.tools``: what works on a store, a plan or a run's records from outside a run:
+  ``estimate``, ``inspect``, ``consolidate``, ``export``, ``plot``.
 - ``offload`` (a sibling package) moves bytes: host buffers, the I/O runner, the zarr shard
   store, its generations and commits; it never imports the engine.
 

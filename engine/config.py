@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import tomllib
@@ -154,6 +155,22 @@ class ModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on a ``model.hf`` run, through the ``peft`` library: the pretrained weights
+    frozen, the adapters trained; ``export`` writes the adapter in peft's format."""
+
+    r: int = 0
+    """Rank of the adapters; 0: no LoRA (every parameter trains)."""
+    alpha: float = 16.0
+    """peft's ``lora_alpha``: the adapters' output is scaled by ``alpha / r``."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps training deterministic)."""
+    target_modules: list[str] = field(default_factory=list)
+    """Names of the linear layers that get adapters (e.g. ``["q_proj", "v_proj"]``); empty:
+    peft's default for the model's architecture."""
+
+
+@dataclass
 class DataConfig:
     """The training text and how batches are drawn."""
 
@@ -180,8 +197,11 @@ class TrainConfig:
     """Seed of the model initialisation."""
     metrics: str = ""
     """A JSON-lines file that rank 0 appends one record to per step (loss, learning rate, gradient
-    norm, validation loss when taken, seconds, exposed parameter and optimizer waits, bytes read and
+    norm, validation loss when taken, seconds, tokens/s, exposed parameter and optimizer waits, bytes read and
     written, prefetch hit rate, device high-water, peak RSS); empty: none."""
+    tensorboard: str = ""
+    """A folder that rank 0 writes the same scalars to as TensorBoard events (needs the
+    ``tensorboard`` package); empty: none."""
     eval_every: int = 0
     """Steps between validation losses (``data.val_fraction > 0``); 0: after the last step only."""
     eval_batches: int = 8
@@ -210,6 +230,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -318,6 +339,12 @@ class Config:
             self.train.eval_every,
             "needs held-out tokens: set data.val_fraction (for example 0.05)",
         )
+        _check(
+            not self.train.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+            "train.tensorboard",
+            self.train.tensorboard,
+            "needs the tensorboard package: pip install tensorboard (or leave train.tensorboard empty)",
+        )
         ckpt = self.checkpoint
         _check(ckpt.interval >= 0, "checkpoint.interval", ckpt.interval, "must be >= 0 (0: no periodic checkpoints)")
         _check(ckpt.keep >= 0, "checkpoint.keep", ckpt.keep, "must be >= 0 (0 keeps every checkpoint)")
@@ -331,6 +358,20 @@ class Config:
             hf,
             "is not a folder holding config.json: give the folder save_pretrained wrote (weights, config, tokenizer)",
         )
+        lora = self.lora
+        _check(lora.r >= 0, "lora.r", lora.r, "must be >= 0 (0: no LoRA)")
+        if lora.r:
+            _check(
+                hf != "", "lora.r", lora.r, "LoRA fine-tunes a pretrained model: set model.hf = FOLDER (or lora.r = 0)"
+            )
+            _check(
+                importlib.util.find_spec("peft") is not None,
+                "lora.r",
+                lora.r,
+                "needs the peft library: pip install peft (or lora.r = 0)",
+            )
+        _check(lora.alpha > 0, "lora.alpha", lora.alpha, "must be > 0")
+        _check(0 <= lora.dropout < 1, "lora.dropout", lora.dropout, "must be in [0, 1)")
 
     def _check_finite(self) -> None:
         """Refuse inf and nan in every float (TOML, JSON and overrides all spell them): no setting

@@ -10,12 +10,16 @@
   would take; a ``model.hf`` folder needs only its ``config.json`` (no weights are read).
 - ``generate [--config run.toml] [--key value ...] --prompt TEXT [--tokens N] [--temperature T]
   [--top-k K] [--seed S]``: text sampled from the run's committed step (or ``--from-checkpoint
-  TAG``), its model and tokenizer set up from the same config as ``train``; greedy at temperature 0.
+  TAG``), its model and tokenizer set up from the same config as ``train``; greedy at temperature 0;
+  each token one forward of its own position, with a key/value cache.
 - ``inspect STORE [--verify]``: what a store holds; ``--verify`` checks every chunk's CRC-32C.
 - ``consolidate STORE OUT.safetensors``: full fp32 weights under the model's parameter names.
 - ``export STORE OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``: a run started from
   ``--model.hf FOLDER`` as a Hugging Face folder (sharded safetensors, config, tokenizer) that
-  ``from_pretrained`` loads; in the checkpoint's dtype unless ``--dtype`` says otherwise.
+  ``from_pretrained`` loads; in the checkpoint's dtype unless ``--dtype`` says otherwise. A run
+  with ``lora.r > 0`` exports its trained adapter alone, in peft's format (fp32 by default).
+- ``plot METRICS.jsonl [--out PNG]``: the loss (and validation loss), seconds per step and
+  tokens/s of a ``train.metrics`` file against the step, as a PNG (needs matplotlib).
 
 Every error ends the command with one line on stderr naming the fix, exit code 2 for a bad
 config and 1 for anything else (130 on Ctrl-C); ``--debug`` (before the command) adds the traceback.
@@ -259,6 +263,13 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace, extra: list[str]) -> int:
+    from engine.tools.plot import plot
+
+    logger.info("drew %s", plot(args.metrics, args.out))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     """The commands and their arguments (a config key is any other ``--section.key value``)."""
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
@@ -307,6 +318,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="5GB", help="largest weights file, e.g. 5GB, 500MB (default 5GB)")
     export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: the checkpoint's")
     export.add_argument("--generation", type=int, help="default: the committed one")
+    plot = commands.add_parser("plot", help="a train.metrics file's loss and speed against the step, as a PNG")
+    plot.add_argument("metrics", help="the JSON-lines file train.metrics names")
+    plot.add_argument("--out", help="the PNG to write (default: the metrics file's name with .png)")
     return parser
 
 
@@ -343,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "inspect": _inspect,
         "consolidate": _consolidate,
         "export": _export,
+        "plot": _plot,
     }
     try:
         return handlers[args.command](args, extra)

@@ -4,11 +4,14 @@ The model is the run's (the built-in GPT or the ``model.hf`` one), built on the 
 from the same config as ``train``, and the engine resumes it from the store at
 ``offload.nvme_path`` on the same tiers: the committed step's masters become its parameters,
 so a model larger than memory streams unit by unit as it does in training (stage 3 with
-``offload.param = "nvme"``). Each new token takes one forward under ``torch.no_grad()`` over the
-last positions the model takes (no cache: the run's own forward, nothing else), and is chosen
-from the last position's logits: the most likely (``temperature = 0``, greedy), or drawn from
-the ``top_k`` most likely at ``temperature`` with a generator seeded by ``seed``, so a seed
-repeats its text whatever the run's random states were.
+``offload.param = "nvme"``). Each new token takes one forward under ``torch.no_grad()`` of its
+own position alone, the earlier positions' keys and values kept in a cache (a Hugging Face
+model's own ``past_key_values``, the built-in GPT's ``KVCache``); once the ids outgrow the
+positions the model takes, the window slides and every position moves, so each token is a
+forward of the whole window again. A token is chosen from the last position's logits: the most
+likely (``temperature = 0``, greedy), or drawn from the ``top_k`` most likely at ``temperature``
+with a generator seeded by ``seed``, so a seed repeats its text whatever the run's random
+states were.
 
 The prompt is tokenised with the run's tokenizer: bytes, the BPE the run trained (from the
 token cache, as ``train`` left it) or the ``model.hf`` folder's own.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 from collections.abc import Callable
@@ -28,9 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import Config, ConfigError
+from engine.config import Config, ConfigError, LoraConfig
 from engine.engine import Engine
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, corpus_text, default_cache_dir, train_bpe
+from engine.run.models.gpt import GPT, KVCache
 from engine.tiers.store_checks import resume_point
 
 logger = logging.getLogger(__name__)
@@ -93,7 +98,12 @@ def generation_model(config: Config, vocab_size: int) -> tuple[nn.Module, int | 
         from engine.run.pretrained import meta_model as hf_meta_model
 
         model = hf_meta_model(config.model.hf)
-        return model, max_positions(model)
+        positions = max_positions(model)
+        if config.lora.r:  # the store holds the adapters under peft's names
+            from engine.run.lora import with_lora
+
+            model = with_lora(model, config.lora)
+        return model, positions
     from engine.run.train import meta_model
 
     gpt, _ = meta_model(config, vocab_size)
@@ -137,27 +147,40 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sample_ids(
-    forward: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], sampling: Sampling, positions: int | None
-) -> list[int]:
-    """``sampling.tokens`` new ids after ``prompt``, each from one ``forward`` (ids ``[1, seq]`` ->
-    logits ``[1, seq, vocab]``) of the last ``positions`` ids."""
+Forward = Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]
+"""ids ``[1, new]`` and the cache of the ids before them (None: no ids before) -> logits
+``[1, new, vocab]`` and the cache of all of them."""
+
+
+def sample_ids(forward: Forward, prompt: list[int], sampling: Sampling, positions: int | None) -> list[int]:
+    """``sampling.tokens`` new ids after ``prompt``: the prompt in one ``forward``, then each id
+    after it alone with the cache, until the ids exceed ``positions``; from then on each
+    ``forward`` is of the last ``positions`` ids, without a cache."""
     generator = torch.Generator().manual_seed(sampling.seed)
     ids = list(prompt)
+    cache, cached = None, 0
     with torch.no_grad():
         for _ in range(sampling.tokens):
-            context = ids[-positions:] if positions else ids
-            logits = forward(torch.tensor([context], dtype=torch.long))
+            if positions and len(ids) > positions:  # the window slides: no cached position is where it was
+                cache, cached = None, len(ids) - positions
+            logits, cache = forward(torch.tensor([ids[cached:]], dtype=torch.long), cache)
+            cached = len(ids)
             ids.append(next_token(logits[0, -1], sampling, generator))
     return ids[len(prompt) :]
 
 
-def logits_of(engine: Engine, hf: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The engine's forward as ids -> logits (a Hugging Face model's output holds them)."""
+def cached_forward(engine: Engine, hf: bool) -> Forward:
+    """The engine's forward with a key/value cache: a Hugging Face model's ``past_key_values``,
+    or the built-in GPT's ``KVCache``."""
 
-    def forward(ids: torch.Tensor) -> torch.Tensor:
-        output: Any = engine(input_ids=ids, use_cache=False) if hf else engine(ids)
-        return output.logits if hf else output
+    def forward(ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        if hf:
+            output: Any = engine(input_ids=ids, past_key_values=cache, use_cache=True)
+            return output.logits, output.past_key_values
+        gpt = engine.module
+        assert isinstance(gpt, GPT)  # hf is False for the built-in model alone
+        cache = cache if cache is not None else KVCache(gpt.config)
+        return engine(ids, cache=cache), cache
 
     return forward
 
@@ -177,20 +200,25 @@ def continue_ids(
         logger.info(
             "generating %d tokens from step %d of %s", sampling.tokens, engine.global_step, config.offload.nvme_path
         )
-        return sample_ids(logits_of(engine, bool(config.model.hf)), prompt, sampling, positions)
+        return sample_ids(cached_forward(engine, bool(config.model.hf)), prompt, sampling, positions)
 
 
 def recorded_model(config: Config) -> Config:
     """``config``, or where it names no ``model.hf`` but its store records the Hugging Face
-    folder its run started from (``<store>/hf/``: config.json and tokenizer), the config with
-    that folder as ``model.hf``."""
-    from engine.run.pretrained import SOURCE_FOLDER
+    folder its run started from (``<store>/hf/``: config.json and tokenizer, and the run's
+    ``[lora]`` settings if it trained adapters), the config with that folder as ``model.hf``."""
+    from engine.run.pretrained import SOURCE_FOLDER, SOURCE_RECORD
 
     recorded = Path(config.offload.nvme_path) / SOURCE_FOLDER
     if config.model.hf or not (recorded / "config.json").is_file():
         return config
     logger.info("%s records a model.hf run: generating with its model and tokenizer from %s", recorded.parent, recorded)
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, hf=str(recorded)))
+    lora = json.loads((recorded / SOURCE_RECORD).read_text()).get("lora")
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, hf=str(recorded)),
+        lora=LoraConfig(**lora) if lora else config.lora,
+    )
 
 
 def generate(config: Config, prompt: str, sampling: Sampling, checkpoint: str | None = None) -> str:

@@ -241,9 +241,12 @@ def meta_model(folder: str | os.PathLike[str]) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def record_source(folder: str | os.PathLike[str], store: str | os.PathLike[str], dtype: str) -> Path:
+def record_source(
+    folder: str | os.PathLike[str], store: str | os.PathLike[str], dtype: str, lora: dict[str, Any] | None = None
+) -> Path:
     """Copy the checkpoint folder's files other than weights (config, tokenizer) into
-    ``<store>/hf/``, with ``source.json`` naming the folder and its dtype, for ``export``."""
+    ``<store>/hf/``, with ``source.json`` naming the folder, its dtype and the run's ``[lora]``
+    settings if it trains adapters, for ``export`` and ``generate``."""
     folder, target = Path(folder), Path(store) / SOURCE_FOLDER
     staging = target.with_name(f".{SOURCE_FOLDER}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -251,7 +254,8 @@ def record_source(folder: str | os.PathLike[str], store: str | os.PathLike[str],
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name != INDEX_FILE:
             shutil.copyfile(path, staging / path.name)
-    (staging / SOURCE_RECORD).write_text(json.dumps({"folder": str(folder.resolve()), "dtype": dtype}) + "\n")
+    record = {"folder": str(folder.resolve()), "dtype": dtype} | ({"lora": lora} if lora else {})
+    (staging / SOURCE_RECORD).write_text(json.dumps(record) + "\n")
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
     return target

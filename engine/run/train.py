@@ -12,9 +12,9 @@ gradients).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
-import json
 import logging
 import math
 import resource
@@ -35,8 +35,10 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens, split
 from engine.run.evaluate import Validation, perplexity
+from engine.run.lora import LoraInit, lora_model
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
+from engine.run.watch import Scalars, step_record
 from engine.runtime.sizes import GIB, MIB
 from engine.tiers.store_checks import resume_point
 from offload import CheckpointExistsError, read_committed
@@ -200,16 +202,6 @@ def micro_batch_for(config: Config, saved: dict[str, Any] | None, world: int) ->
     return global_batch // world
 
 
-def write_metrics(path: str, engine: Engine, loss: float, val_loss: float | None) -> None:
-    """Append the step's record to the ``train.metrics`` JSON-lines file."""
-    record = {"step": engine.global_step, "loss": loss, "lr": engine.last_lr, "grad_norm": engine.last_grad_norm}
-    if val_loss is not None:
-        record |= {"val_loss": val_loss, "val_perplexity": perplexity(val_loss)}
-    record["peak_rss_bytes"] = peak_rss_bytes()
-    with open(path, "a") as metrics:
-        metrics.write(json.dumps(record | engine.last_step_stats.to_dict()) + "\n")
-
-
 def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> None:
     tiers = engine.memory_report()
     logger.info(
@@ -226,8 +218,8 @@ def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> Non
 
 def run_model(config: Config) -> tuple[np.ndarray, nn.Module, Callable[[dict[str, torch.Tensor]], None], LossFn]:
     """The tokens, the model to train on the meta device, its ``init_unit`` and the loss of a
-    batch with it: the built-in GPT, or the pretrained model at ``model.hf``, which is checked
-    against its checkpoint before the corpus is tokenised."""
+    batch with it: the built-in GPT, or the pretrained model at ``model.hf`` (with LoRA adapters
+    if ``lora.r``), which is checked against its checkpoint before the corpus is tokenised."""
     data = config.data
     if not config.model.hf:
         tokens, vocab_size = load_tokens(data.source, data.tokenizer, vocab_size=data.vocab_size)
@@ -236,6 +228,8 @@ def run_model(config: Config) -> tuple[np.ndarray, nn.Module, Callable[[dict[str
     pretrained, init = pretrained_model(config.model.hf, data.seq_len)
     tokens, vocab_size = load_tokens(data.source, data.tokenizer, pretrained=config.model.hf)
     check_vocabulary(pretrained, vocab_size, config.model.hf)
+    if config.lora.r:
+        return tokens, *lora_model(pretrained, init, config.lora, config.train.seed), causal_lm_loss
     return tokens, pretrained, init, causal_lm_loss
 
 
@@ -250,8 +244,9 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
         )
     engine = start_engine(config, model, init, checkpoint)
     if config.model.hf and engine.comm.rank == 0 and Path(config.offload.nvme_path).is_dir():
-        assert isinstance(init, Pretrained)
-        record_source(config.model.hf, config.offload.nvme_path, init.dtype)  # for export
+        assert isinstance(init, (Pretrained, LoraInit))
+        lora = dataclasses.asdict(config.lora) if config.lora.r else None
+        record_source(config.model.hf, config.offload.nvme_path, init.dtype, lora)  # for export
     data = TokenBatches(
         tokens,
         seq_len=config.data.seq_len,
@@ -274,9 +269,10 @@ def _run_steps(
     progress = tqdm(total=config.train.steps, initial=engine.global_step, desc="train", unit="step", disable=rank != 0)
     window_start, window_steps = time.perf_counter(), 0
     run_start = window_start
-    # Also when a step fails, the engine's I/O and process group are released, and the progress
-    # bar ends its line before the error is logged.
-    with StopFlag() as stop, logging_redirect_tqdm(), contextlib.closing(engine), progress:
+    scalars = Scalars(config.train.metrics, config.train.tensorboard) if rank == 0 else Scalars("", "")
+    # Also when a step fails, the engine's I/O and process group are released, the scalars
+    # flushed, and the progress bar ends its line before the error is logged.
+    with StopFlag() as stop, logging_redirect_tqdm(), contextlib.closing(engine), contextlib.closing(scalars), progress:
         for step in range(engine.global_step, config.train.steps):
             loss_value = train_step(engine, data, config.zero.grad_accum_steps, loss_of)
             result.losses.append(loss_value)
@@ -285,8 +281,7 @@ def _run_steps(
             if validation and validation.due(result.steps_done, config.train.steps):
                 val_loss = validation.loss(engine, config.data.seed)
                 result.val_losses.append((result.steps_done, val_loss))
-            if rank == 0 and config.train.metrics:
-                write_metrics(config.train.metrics, engine, loss_value, val_loss)
+            scalars.write(step_record(engine, loss_value, val_loss, tokens_per_step, peak_rss_bytes()))
             window_steps += 1
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}", **({"val": f"{val_loss:.3f}"} if val_loss else {}))

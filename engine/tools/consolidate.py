@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -56,12 +56,12 @@ class Masters:
     """What a weights file written from them says of them (source store, generation, step)."""
     reader: ChunkReader
 
-    def pieces(self) -> Iterator[tuple[UnitLayout, int, torch.Tensor]]:
+    def pieces(self, units: Iterable[UnitLayout] | None = None) -> Iterator[tuple[UnitLayout, int, torch.Tensor]]:
         """Each unit's master in layout order, then each frozen unit's values (cast to fp32),
         padding dropped, as ``(unit, offset, values)``: the values of elements
         ``[offset, offset + len(values))`` of the unit, in one reused buffer (valid until the
-        next piece)."""
-        for unit in self.layout.all_units:
+        next piece). ``units``: those units alone."""
+        for unit in self.layout.all_units if units is None else units:
             name = unit_array(self.generation, unit)
             info = self.reader.infos[name]
             if (unit.trainable and info.dtype != torch.float32) or not info.dtype.is_floating_point:

@@ -12,6 +12,10 @@ the store's layout alone, and the masters are read one chunk at a time
 weights are written once, under the name the layout records, as ``save_pretrained`` does. Each
 shard is written under a temporary name and renamed when complete, and the index and config come
 last: an export cut short leaves no folder that loads.
+
+A run that trained LoRA adapters (``lora.r > 0``) exports its adapter alone, as peft's
+``save_pretrained`` writes it (``export_adapter``): the adapters are small, read whole; the
+frozen base is not read at all.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 from tqdm import tqdm
@@ -186,12 +190,15 @@ def export(
     store_path, out_dir = Path(store_path), Path(out_dir)
     max_bytes = parse_size(max_shard_size)
     source, record = source_files(store_path)
-    dtype = dtype or record.get("dtype", "fp32")
+    adapter = "lora" in record
+    dtype = dtype or ("fp32" if adapter else record.get("dtype", "fp32"))
     if dtype not in DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}: pass --dtype bf16, fp16 or fp32")
     if out_dir.is_dir() and any(p.name.endswith(WEIGHT_SUFFIXES) or p.name == INDEX_FILE for p in out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} already holds model weights: export into a new or empty folder")
     out_dir.mkdir(parents=True, exist_ok=True)
+    if adapter:
+        return export_adapter(store_path, out_dir, source, record, dtype, generation)
     with open_masters(store_path, generation) as masters:
         shards = plan_shards(masters.layout, dtype, max_bytes, masters.metadata)
         _write_shards(masters, shards, DTYPES[dtype][1], out_dir)
@@ -206,6 +213,50 @@ def export(
         len(shards),
     )
     return [shard.name for shard in shards]
+
+
+def trained_weights(masters: Masters) -> dict[str, torch.Tensor]:
+    """The trainable parameters' masters by name (a LoRA run's adapters: small, held whole);
+    the frozen units, which come after them, are not read."""
+    weights: dict[str, torch.Tensor] = {}
+    for unit in masters.layout.units:
+        flat = torch.empty(unit.numel, dtype=torch.float32)
+        for _, offset, values in masters.pieces([unit]):
+            flat[offset : offset + values.numel()] = values
+        weights |= {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in unit.params}
+    return weights
+
+
+def export_adapter(
+    store_path: Path, out_dir: Path, source: Path, record: dict, dtype: str, generation: int | None
+) -> list[str]:
+    """A LoRA run's trained adapter, written by peft's ``save_pretrained`` (``adapter_config.json``
+    naming the pretrained folder, ``adapter_model.safetensors``): ``PeftModel.from_pretrained(base,
+    out_dir)`` loads it. Returns the weight files written."""
+    from engine.config import LoraConfig
+    from engine.run.lora import with_lora
+    from engine.run.pretrained import meta_model
+
+    with open_masters(store_path, generation) as masters:
+        adapters = trained_weights(masters)
+    model: Any = with_lora(meta_model(source), LoraConfig(**record["lora"]))  # a PeftModel
+    model.peft_config["default"].base_model_name_or_path = record["folder"]  # not the store's copy of its config
+    cast = {name: values.to(DTYPES[dtype][1]) for name, values in adapters.items()}
+    unexpected = model.load_state_dict(cast, strict=False, assign=True).unexpected_keys
+    if unexpected:
+        raise ValueError(
+            f"store {store_path} holds {unexpected[0]!r}, which the LoRA model its {SOURCE_RECORD} describes has "
+            f"not: the store and its record do not match"
+        )
+    model.save_pretrained(out_dir)
+    logger.info(
+        "exported the %.2fM-parameter %s LoRA adapter of %s to %s",
+        masters.layout.numel / 1e6,
+        dtype,
+        store_path,
+        out_dir,
+    )
+    return sorted(p.name for p in out_dir.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
 
 
 def _write_side_files(source: Path, out_dir: Path, shards: list[Shard], dtype: str) -> None:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.run.models.gpt import GPT, Block, GPTConfig, init_parameters_
+from engine.run.models.gpt import GPT, Block, GPTConfig, KVCache, init_parameters_
 
 SMALL_PRESETS = ["tiny", "small"]
 NOMINAL = {"tiny": 0.24e6, "small": 4.9e6, "medium": 25e6, "large": 125e6, "1b": 1e9, "3b": 3e9}
@@ -173,3 +173,20 @@ def test_low_precision_forward_backward(dtype):
     loss.backward()
     grad = model.blocks[0].attn.qkv.weight.grad
     assert grad.dtype == dtype and torch.isfinite(grad).all()
+
+
+def test_a_decode_through_the_cache_gives_the_logits_of_the_whole_sequence():
+    config = GPTConfig.preset("tiny", seq_len=32)
+    model = GPT(config, seed=3)
+    ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(ids)
+        cache = KVCache(config)
+        # the prompt at once, then one position at a time, then several after a cache (a causal mask of its own)
+        pieces = [model(ids[:, :7], cache=cache)]
+        pieces += [model(ids[:, i : i + 1], cache=cache) for i in range(7, 16)]
+        pieces.append(model(ids[:, 16:], cache=cache))
+    assert cache.length == 20
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"input has 33 positions but GPTConfig\.seq_len is 32"):
+        model(ids[:, :13], cache=cache)

@@ -28,6 +28,7 @@ __all__ = [
     "GPT",
     "Block",
     "GPTConfig",
+    "KVCache",
     "init_parameters_",
     "param_generator",
 ]
@@ -143,6 +144,42 @@ class GPTConfig:
         return _count_params(self.vocab_size, self.seq_len, self.n_layer, self.d_model, self.tie_embeddings)
 
 
+class LayerCache:
+    """One block's keys and values of the positions fed so far, ``[batch, head, position,
+    head_dim]``, in buffers of ``seq_len`` positions allocated on first use (no copy per token)."""
+
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+        self.length = 0
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new positions' keys and values; every position's so far."""
+        if self.keys is None or self.values is None:
+            shape = (*k.shape[:2], self.seq_len, k.shape[3])
+            self.keys = k.new_empty(shape)
+            self.values = v.new_empty(shape)
+        end = self.length + k.shape[2]
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """Every block's keys and values of the positions a decode has fed so far: with it, each
+    new token's forward computes that position alone (``GPT.forward(idx, cache=...)``)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        self.layers = [LayerCache(config.seq_len) for _ in range(config.n_layer)]
+
+    @property
+    def length(self) -> int:
+        """Positions held."""
+        return self.layers[0].length
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention through the fused SDPA kernel."""
 
@@ -152,12 +189,18 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         # [batch, seq, width] -> [batch, head, seq, head_dim]
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        past = 0 if cache is None else cache.length
+        mask = None
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if past:  # the new positions see every cached one, and each other causally
+            mask = torch.ones(seq, past + seq, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -184,8 +227,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.d_model)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
 
 
@@ -220,18 +263,23 @@ class GPT(nn.Module):
         """Initialise every parameter from its own generator (see :func:`init_parameters_`)."""
         init_parameters_(dict(self.named_parameters()), self.config, seed)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (fp32) if ``targets`` is given."""
-        seq = idx.shape[1]
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (fp32) if ``targets`` is given.
+        With ``cache`` (decoding), ``idx`` holds the positions after those the cache holds, and
+        their keys and values are added to it."""
+        past = cache.length if cache is not None else 0
+        seq = past + idx.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(
                 f"input has {seq} positions but GPTConfig.seq_len is {self.config.seq_len}: "
                 f"crop the input or build the model with seq_len >= {seq}"
             )
-        positions = torch.arange(seq, device=idx.device)
+        positions = torch.arange(past, seq, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(positions)
-        for block in self.blocks:
-            x = block(x)
+        for index, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache.layers[index])
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits

@@ -1,0 +1,112 @@
+"""LoRA on a ``model.hf`` run (the ``[lora]`` section), through the ``peft`` library.
+
+The pretrained model is built on the ``meta`` device as for a full fine-tune, then wrapped by
+``peft.get_peft_model`` there too: the base is frozen (no optimizer state, no master, and at
+stage 3 on ``offload.param`` like any unit) and the adapters are the only trainable parameters.
+When the engine materialises a unit, ``LoraInit`` reads its base tensors from the checkpoint
+under the base model's own names (peft keeps the base's parameters, under names of its own) and
+initialises its adapters as peft does (``lora_A`` Kaiming-uniform, ``lora_B`` zero, so the
+first forward is the pretrained model's), each from a generator of ``(train.seed, name)``: the
+same seed gives the same adapters on any tier and at any world size.
+
+``python -m engine export`` writes the trained adapter alone, in peft's format
+(``engine.tools.export``).
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import LoraConfig
+from engine.run.models.gpt import param_generator
+from engine.run.pretrained import Pretrained
+
+ADAPTERS = ("lora_A", "lora_B")
+
+
+def _peft() -> ModuleType:
+    try:
+        import peft
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError("lora.r > 0 needs the peft library: pip install peft") from err
+    return peft
+
+
+def peft_config(lora: LoraConfig) -> Any:
+    """peft's ``LoraConfig`` of the ``[lora]`` section, for a causal LM."""
+    return _peft().LoraConfig(
+        task_type="CAUSAL_LM",
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules or None,  # None: peft's choice for the architecture
+    )
+
+
+def with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
+    """The meta model ``model`` wrapped with LoRA adapters (also on the meta device), base frozen.
+    Refuses target modules whose adapters the engine cannot initialise (only linear layers)."""
+    config = peft_config(lora)
+    try:
+        with torch.device("meta"):
+            wrapped = _peft().get_peft_model(model, config)
+    except ValueError as err:  # peft names the modules it did not find
+        raise ValueError(f"lora.target_modules = {lora.target_modules}: {err}") from err
+    others = [n for n, p in wrapped.named_parameters() if p.requires_grad and adapter_kind(n) is None]
+    if others:
+        raise ValueError(
+            f"lora.target_modules = {lora.target_modules} puts adapters on {others[0]!r}, not a linear layer's: "
+            f"target the model's linear layers (e.g. q_proj, v_proj)"
+        )
+    return wrapped
+
+
+def adapter_kind(name: str) -> str | None:
+    """``lora_A`` or ``lora_B`` for a linear layer's adapter parameter, else None."""
+    parts = name.split(".")
+    return next((p for p in parts if p in ADAPTERS), None)
+
+
+def init_adapters_(params: dict[str, torch.Tensor], seed: int) -> None:
+    """Initialise LoRA adapters in place as peft does (``lora_A`` Kaiming-uniform with
+    ``a = sqrt(5)``, ``lora_B`` zero), each from the generator of ``(seed, name)``."""
+    with torch.no_grad():
+        for name, tensor in params.items():
+            if adapter_kind(name) == "lora_B":
+                tensor.zero_()
+            else:
+                values = torch.empty(tensor.shape, dtype=torch.float32)
+                nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=param_generator(seed, name))
+                tensor.copy_(values)
+
+
+class LoraInit:
+    """The ``init_unit`` of a LoRA-wrapped meta model: base tensors from the checkpoint (through
+    ``pretrained``, made for the unwrapped model), adapters by ``init_adapters_``."""
+
+    def __init__(self, pretrained: Pretrained, base_names: dict[str, str], seed: int):
+        self.pretrained, self.base_names, self.seed = pretrained, base_names, seed
+
+    def __call__(self, params: dict[str, torch.Tensor]) -> None:
+        base = {self.base_names[n]: t for n, t in params.items() if n in self.base_names}
+        if base:
+            self.pretrained(base)
+        init_adapters_({n: t for n, t in params.items() if n not in self.base_names}, self.seed)
+
+    @property
+    def dtype(self) -> str:
+        return self.pretrained.dtype
+
+
+def lora_model(model: nn.Module, pretrained: Pretrained, lora: LoraConfig, seed: int) -> tuple[nn.Module, LoraInit]:
+    """``model`` (meta, checked against its checkpoint by ``pretrained``) with LoRA adapters, and
+    the ``init_unit`` that fills it."""
+    first_names = {id(p): n for n, p in model.named_parameters()}
+    wrapped = with_lora(model, lora)
+    base_names = {n: first_names[id(p)] for n, p in wrapped.named_parameters() if id(p) in first_names}
+    return wrapped, LoraInit(pretrained, base_names, seed)
