@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -87,7 +88,7 @@ class RunResult:
     """What a run of a few steps cost; plain data, so it crosses a process boundary as JSON."""
 
     params: int
-    steps: list[dict[str, float]]
+    steps: list[dict[str, Any]]
     """`StepStats.to_dict()` of every timed step (warm-up steps excluded)."""
     rss_before_bytes: int
     """Resident memory once the model and the data are built, before the engine exists."""
@@ -103,13 +104,16 @@ class RunResult:
         """Median over the timed steps of one `StepStats` field."""
         return statistics.median(float(step[key]) for step in self.steps)
 
+    def median_io_cpu(self, stage: str) -> float:
+        """Median over the timed steps of one stage's CPU-seconds per GB the stores moved
+        (`StepStats.io_cpu_s_per_gb`; "total" for their sum), 0 for a step that moved nothing."""
+        return statistics.median(float(step["io_cpu_s_per_gb"].get(stage, 0.0)) for step in self.steps)
+
 
 def model_and_data(config: Config) -> tuple[GPT, Callable[[dict[str, torch.Tensor]], None], TokenBatches]:
     """The model (on the meta device), its unit initialiser and the batches `python -m engine
     train` builds from ``config``, on one rank."""
-    tokens, vocab_size = load_tokens(
-        config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size
-    )
+    tokens, vocab_size = load_tokens(config.data.source, config.data.tokenizer, vocab_size=config.data.vocab_size)
     batches = TokenBatches(
         tokens, seq_len=config.data.seq_len, micro_batch=config.data.micro_batch, seed=config.data.seed
     )
@@ -145,7 +149,7 @@ class _TrainingRun:
         """Resident memory once the model and the data are built, before the engine exists."""
         self.engine = Engine(self.model, config, total_steps=total_steps, init_unit=init)
 
-    def step(self) -> dict[str, float]:
+    def step(self) -> dict[str, Any]:
         """One optimizer step; the engine's statistics of it."""
         for _ in range(self._accum):
             self.engine.backward(self.engine(*self._batches.next()))
@@ -252,9 +256,7 @@ def run_alternating(
 def run_isolated(config: Config, schedule: Schedule) -> RunResult:
     """`run_engine` in a fresh Python process, so that its peak memory is its own."""
     spec = {"config": config.to_dict(), "schedule": asdict(schedule)}
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    }
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     child = subprocess.run(
         [sys.executable, "-m", "benchmarks.runs"],
         input=json.dumps(spec),
@@ -264,14 +266,9 @@ def run_isolated(config: Config, schedule: Schedule) -> RunResult:
         check=False,
     )
     if child.returncode:
-        model = (
-            f"{config.model.params / 1e6:g}M params"
-            if config.model.params
-            else f"preset {config.model.preset!r}"
-        )
+        model = f"{config.model.params / 1e6:g}M params" if config.model.params else f"preset {config.model.preset!r}"
         raise RuntimeError(
-            f"the benchmark's child process (GPT of {model}) exited with code {child.returncode}; "
-            f"its output is above"
+            f"the benchmark's child process (GPT of {model}) exited with code {child.returncode}; its output is above"
         )
     return RunResult(**json.loads(child.stdout.splitlines()[-1]))
 

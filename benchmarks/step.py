@@ -22,6 +22,10 @@ max(movement, compute + movement CPU / cores) is the best step this machine allo
 the rest went: exposed parameter I/O ("param wait"), exposed optimizer I/O ("opt wait":
 reads not ready in time, the last writes, fsync and commit), the AdamW update, and
 "engine compute": the step less its exposed waits.
+
+A second table splits the CPU the stores' I/O took in the step (the engine's statistics:
+`offload.costs`, thread CPU time of the I/O threads) by stage, per GB moved: system calls,
+CRC-32C, copies, casts, zeroing; "process" is the CPU of the whole step per GB moved.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from benchmarks.runs import (
 )
 from benchmarks.traffic import Movement, measure_movement
 from engine.config import Config
+from offload.costs import STAGES
 
 CORES = os.cpu_count() or 1
 FULL = Schedule(warmup=2, steps=8)
@@ -70,9 +75,7 @@ def measure(
         baseline = plan.compute_only().config(work / f"{plan.key}-compute", sections)
         config = plan.config(work / plan.key, sections)
         m.computes[plan.key], m.runs[plan.key] = run_alternating([baseline, config], schedule)
-        m.movements[plan.key] = measure_movement(
-            work / f"{plan.key}-traffic", model_layout(config), config, plan, reps
-        )
+        m.movements[plan.key] = measure_movement(work / f"{plan.key}-traffic", model_layout(config), config, plan, reps)
     return m
 
 
@@ -101,6 +104,13 @@ def plan_row(plan: TierPlan, run: RunResult, compute: RunResult, movement: Movem
     }
 
 
+def cost_row(plan: TierPlan, run: RunResult) -> Row:
+    """The step's I/O CPU-seconds per GB moved, by stage (median over the timed steps)."""
+    moved_gb = run.median("io_bytes") / 1e9
+    stages = {stage: run.median_io_cpu(stage) for stage in (*STAGES, "total")}
+    return {"plan": plan.label, **stages, "process": run.median("cpu_s") / moved_gb}
+
+
 def shared_settings(config: Config) -> dict[str, Any]:
     """The config every plan runs with: all of it but the stage and the tiers (each plan's own)."""
     settings = config.to_dict()
@@ -117,9 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--preset", help='GPT preset (default the config\'s, "small"; --quick "tiny")')
     parser.add_argument("--reps", type=int, help="timed data-movement steps, median (default 5, --quick 2)")
-    parser.add_argument(
-        "--dir", type=Path, default=Path("."), help="directory on the disk for the stores (default .)"
-    )
+    parser.add_argument("--dir", type=Path, default=Path("."), help="directory on the disk for the stores (default .)")
     add_schedule_arguments(parser, FULL, QUICK)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
@@ -151,6 +159,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "param wait s, opt wait s: exposed I/O (the engine's per-step statistics); engine compute s: the step "
         "less its exposed waits; AdamW s: the update (on the step's thread or hidden in backward)."
     )
+    costs = [cost_row(p, m.runs[p.key]) for p in plans if m.runs[p.key].median("io_bytes")]
+    if costs:
+        print()
+        print_table("CPU-seconds per GB the stores moved, by stage (median of the steps)", costs)
     bar_chart(
         args.out / "step.png",
         [row["plan"] for row in rows],
@@ -171,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reps": reps,
         "plans": [dataclasses.asdict(plan) for plan in plans],
         "rows": rows,
+        "cpu_s_per_gb": costs,
         **dataclasses.asdict(m),
     }
     save_json(args.out, "step", result)

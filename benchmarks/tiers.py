@@ -1,6 +1,6 @@
 """Bandwidth of each tier, and how close the shard store comes to the raw disk.
 
-    python -m benchmarks.tiers [--quick] [--dir PATH] [--out PATH]
+    python -m benchmarks.tiers [--quick] [--dir PATH] [--out PATH] [--unit-mb N]
 
 Measures, on the same page-aligned memory: host memcpy; raw positional file
 I/O (the disk's limit as seen from Python, see `benchmarks.bandwidth`); and
@@ -12,10 +12,15 @@ for both; the store configuration to use is printed as an `[offload]` snippet.
 The machine is noisy, so the measurements run in rounds, each visiting every
 configuration once, and each configuration reports its median: a slow minute
 then hurts all configurations alike instead of one, and the ratios hold.
+
+With `--unit-mb N`, each store configuration also moves one unit of N MiB of optimizer state
+as the `nvme` tier does: written back through a `Pipeline` and made durable, then read ahead
+(one compound task each, whose chunks run on every I/O thread at once).
 """
 
 from __future__ import annotations
 
+import functools
 import resource
 import shutil
 import statistics
@@ -32,7 +37,7 @@ from tqdm import tqdm
 from benchmarks.bandwidth import drop_page_cache, memcpy_gbps, raw_disk_gbps
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from engine.runtime.sizes import MIB
-from offload import BufferPool, IORunner, ShardStore
+from offload import BufferPool, HostBuffer, IORunner, Pipeline, ShardStore, create_arrays, read_shard, write_shard
 from offload.costs import STAGES, per_gb
 from offload.tuning import FALLBACK, auto_settings, label, profile_path, record
 
@@ -103,6 +108,65 @@ def store_gbps(directory: Path, src: torch.Tensor, dst: torch.Tensor, config: St
     return {"write": write, "read": read, "costs": {"write": write_costs, "read": read_costs}}
 
 
+def unit_gbps(directory: Path, nbytes: int, config: StoreConfig) -> dict[str, float]:
+    """One unit of `nbytes` (three fp32 arrays, as an optimizer unit's master and moments) moved
+    as the `nvme` optimizer tier moves it: written back through a `Pipeline` and synced, then
+    read ahead. GB/s of each; reads cold as `store_gbps`'s."""
+    root, numel = directory / "unit", nbytes // 4 // 3
+    chunk = config.chunk_mb * MIB // 4
+    kinds = [(kind, k * numel * 4) for k, kind in enumerate(("master", "exp_avg", "exp_avg_sq"))]
+    pool = BufferPool(nbytes)
+
+    def move(write: bool, _item: str, buf: HostBuffer) -> None:
+        views = [(kind, buf.view(torch.float32, numel, offset)) for kind, offset in kinds]
+        (write_shard if write else read_shard)(store, "", unit, 0, views)
+
+    with IORunner(threads=config.io_threads) as runner:
+        store = ShardStore.create(root, {}, runner=runner, checksum=config.checksum, direct_io=config.direct_io)
+        unit = _Unit("unit", numel, chunk)
+        create_arrays(store, "", [unit], [kind for kind, _ in kinds], torch.float32)
+        store.sync()
+        pipeline: Pipeline[str] = Pipeline(pool, runner, window_bytes=nbytes)
+        buf = pool.acquire(nbytes)
+        buf.view(torch.float32, 3 * numel).uniform_()  # also the first touch, outside any timing
+        try:
+            start = time.perf_counter()
+            pipeline.write_back("unit", buf, functools.partial(move, True))
+            pipeline.drain()
+            store.sync()
+            write = nbytes / (time.perf_counter() - start) / 1e9
+            drop_page_cache()
+            start = time.perf_counter()
+            for _, loaded in pipeline.read_ahead(
+                ["unit"], nbytes=lambda _: nbytes, load=functools.partial(move, False)
+            ):
+                pipeline.release(loaded)
+            read = nbytes / (time.perf_counter() - start) / 1e9
+        finally:
+            shutil.rmtree(root)
+    return {"write": write, "read": read}
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A one-rank unit of whole chunks (`offload.ShardedUnit`)."""
+
+    name: str
+    numel: int
+    chunk_numel: int
+
+    @property
+    def padded_numel(self) -> int:
+        return self.numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel
+
+    def shard_slice(self, rank: int) -> slice:
+        return slice(0, self.numel)
+
+
 def store_configs(chunk_mbs: list[int], threads: list[int]) -> list[StoreConfig]:
     """The grid, then the engine's default configuration without O_DIRECT and without checksums.
 
@@ -142,18 +206,25 @@ class Measurements:
     """Per store configuration and kind, median CPU-seconds per GB of each stage."""
     raw_cpu: dict[int, dict[str, float]] = field(default_factory=dict)
     """Per raw thread count and kind, the process's CPU-seconds per GB moved."""
+    unit: dict[StoreConfig, Bandwidth] = field(default_factory=dict)
+    """Per store configuration, median GB/s of one unit moved as the nvme tier does (`--unit-mb`)."""
 
     @property
     def best_raw(self) -> Bandwidth:
         """The yardstick: the best raw write and the best raw read, at whatever thread count."""
         return {kind: max(r[kind] for r in self.raw.values()) for kind in KINDS}
 
-    def ratios(self, config: StoreConfig) -> Bandwidth:
-        return {kind: self.store[config][kind] / self.best_raw[kind] for kind in KINDS}
+    def ratios(self, config: StoreConfig, bandwidth: Bandwidth | None = None) -> Bandwidth:
+        """`bandwidth` (by default the store's in `config`) over the best raw, by kind."""
+        bw = self.store[config] if bandwidth is None else bandwidth
+        return {kind: bw[kind] / self.best_raw[kind] for kind in KINDS}
 
 
-def measure(work: Path, nbytes: int, configs: list[StoreConfig], threads: list[int], reps: int) -> Measurements:
-    """Raw I/O at each thread count and the store in each configuration, in `reps` interleaved rounds."""
+def measure(
+    work: Path, nbytes: int, configs: list[StoreConfig], threads: list[int], reps: int, unit_bytes: int = 0
+) -> Measurements:
+    """Raw I/O at each thread count and the store in each configuration, in `reps` interleaved
+    rounds; with `unit_bytes`, one unit of that size moved as the nvme tier does, too."""
     pool = BufferPool(2 * nbytes)
     src = pool.acquire(nbytes).view(torch.float32, nbytes // 4)
     dst = pool.acquire(nbytes).view(torch.float32, nbytes // 4)
@@ -161,6 +232,7 @@ def measure(work: Path, nbytes: int, configs: list[StoreConfig], threads: list[i
     dst.zero_()
     raw: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
     store: dict[StoreConfig, list[dict[str, Any]]] = {c: [] for c in configs}
+    unit: dict[StoreConfig, list[dict[str, Any]]] = {c: [] for c in configs if unit_bytes}
     with tqdm(total=reps * (len(raw) + len(store)), desc="tiers", unit="run") as bar:
         for _ in range(reps):
             for t, results in raw.items():
@@ -168,6 +240,8 @@ def measure(work: Path, nbytes: int, configs: list[StoreConfig], threads: list[i
                 bar.update()
             for config, results in store.items():
                 results.append(store_gbps(work, src, dst, config))
+                if unit_bytes:
+                    unit[config].append(unit_gbps(work, unit_bytes, config))
                 bar.update()
     runs = [r for results in raw.values() for r in results]
     return Measurements(
@@ -181,6 +255,7 @@ def measure(work: Path, nbytes: int, configs: list[StoreConfig], threads: list[i
             t: {kind: statistics.median(r["cpu_s_per_gb"][kind] for r in results) for kind in KINDS}
             for t, results in raw.items()
         },
+        unit={c: _medians(results) for c, results in unit.items()},
     )
 
 
@@ -212,6 +287,10 @@ def build_rows(m: Measurements) -> list[Row]:
         *(
             row("store", c.label, bw) | {f"{kind}/raw": r for kind, r in m.ratios(c).items()}
             for c, bw in m.store.items()
+        ),
+        *(
+            row("store, one unit", c.label, bw) | {f"{kind}/raw": r for kind, r in m.ratios(c, bw).items()}
+            for c, bw in m.unit.items()
         ),
     ]
 
@@ -258,16 +337,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--chunk-mb", type=int, nargs="+", default=[4, 16, 64], help="store chunk sizes, MiB")
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 4, 8], help="I/O thread counts")
     parser.add_argument("--reps", type=int, default=3, help="rounds; each configuration reports its median")
+    parser.add_argument(
+        "--unit-mb", type=int, default=0, help="also move one unit of this many MiB as the nvme tier does"
+    )
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     mb = args.mb or (64 if args.quick else 1024)
     configs = store_configs(args.chunk_mb, args.threads)
     if any(mb % c.chunk_mb for c in configs):
         parser.error(f"--mb {mb} must be a multiple of every chunk size: {sorted({c.chunk_mb for c in configs})}")
+    if any(args.unit_mb % (3 * c.chunk_mb) for c in configs):
+        parser.error(
+            f"--unit-mb {args.unit_mb} must be a multiple of 3 x every chunk size (three arrays of whole chunks)"
+        )
 
     args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-tiers-", dir=args.dir) as work:
-        m = measure(Path(work), mb * MIB, configs, args.threads, args.reps)
+        m = measure(Path(work), mb * MIB, configs, args.threads, args.reps, args.unit_mb * MIB)
     rows = build_rows(m)
     chosen = recommend(m)
     ratios = m.ratios(chosen)

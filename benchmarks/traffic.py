@@ -38,7 +38,7 @@ from benchmarks.plans import TierPlan
 from engine.config import Config, OffloadConfig
 from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.parameters import PARAM_KIND, PARAM_STORE
-from engine.tiers.sizing import optimizer_buffer_bytes
+from engine.tiers.sizing import optimizer_buffer_bytes, read_ahead_bytes
 from engine.tiers.store_io import settle_io
 from engine.zero.partition import ModelLayout, UnitLayout
 from engine.zero.precision import compute_dtype
@@ -130,7 +130,7 @@ class StoreTraffic:
         )
         budget = optimizer_buffer_bytes(offload, [t.unit for t in transfers])
         self.pool = BufferPool(budget)
-        self.pipeline: Pipeline[Transfer] = Pipeline(self.pool, self.runner, window_bytes=budget // 2)
+        self.pipeline: Pipeline[Transfer] = Pipeline(self.pool, self.runner, window_bytes=read_ahead_bytes(budget))
         self._read_generation = 0
         arrays = {(t.unit.name, s.kind): (t.unit, s) for t in transfers for s in (*t.reads, *t.writes)}
         for unit, segment in arrays.values():

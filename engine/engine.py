@@ -45,7 +45,7 @@ from engine.zero.optim import lr_factor
 from engine.zero.partition import UnitLayout, unit_needs
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
 from engine.zero.precision import LossScaler, compute_dtype
-from engine.zero.stats import StepStats, measure_step
+from engine.zero.stats import StepClock, StepStats, measure_step
 from engine.zero.step import StepMath
 from engine.zero.update import Update, update_order
 from offload import StoreLock
@@ -114,6 +114,7 @@ class Engine:
         else:
             self.optimizer_state.commit({"step": 0})  # the added units: a store is a checkpoint from here on
         self.params.take_io_bytes()  # what building wrote is not the first step's traffic
+        self.io.costs.take()
         self._log_start()
 
     def _build_tiers(self, opt_device: torch.device, resume: bool, checkpoint: str | None) -> None:
@@ -153,7 +154,7 @@ class Engine:
         self._saving: PendingCheckpoint | None = None
         """A checkpoint still being written in the background, committed by the next step."""
         self._update: Update | None = None
-        self._step_started: float | None = None
+        self._step_started: StepClock | None = None
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -266,7 +267,7 @@ class Engine:
         phase as it was: it changed nothing of the step."""
         self._expect("__call__ (the forward)", *BETWEEN_UPDATES)
         if self._step_started is None:
-            self._step_started = time.perf_counter()
+            self._step_started = StepClock.now()
             self.budget.start_step()
         self.params.begin_iteration()
         move = lambda v: v.to(self.device.device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
@@ -396,12 +397,10 @@ class Engine:
         self.math.apply(unit, state, lr)
 
     def _record_stats(self, update: Update) -> None:
-        now = time.perf_counter()
-        seconds = now - (self._step_started or now)
+        started, self._step_started = self._step_started or StepClock.now(), None
         self.last_step_stats = measure_step(
-            seconds, update, self.optimizer_state, self.params, self.budget, self.device
+            started, update, self.optimizer_state, self.params, self.budget, self.device, self.io.costs
         )
-        self._step_started = None
 
     def gathered(self):
         """A context in which every parameter holds its full values, also at stage 3 (to read,

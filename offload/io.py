@@ -6,10 +6,19 @@ training loop computes. The runner bounds how many tasks may be pending at
 once, so a producer that outruns the disk is slowed down (backpressure)
 instead of queueing an unbounded amount of work and memory.
 
-Tasks never wait on other tasks: `IORunner.gather` combines futures with
-done-callbacks instead of a waiting thread, and a task that itself submits
-work runs that work inline. With a bounded pool, either kind of waiting could
-otherwise leave every thread blocked on work that no thread is free to run.
+It runs two kinds of task, on two sets of threads, so that none can wait for a
+thread that is itself waiting:
+
+- a *leaf* task (`submit`: one chunk, one fsync) runs on an I/O thread and
+  never waits on another task; it may not submit one either;
+- a *compound* task (`coordinate`: a unit's shards, chunk after chunk) runs on
+  a coordinating thread of its own. It submits leaf tasks and waits for them, so
+  a unit's chunks are read and written on every I/O thread at once. A waiting
+  coordinator holds no I/O thread, and leaf tasks always finish, so it always
+  gets its slots and results.
+
+`IORunner.gather` combines futures with done-callbacks instead of a waiting
+thread, so callers can wait on many tasks at once.
 """
 
 from __future__ import annotations
@@ -86,10 +95,12 @@ class _Gather:
 
 
 class IORunner:
-    """A pool of I/O threads with a bounded number of pending tasks.
+    """A pool of I/O threads with a bounded number of pending leaf tasks, and coordinating
+    threads for compound tasks (see the module's note).
 
-    `submit` blocks its caller while `queue_depth` tasks are pending (queued or
-    running). Results and errors come back through `concurrent.futures.Future`.
+    `submit` blocks its caller while `queue_depth` leaf tasks are pending (queued or
+    running). `coordinate` never blocks: its callers bound what they issue (the
+    pipeline by bytes). Results and errors come back through `concurrent.futures.Future`.
     """
 
     def __init__(self, threads: int = 4, queue_depth: int = 32) -> None:
@@ -103,27 +114,35 @@ class IORunner:
         self._local = threading.local()
         self._closed = False
         self._pool = ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="offload-io", initializer=self._mark_worker
+            max_workers=threads, thread_name_prefix="offload-io", initializer=self._mark, initargs=("leaf",)
+        )
+        # As many as I/O threads: small units, a chunk or two each, still keep every thread busy.
+        self._coordinators = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="offload-unit", initializer=self._mark, initargs=("compound",)
         )
 
-    def _mark_worker(self) -> None:
-        self._local.is_worker = True
+    def _mark(self, role: str) -> None:
+        self._local.role = role
 
-    def in_worker(self) -> bool:
-        """True when called from one of this runner's own threads."""
-        return getattr(self._local, "is_worker", False)
-
-    def submit(self, fn: Callable[..., Any], *args: Any, what: str) -> Future:
-        """Run `fn(*args)` on an I/O thread; `what` names the task in any error.
-
-        Blocks while `queue_depth` tasks are pending. Called from inside a task,
-        runs `fn` inline instead: a worker that waited for a free slot or for a
-        queued task could wait forever once every worker does the same.
-        """
+    def _refuse(self, role: str, what: str) -> None:
+        """Refuse a task that the calling thread could wait on forever; or one after `close`."""
         if self._closed:
             raise RuntimeError(f"IORunner is closed; cannot submit: {what}")
-        if self.in_worker():
-            return self._run_inline(fn, args, what)
+        if getattr(self._local, "role", None) == role:
+            where, instead = (
+                ("an I/O thread", "run it inside a compound task (IORunner.coordinate)")
+                if role == "leaf"
+                else ("a coordinating thread", "do that work in the calling task itself")
+            )
+            raise RuntimeError(
+                f"cannot start {what!r} from {where}: it could wait for a thread that waits for it; {instead}"
+            )
+
+    def submit(self, fn: Callable[..., Any], *args: Any, what: str) -> Future:
+        """Run `fn(*args)`, a leaf task that waits on no other task, on an I/O thread;
+        `what` names the task in any error. Blocks while `queue_depth` leaf tasks are pending.
+        Refused on an I/O thread itself, where waiting for a slot could wait forever."""
+        self._refuse("leaf", what)
         self._slots.acquire()
         try:
             future = self._pool.submit(_run_task, fn, args, what)
@@ -133,18 +152,14 @@ class IORunner:
         future.add_done_callback(self._release_slot)
         return future
 
+    def coordinate(self, fn: Callable[..., Any], *args: Any, what: str) -> Future:
+        """Run `fn(*args)`, a compound task that submits leaf tasks and waits for them, on a
+        coordinating thread; `what` names it in any error. Refused on a coordinating thread."""
+        self._refuse("compound", what)
+        return self._coordinators.submit(_run_task, fn, args, what)
+
     def _release_slot(self, _future: Future) -> None:
         self._slots.release()
-
-    @staticmethod
-    def _run_inline(fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> Future:
-        future: Future = Future()
-        future.set_running_or_notify_cancel()
-        try:
-            future.set_result(_run_task(fn, args, what))
-        except Exception as err:
-            future.set_exception(err)
-        return future
 
     @staticmethod
     def gather(futures: Iterable[Future]) -> Future:
@@ -170,6 +185,7 @@ class IORunner:
         """Finish the pending tasks and stop the threads. Idempotent."""
         if self._closed:
             return
+        self._coordinators.shutdown(wait=True)  # first: they may still submit leaf tasks
         self._closed = True
         self._pool.shutdown(wait=True)
         log.debug("IORunner closed (%d threads)", self.threads)

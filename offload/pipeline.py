@@ -34,9 +34,13 @@ T = TypeVar("T")
 
 
 class Runner(Protocol):
-    """Runs a callable in the background; ``what`` names the task in its errors."""
+    """Runs a load or save in the background; ``what`` names the task in its errors.
 
-    def submit(self, fn: Callable[..., Any], *args: Any, what: str) -> Future[Any]: ...
+    A load or save may itself start I/O tasks and wait for them (a unit's chunks, each on
+    its own I/O thread), so it runs where waiting holds no I/O thread: ``IORunner.coordinate``.
+    """
+
+    def coordinate(self, fn: Callable[..., Any], *args: Any, what: str) -> Future[Any]: ...
 
 
 @dataclass
@@ -142,7 +146,7 @@ class Pipeline(Generic[T]):
             self._pending_writes += 1
             self._pending_write_bytes += size
         try:
-            future = self.runner.submit(
+            future = self.runner.coordinate(
                 functools.partial(self._run_io, write=True), save, item, buf, what=f"save {describe(item)}"
             )
         except BaseException:
@@ -302,7 +306,7 @@ class _Prefetch(Generic[T]):
                 except TimeoutError:
                     return  # the pool is full; retry once a buffer comes back
             try:
-                future = pipeline.runner.submit(
+                future = pipeline.runner.coordinate(
                     functools.partial(pipeline._run_io, write=False),
                     self._load,
                     item,

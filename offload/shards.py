@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from offload.io import IORunner
 from offload.metadata import ArrayInfo
 from offload.store import ShardStore
 
@@ -100,17 +101,22 @@ def read_shard(
     store: ShardStore, prefix: str, unit: ShardedUnit, rank: int, views: Sequence[tuple[str, torch.Tensor]]
 ) -> None:
     """Rank ``rank``'s shard of each ``(kind, view)`` of ``unit`` under ``prefix`` into the view
-    (a host tensor), from chunks cut for another layout too (see the module's note)."""
+    (a host tensor), from chunks cut for another layout too (see the module's note); blocks.
+    Every chunk of every kind is in flight at once, each on its own I/O thread."""
     start = unit.shard_slice(rank).start
     count = min(max(unit.numel - start, 0), unit.shard_numel)
+    in_layout = []
+    # Another layout's ranges first: were one to fail, no read of this call would be left
+    # writing into the views, which the caller may then reuse.
     for kind, view in views:
         name = array_name(prefix, unit.name, kind)
         if array_in_layout(store, name, unit):
-            store.read_into(name, start, view)
+            in_layout.append((name, view))
             continue
         if count:
             store.read_range(name, start, view[:count])
         view[count:].zero_()
+    IORunner.gather([store.read_async(name, start, view) for name, view in in_layout]).result()
 
 
 def read_shard_async(
@@ -135,10 +141,9 @@ def write_shard_async(
 def write_shard(
     store: ShardStore, prefix: str, unit: ShardedUnit, rank: int, views: Sequence[tuple[str, torch.Tensor]]
 ) -> None:
-    """Write rank ``rank``'s shard of each ``(kind, view)`` of ``unit`` under ``prefix``; blocks."""
-    start = unit.shard_slice(rank).start
-    for kind, view in views:
-        store.write_from(array_name(prefix, unit.name, kind), start, view)
+    """Write rank ``rank``'s shard of each ``(kind, view)`` of ``unit`` under ``prefix``; blocks.
+    Every chunk of every kind is in flight at once, each on its own I/O thread."""
+    IORunner.gather(write_shard_async(store, prefix, unit, rank, views)).result()
 
 
 class ChunkReader:

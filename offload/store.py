@@ -76,12 +76,13 @@ class ShardStore(NodeOps):
         checksum: bool,
         direct_io: bool,
         file_ops: FileOps | None,
+        costs: CostAccount | None = None,
     ) -> None:
         self.path = root
         self.checksum = checksum
         self._attrs = attrs
         self._runner = runner
-        self._files = ChunkFiles(root, file_ops if file_ops is not None else FileOps(), direct_io)
+        self._files = ChunkFiles(root, file_ops if file_ops is not None else FileOps(), direct_io, costs)
         self._infos: dict[str, ArrayInfo] = {}
         self._lock = threading.Lock()
         # Since the last sync: one entry per write call (not per chunk), and the
@@ -163,8 +164,10 @@ class ShardStore(NodeOps):
         runner: IORunner,
         direct_io: bool = True,
         file_ops: FileOps | None = None,
+        costs: CostAccount | None = None,
     ) -> ShardStore:
-        """Open an existing store for reading and writing."""
+        """Open an existing store for reading and writing; its I/O is accounted in `costs`
+        (shared by every store of a run, so a step's account is one), or in its own."""
         root = Path(path)
         if not root.exists():
             raise FileNotFoundError(
@@ -187,7 +190,7 @@ class ShardStore(NodeOps):
         attrs = group_attrs(root)
         log.debug("opened offload store %s", root)
         checksum = bool(marker.get("checksum", True))
-        return cls(root, attrs, runner=runner, checksum=checksum, direct_io=direct_io, file_ops=file_ops)
+        return cls(root, attrs, runner=runner, checksum=checksum, direct_io=direct_io, file_ops=file_ops, costs=costs)
 
     # -------------------------------------------------------------- attributes
 

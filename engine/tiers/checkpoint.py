@@ -94,7 +94,7 @@ class MemoryCheckpoints:
                 beside=(PARAM_STORE,),
             )
         io.barrier()
-        self.store = ShardStore.open(path, runner=io.runner, direct_io=io.direct_io)
+        self.store = ShardStore.open(path, runner=io.runner, direct_io=io.direct_io, costs=io.costs)
         first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)
         self.generations = Generations(self.store)
         if self._leader:  # a checkpoint a crash left pending in a live store is kept before it is looked for

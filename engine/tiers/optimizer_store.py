@@ -30,6 +30,7 @@ import torch
 from engine.runtime.sizes import FP32
 from engine.tiers.frozen import create_frozen, read_frozen, write_frozen
 from engine.tiers.optimizer import STATE_KINDS, ShardState
+from engine.tiers.sizing import read_ahead_bytes
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import (
     GENERATIONS,
@@ -89,10 +90,11 @@ class StoreOptimizerState:
         self.leader = rank == 0
         self.runner = io.runner
         self.pool = BufferPool(buffer_bytes)
-        self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, window_bytes=buffer_bytes // 2)
+        window = read_ahead_bytes(buffer_bytes)
+        self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, window_bytes=window)
         self.last_stats = PipelineStats()
         self._held: dict[str, HostBuffer] = {}
-        self._copy_bytes = buffer_bytes // 2  # a checkpoint copy's buffer: room for it beside a read-ahead's window
+        self._copy_bytes = window  # a checkpoint copy's buffer: room for it beside a read-ahead's window
         if self.leader and not resume:
             check_nvme_path(path, layout, mode)
             attrs = {"layout": layout.to_dict(), MODE_ATTR: mode}
@@ -101,7 +103,7 @@ class StoreOptimizerState:
                 path, attrs, runner=self.runner, checksum=io.checksum, direct_io=io.direct_io, overwrite=abandoned
             )
         self.barrier()
-        self.store = ShardStore.open(path, runner=self.runner, direct_io=io.direct_io)
+        self.store = ShardStore.open(path, runner=self.runner, direct_io=io.direct_io, costs=io.costs)
         self.generations = Generations(self.store)
         if self.leader and resume:
             with naming_way_out(self.generations):

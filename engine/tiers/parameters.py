@@ -171,7 +171,7 @@ class StoreParamTier:
             create_arrays(store, TOP, layout.all_units, (PARAM_KIND,), dtype)
             store.sync()
         io.barrier()
-        self.store = ShardStore.open(path, runner=self.runner, direct_io=io.direct_io)
+        self.store = ShardStore.open(path, runner=self.runner, direct_io=io.direct_io, costs=io.costs)
         self._writes: list[Future] = []
         self._bytes_read = 0
         self._bytes_written = 0

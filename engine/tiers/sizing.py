@@ -51,6 +51,14 @@ def optimizer_buffer_bytes(offload: OffloadConfig, units: Iterable[UnitLayout]) 
     return max(need_mb, AUTO_BUFFER_FLOOR_MB) * MIB
 
 
+def read_ahead_bytes(buffer_bytes: int) -> int:
+    """The ``nvme`` optimizer tier's read-ahead window, in bytes of state, whatever the units'
+    sizes: half its pool, so that as many bytes again can be written back behind the update
+    while the window is full (``offload.Pipeline``). Its loads run chunk by chunk on every I/O
+    thread, so a window holding one large unit keeps them all as busy as many small ones."""
+    return buffer_bytes // 2
+
+
 def checkpoint_bytes(layout: ModelLayout) -> int:
     """Disk of one kept checkpoint, all ranks: one generation of optimizer state (what the
     in-place mode keeps live), whichever tier wrote it."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import Config, OffloadConfig
@@ -24,20 +24,22 @@ from engine.runtime.comm import Comm
 from engine.runtime.sizes import FP32, MIB
 from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB
 from engine.zero.partition import ModelLayout
-from offload import CHUNK_RANGE, IORunner, IOSettings, auto_settings, group_attrs
+from offload import CHUNK_RANGE, CostAccount, IORunner, IOSettings, auto_settings, group_attrs
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class StoreIO:
-    """How the tiers' stores move bytes: the shared runner, checksums, direct I/O, and the
-    barrier that orders the ranks' work on a store."""
+    """How the tiers' stores move bytes: the shared runner, checksums, direct I/O, the
+    barrier that orders the ranks' work on a store, and the one cost account of every store's
+    I/O (``offload.costs``), which the step statistics take each step."""
 
     runner: IORunner
     checksum: bool
     direct_io: bool
     barrier: Callable[[], None]
+    costs: CostAccount = field(default_factory=CostAccount)
 
     @classmethod
     def from_config(cls, offload: OffloadConfig, barrier: Callable[[], None]) -> StoreIO:

@@ -39,6 +39,18 @@ def test_tiers_quick(tmp_path: Path) -> None:
     assert list(disk.iterdir()) == []  # every benchmark file was removed
 
 
+def test_tiers_moves_one_unit_as_the_tier_does(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    tiers.main(
+        ["--out", str(tmp_path), "--dir", str(disk), "--mb", "16", "--chunk-mb", "4", "--threads", "2"]
+        + ["--reps", "1", "--unit-mb", "48"]
+    )
+    units = [row for row in load_record(tmp_path, "tiers")["rows"] if row["tier"] == "store, one unit"]
+    assert [row["config"] for row in units] == ["4 MiB x 2", "16 MiB x 4, buffered", "16 MiB x 4, no crc"]
+    assert all(row["write GB/s"] > 0 and row["read GB/s"] > 0 and row["write/raw"] > 0 for row in units)
+    assert list(disk.iterdir()) == []
+
+
 def test_optimizer_quick(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     host = ["--params", "200000", "--shard-params", "64000", "--reps", "1"]

@@ -46,6 +46,12 @@ def test_step_quick(tmp_path: Path) -> None:
     optimizer_only = rows[list(PLANS).index("s2-nvme")]
     assert optimizer_only["movement MB"] == optimizer_only["engine MB"]
     assert set(record["computes"]) == set(PLANS)  # each plan ran beside its own compute-only partner
+    # The engine's own account of the stores' I/O CPU, per GB and by stage, for every plan that moves bytes.
+    costs = {row["plan"]: row for row in record["cpu_s_per_gb"]}
+    assert set(costs) == {plan.label for plan in PLANS.values() if plan.uses_store}
+    for row in costs.values():
+        assert_finite_non_negative(row)
+        assert row["crc32c"] > 0 and row["total"] >= row["crc32c"] and row["process"] > 0
     assert list(disk.iterdir()) == []  # every store was removed
 
 

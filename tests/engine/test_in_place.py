@@ -256,16 +256,18 @@ from offload.store import ShardStore
 from engine.run.cli import main
 
 sent = []
-write_from = ShardStore.write_from
+write_async = ShardStore.write_async
 
-def write_then_signal(self, name, start, src):
-    write_from(self, name, start, src)
+def write_then_signal(self, name, start, src, crcs=None):
+    written = write_async(self, name, start, src, crcs)
+    written.result()
     record = read_committed(self.path)
     if record and record["step"] >= 3 and not sent:
         sent.append(True)
         os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    return written
 
-ShardStore.write_from = write_then_signal
+ShardStore.write_async = write_then_signal
 sys.exit(main(sys.argv[2:]))
 """
 

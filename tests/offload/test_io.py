@@ -96,6 +96,7 @@ def test_pending_never_exceeds_queue_depth():
 
 def test_gather_returns_results_in_order():
     with IORunner(threads=3) as runner:
+
         def late(i):
             time.sleep(0.01 * (5 - i))  # the first submitted finishes last
             return i
@@ -124,19 +125,19 @@ def test_gather_propagates_first_error_only_after_all_done():
     assert info.value.errno == errno.EIO
 
 
-def test_no_deadlock_with_one_thread_many_tasks_and_nested_submits():
+def test_no_deadlock_with_one_thread_many_compound_tasks():
     results = []
 
     def scenario():
         with IORunner(threads=1, queue_depth=2) as runner:
 
             def parent(i):
-                # Waiting on sub-tasks from inside a task would deadlock a one-thread
-                # pool if they were queued; the runner runs them inline instead.
+                # A compound task waits on its leaf tasks from a coordinating thread, which
+                # holds no I/O thread: the one I/O thread is always free to run them.
                 children = [runner.submit(lambda j=j: i * 10 + j, what=f"child {i}.{j}") for j in range(3)]
                 return sum(IORunner.gather(children).result())
 
-            futures = [runner.submit(parent, i, what=f"parent {i}") for i in range(100)]
+            futures = [runner.coordinate(parent, i, what=f"parent {i}") for i in range(100)]
             results.extend(IORunner.gather(futures).result())
 
     # In a daemon thread, so that a deadlock fails the test instead of hanging the run.
@@ -145,6 +146,29 @@ def test_no_deadlock_with_one_thread_many_tasks_and_nested_submits():
     worker.join(TIMEOUT)
     assert not worker.is_alive(), "IORunner deadlocked"
     assert results == [30 * i + 3 for i in range(100)]
+
+
+def test_a_compound_task_runs_its_leaves_on_every_thread_at_once():
+    threads = 4
+    arrived = threading.Barrier(threads, timeout=TIMEOUT)  # passes only once all are running together
+    with IORunner(threads=threads, queue_depth=threads) as runner:
+
+        def unit():
+            leaves = [runner.submit(arrived.wait, what=f"chunk {k}") for k in range(threads)]
+            return IORunner.gather(leaves).result()
+
+        assert sorted(runner.coordinate(unit, what="unit").result(TIMEOUT)) == list(range(threads))
+
+
+def test_tasks_that_could_wait_on_themselves_are_refused():
+    with IORunner(threads=1) as runner:
+        nested = runner.submit(lambda: runner.submit(print, what="chunk 0"), what="leaf")
+        with pytest.raises(RuntimeError, match="cannot start 'chunk 0' from an I/O thread") as info:
+            nested.result(TIMEOUT)
+        assert "in I/O task: leaf" in info.value.__notes__
+        compound = runner.coordinate(lambda: runner.coordinate(print, what="unit b"), what="unit a")
+        with pytest.raises(RuntimeError, match="cannot start 'unit b' from a coordinating thread"):
+            compound.result(TIMEOUT)
 
 
 def test_close_then_submit_raises_and_close_is_idempotent():

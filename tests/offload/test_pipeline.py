@@ -20,7 +20,7 @@ class ThreadRunner:
         self._pool = ThreadPoolExecutor(threads)
         self.submitted: list[str] = []
 
-    def submit(self, fn, *args, what: str) -> Future:
+    def coordinate(self, fn, *args, what: str) -> Future:
         self.submitted.append(what)
         return self._pool.submit(fn, *args)
 
@@ -31,7 +31,7 @@ class ThreadRunner:
 class InlineRunner:
     """Runs each task at once in the caller, so failures are settled before submit returns."""
 
-    def submit(self, fn, *args, what: str) -> Future:
+    def coordinate(self, fn, *args, what: str) -> Future:
         future: Future = Future()
         try:
             future.set_result(fn(*args))
