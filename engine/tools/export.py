@@ -180,8 +180,10 @@ def export(
     max_shard_size: str | int = "5GB",
     dtype: str | None = None,
     generation: int | None = None,
+    checkpoint: str | None = None,
 ) -> list[str]:
-    """Write the store's weights, config and tokenizer to ``out_dir`` as a Hugging Face folder;
+    """Write the store's weights (of ``generation`` or ``checkpoint``, default: as
+    ``open_masters`` chooses), config and tokenizer to ``out_dir`` as a Hugging Face folder;
     return the names of the weight files written."""
     store_path, out_dir = Path(store_path), Path(out_dir)
     max_bytes = parse_size(max_shard_size)
@@ -192,16 +194,16 @@ def export(
     if out_dir.is_dir() and any(p.name.endswith(WEIGHT_SUFFIXES) or p.name == INDEX_FILE for p in out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} already holds model weights: export into a new or empty folder")
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open_masters(store_path, generation) as masters:
+    with open_masters(store_path, generation, checkpoint) as masters:
         shards = plan_shards(masters.layout, dtype, max_bytes, masters.metadata)
         _write_shards(masters, shards, DTYPES[dtype][1], out_dir)
     _write_side_files(source, out_dir, shards, dtype)
     logger.info(
-        "exported %.1fM %s weights of %s (generation %d) to %s in %d file(s)",
+        "exported %.1fM %s weights of %s (%s) to %s in %d file(s)",
         (masters.layout.numel + masters.layout.frozen_numel) / 1e6,
         dtype,
         store_path,
-        masters.generation,
+        masters.what,
         out_dir,
         len(shards),
     )
