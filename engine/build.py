@@ -56,6 +56,14 @@ def model_units(
         for name, module in units:
             if name != ROOT_UNIT:
                 checkpoint_forward(module)
+    return units, *units_layout(model, units, config, world_size)
+
+
+def units_layout(
+    model: nn.Module, units: list[tuple[str, nn.Module]], config: Config, world_size: int
+) -> tuple[dict[str, list[tuple[str, nn.Parameter]]], ModelLayout]:
+    """The parameters each of the model's ``units`` owns, trainable and frozen units alike, and
+    their layout: what the engine and ``estimate`` both lay out."""
     owned, frozen = unit_parameters(model, units), unit_parameters(model, units, trainable=False)
     layout = build_layout(owned, world_size, max_chunk_numel(config.offload.chunk_mb), frozen)
     if not layout.units:
@@ -63,7 +71,7 @@ def model_units(
             "no parameter of the model requires grad, so there is nothing to train: set requires_grad=True on "
             "the parameters to train before building the engine"
         )
-    return units, {u.name: (owned | frozen)[u.name] for u in layout.all_units}, layout
+    return {u.name: (owned | frozen)[u.name] for u in layout.all_units}, layout
 
 
 def place_model(model: nn.Module, device: torch.device, on_meta: bool) -> None:
