@@ -167,14 +167,16 @@ def heap_retention_bytes(churn: int) -> int:
 
 def store_bytes(run: RunShape, plan: Plan) -> int:
     """Disk under ``offload.nvme_path`` for all ranks: the nvme tier's generations of optimizer
-    state (two with ``store.mode = "generations"``, one ``"in-place"``), one copy of the
+    state (two with ``store.mode = "generations"``, one ``"in-place"``), one copy of the trained
     compute-dtype parameters under ``params`` for the nvme parameter tier (derived data, not
     versioned), the checkpoints ``[checkpoint]`` keeps (any tier writes those), and the frozen
-    units' values, once, when the store keeps a step (``engine.tiers.frozen``)."""
+    units' values, once, when the store keeps a step or the parameters are on disk
+    (``engine.tiers.frozen``)."""
     config, layout = run.config, run.layout
     live = optimizer_store_bytes(layout, config.store.mode) if plan.optimizer == "nvme" else 0
-    params = sum(array_bytes(u, run.dtype) for u in layout.all_units) if plan.param == "nvme" else 0
+    on_disk = plan.param == "nvme"
+    params = sum(array_bytes(u, run.dtype) for u in layout.units) if on_disk else 0
     ckpt = config.checkpoint
     kept = ckpt.keep if ckpt.keep else (config.train.steps // ckpt.interval if ckpt.interval else 0)
-    frozen = sum(array_bytes(u, run.dtype) for u in layout.frozen) if live or kept else 0
+    frozen = sum(array_bytes(u, run.dtype) for u in layout.frozen) if live or kept or on_disk else 0
     return live + kept * checkpoint_bytes(layout) + params + frozen
