@@ -20,6 +20,7 @@ from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
+from engine.tiers.frozen import read_frozen_async
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
@@ -40,8 +41,8 @@ from engine.zero.partition import (
     param_views,
     unit_parameters,
 )
-from engine.zero.precision import compute_dtype
 from engine.zero.recompute import checkpoint_forward
+from offload import ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,14 @@ def model_units(
         for name, module in units:
             if name != ROOT_UNIT:
                 checkpoint_forward(module)
+    return units, *units_layout(model, units, config, world_size)
+
+
+def units_layout(
+    model: nn.Module, units: list[tuple[str, nn.Module]], config: Config, world_size: int
+) -> tuple[dict[str, list[tuple[str, nn.Parameter]]], ModelLayout]:
+    """The parameters each of the model's ``units`` owns, trainable and frozen units alike, and
+    their layout: what the engine and ``estimate`` both lay out."""
     owned, frozen = unit_parameters(model, units), unit_parameters(model, units, trainable=False)
     layout = build_layout(owned, world_size, max_chunk_numel(config.offload.chunk_mb), frozen)
     if not layout.units:
@@ -63,7 +72,7 @@ def model_units(
             "no parameter of the model requires grad, so there is nothing to train: set requires_grad=True on "
             "the parameters to train before building the engine"
         )
-    return units, {u.name: (owned | frozen)[u.name] for u in layout.all_units}, layout
+    return {u.name: (owned | frozen)[u.name] for u in layout.all_units}, layout
 
 
 def place_model(model: nn.Module, device: torch.device, on_meta: bool) -> None:
@@ -111,14 +120,13 @@ class CheckpointStore:
             lock,
         )
         self.frozen: FrozenShards = lambda: iter(())
-        self._dtype = compute_dtype(config.precision.compute_dtype)
         self._opened: MemoryCheckpoints | None = None
 
     def __call__(self, create: bool) -> MemoryCheckpoints:
         if self._opened is None:
             self._lock(create)
             self._opened = MemoryCheckpoints(
-                self._path, self._layout, self._rank, self._io, create=create, frozen=self.frozen, dtype=self._dtype
+                self._path, self._layout, self._rank, self._io, create=create, frozen=self.frozen
             )
         return self._opened
 
@@ -138,7 +146,10 @@ def optimizer_state(
     """The optimizer tier the configuration asks for: empty, or restored on resume."""
     offload = config.offload
     if offload.optimizer != "nvme":
-        state = MemoryOptimizerState(device, checkpoints, pin_memory=device.type == "cpu" and pin_memory)
+        frozen_on_disk = config.zero.stage == 3 and offload.param == "nvme"
+        state = MemoryOptimizerState(
+            device, checkpoints, pin_memory=device.type == "cpu" and pin_memory, store_frozen=frozen_on_disk
+        )
         if resume:
             assert checkpoint is not None  # the engine refuses resuming a memory tier without one
             state.restore(checkpoint)
@@ -166,8 +177,10 @@ def parameters(
     dtype: torch.dtype,
     budget: DeviceBudget,
     io: StoreIO,
+    frozen_store: Callable[[], ShardStore],
 ) -> ReplicatedParams | ShardedParams:
-    """The compute-dtype parameters, sharded on their tier at stage 3."""
+    """The compute-dtype parameters, sharded on their tier at stage 3 (``frozen_store``: where
+    the nvme tier reads the frozen units' values)."""
     zero, offload = config.zero, config.offload
     if zero.stage < 3:
         return ReplicatedParams(layout, comm, budget, device)
@@ -175,7 +188,15 @@ def parameters(
     if offload.param == "nvme":
         buffer_bytes = param_window_bytes(zero, comm.world_size)
         path = Path(offload.nvme_path) / PARAM_STORE
-        tier = StoreParamTier(path, layout, comm.rank, dtype, io, buffer_bytes=buffer_bytes)
+        tier = StoreParamTier(
+            path,
+            layout,
+            comm.rank,
+            dtype,
+            io,
+            buffer_bytes=buffer_bytes,
+            read_frozen=lambda unit, values: read_frozen_async(frozen_store(), unit, comm.rank, values),
+        )
     else:
         tier = MemoryParamTier(offload.param == "device", device, dtype, budget)
     return ShardedParams(

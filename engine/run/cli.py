@@ -18,6 +18,8 @@
   ``--model.hf FOLDER`` as a Hugging Face folder (sharded safetensors, config, tokenizer) that
   ``from_pretrained`` loads; in the checkpoint's dtype unless ``--dtype`` says otherwise. A run
   with ``lora.r > 0`` exports its trained adapter alone, in peft's format (fp32 by default).
+  Both read the committed step, else (the memory tiers' store) the last checkpoint; ``--checkpoint
+  TAG`` or ``--generation N`` names another.
 - ``plot METRICS.jsonl [--out PNG]``: the loss (and validation loss), seconds per step and
   tokens/s of a ``train.metrics`` file against the step, as a PNG (needs matplotlib).
 
@@ -248,7 +250,7 @@ def _inspect(args: argparse.Namespace, extra: list[str]) -> int:
 def _consolidate(args: argparse.Namespace, extra: list[str]) -> int:
     from engine.tools.consolidate import consolidate
 
-    count = consolidate(args.store, args.out, generation=args.generation)
+    count = consolidate(args.store, args.out, generation=args.generation, checkpoint=args.checkpoint)
     logger.info("wrote %d tensors to %s", count, args.out)
     return 0
 
@@ -257,7 +259,12 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
     from engine.tools.export import export
 
     files = export(
-        args.store, args.out_dir, max_shard_size=args.max_shard_size, dtype=args.dtype, generation=args.generation
+        args.store,
+        args.out_dir,
+        max_shard_size=args.max_shard_size,
+        dtype=args.dtype,
+        generation=args.generation,
+        checkpoint=args.checkpoint,
     )
     logger.info("wrote %d weight file(s) to %s", len(files), args.out_dir)
     return 0
@@ -311,17 +318,23 @@ def _parser() -> argparse.ArgumentParser:
     consolidate = commands.add_parser("consolidate", help="full fp32 weights to a .safetensors file")
     consolidate.add_argument("store")
     consolidate.add_argument("out")
-    consolidate.add_argument("--generation", type=int, help="default: the committed one")
+    _step_arguments(consolidate)
     export = commands.add_parser("export", help="a Hugging Face folder that from_pretrained loads (runs of --model.hf)")
     export.add_argument("store")
     export.add_argument("out_dir")
     export.add_argument("--max-shard-size", default="5GB", help="largest weights file, e.g. 5GB, 500MB (default 5GB)")
     export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: the checkpoint's")
-    export.add_argument("--generation", type=int, help="default: the committed one")
+    _step_arguments(export)
     plot = commands.add_parser("plot", help="a train.metrics file's loss and speed against the step, as a PNG")
     plot.add_argument("metrics", help="the JSON-lines file train.metrics names")
     plot.add_argument("--out", help="the PNG to write (default: the metrics file's name with .png)")
     return parser
+
+
+def _step_arguments(command: argparse.ArgumentParser) -> None:
+    """Which step of the store a reader reads."""
+    command.add_argument("--generation", type=int, help="default: the committed one, else the last checkpoint")
+    command.add_argument("--checkpoint", metavar="TAG", help="a kept checkpoint (e.g. step-100), not a generation")
 
 
 def _generate_parser(commands: argparse._SubParsersAction) -> None:

@@ -243,10 +243,7 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
             held_out, config.data.seq_len, config.data.micro_batch, config.train.eval_batches, every, loss_of
         )
     engine = start_engine(config, model, init, checkpoint)
-    if config.model.hf and engine.comm.rank == 0 and Path(config.offload.nvme_path).is_dir():
-        assert isinstance(init, (Pretrained, LoraInit))
-        lora = dataclasses.asdict(config.lora) if config.lora.r else None
-        record_source(config.model.hf, config.offload.nvme_path, init.dtype, lora)  # for export
+    keep_source = _source_keeper(config, engine, init)
     data = TokenBatches(
         tokens,
         seq_len=config.data.seq_len,
@@ -257,11 +254,37 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
     )
     if "data" in engine.client_state:
         data.load_state_dict(engine.client_state["data"])
-    return _run_steps(config, engine, data, validation, loss_of)
+    return _run_steps(config, engine, data, validation, loss_of, keep_source)
+
+
+def _source_keeper(config: Config, engine: Engine, init: object) -> Callable[[], None]:
+    """What records a ``model.hf`` run's config and tokenizer in its store, for ``export``
+    (``record_source``; rank 0): done now if the store is there (the nvme tiers make it as they
+    start), else once the first checkpoint has made it (the memory tiers)."""
+    if not config.model.hf or engine.comm.rank != 0:
+        return lambda: None
+    assert isinstance(init, (Pretrained, LoraInit))
+    store, hf, dtype = Path(config.offload.nvme_path), config.model.hf, init.dtype
+    lora = dataclasses.asdict(config.lora) if config.lora.r else None
+    recorded = False
+
+    def keep() -> None:
+        nonlocal recorded
+        if not recorded and store.is_dir():
+            record_source(hf, store, dtype, lora)
+            recorded = True
+
+    keep()
+    return keep
 
 
 def _run_steps(
-    config: Config, engine: Engine, data: TokenBatches, validation: Validation | None, loss_of: LossFn
+    config: Config,
+    engine: Engine,
+    data: TokenBatches,
+    validation: Validation | None,
+    loss_of: LossFn,
+    keep_source: Callable[[], None],
 ) -> TrainResult:
     rank = engine.comm.rank
     tokens_per_step = data.global_batch * config.data.seq_len * config.zero.grad_accum_steps
@@ -296,6 +319,7 @@ def _run_steps(
             interval = config.checkpoint.interval
             if interval and engine.global_step % interval == 0:
                 save_checkpoint(engine, f"step-{engine.global_step}")
+                keep_source()
             if stop.requested:
                 result.stopped_early = True
                 break

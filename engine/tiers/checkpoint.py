@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.tiers.frozen import create_frozen, read_frozen, write_frozen
+from engine.tiers.frozen import FrozenAdder, read_frozen
 from engine.tiers.optimizer import STATE_KINDS, ShardState
 from engine.tiers.parameters import PARAM_STORE
 from engine.tiers.step_record import check_step_record
@@ -61,8 +61,9 @@ class MemoryCheckpoints:
     checkpoints. The writes run in the background (``PendingCheckpoint``), overlapped with
     the next step's forward and backward; that step updates a unit only once its writes are done.
     The frozen units' values (``frozen``) are written once, with a run's first checkpoint,
-    unless the run resumed from this store, which holds them already; a run that starts afresh
-    replaces the ones an earlier run left.
+    unless the run resumed from this store, which holds them already, or added them as it was
+    built (``add_frozen``: the nvme parameter tier keeps no copy of its own); a run that starts
+    afresh replaces the ones an earlier run left.
     """
 
     def __init__(
@@ -74,10 +75,10 @@ class MemoryCheckpoints:
         *,
         create: bool,
         frozen: FrozenShards = lambda: iter(()),
-        dtype: torch.dtype = torch.float32,
     ):
         self.layout, self.rank = layout, rank
-        self._frozen, self._dtype = frozen, dtype
+        self._frozen = frozen
+        self._adder = FrozenAdder(lambda: self.store, layout.frozen, rank, io.barrier)
         self._frozen_stored = not layout.frozen
         """This run's frozen values are in the store (none to store, written, or resumed from)."""
         self._barrier = io.barrier
@@ -123,16 +124,17 @@ class MemoryCheckpoints:
         """This rank's shard of each frozen unit's values, as the store holds them."""
         return read_frozen(self.store, self.layout.frozen, self.rank)
 
-    def _store_frozen(self) -> None:
-        """Write this run's frozen values, once (every rank: it synchronises)."""
-        if self._frozen_stored:
-            return
-        if self._leader:
-            create_frozen(self.store, self.layout.frozen, self._dtype)
-        self._barrier()
-        for unit, values in self._frozen():
-            write_frozen(self.store, unit, self.rank, values)
+    def add_frozen(self, unit: UnitLayout, values: torch.Tensor) -> None:
+        """Store a frozen unit's values as a new run adds its units (every rank: it synchronises);
+        its checkpoints then share them."""
+        self._adder.add(unit, values)
         self._frozen_stored = True
+
+    def _store_frozen(self) -> None:
+        """Write this run's frozen values from the parameters, once (every rank: it synchronises)."""
+        if not self._frozen_stored:
+            for unit, values in self._frozen():
+                self.add_frozen(unit, values)
 
     def save(
         self, tag: str, record: dict, states: Iterator[tuple[UnitLayout, ShardState]], keep: int

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine.zero.partition import UnitLayout
+from offload import ShardStore
 
 if TYPE_CHECKING:
     from engine.tiers.checkpoint import MemoryCheckpoints, PendingCheckpoint
@@ -63,6 +64,11 @@ class OptimizerState(Protocol):
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """Each unit's committed fp32 master shard, in layout order, then each frozen unit's
         values (to rebuild parameters on resume)."""
+        ...
+
+    def frozen_store(self) -> ShardStore:
+        """The store holding the frozen units' values, once they are added or the state is
+        restored (the nvme parameter tier reads them there)."""
         ...
 
     def read(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
@@ -125,11 +131,18 @@ class MemoryOptimizerState:
     durable = False  # a failed step may have updated part of the state it holds
 
     def __init__(
-        self, device: torch.device, checkpoints: Callable[[bool], MemoryCheckpoints], pin_memory: bool = False
+        self,
+        device: torch.device,
+        checkpoints: Callable[[bool], MemoryCheckpoints],
+        pin_memory: bool = False,
+        store_frozen: bool = False,
     ):
         self._device, self._pin = device, pin_memory
         self._checkpoints = checkpoints
         """Opens the store of checkpoints (creating it if asked), on first use."""
+        self._store_frozen = store_frozen
+        """Whether the frozen units' values go to that store as they are added: the parameters
+        keep none in memory (``offload.param = "nvme"``), and read them there."""
         self._units: list[UnitLayout] = []
         self._states: dict[str, ShardState] = {}
         self._saving: PendingCheckpoint | None = None
@@ -148,9 +161,12 @@ class MemoryOptimizerState:
         return state
 
     def add(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """A frozen unit's values are held by the parameters alone (the first checkpoint stores them)."""
+        """A frozen unit's values are held by the parameters alone (the first checkpoint stores
+        them), unless ``store_frozen``."""
         if unit.trainable:
             self._new_state(unit).master.copy_(master)
+        elif self._store_frozen:
+            self._checkpoints(True).add_frozen(unit, master)
 
     def restore(self, tag: str) -> None:
         """Resume: take every unit's state as checkpoint ``tag`` holds it, and the record it was
@@ -168,6 +184,9 @@ class MemoryOptimizerState:
             yield unit, self._states[unit.name].master
         if self.resumed_from is not None:
             yield from self._checkpoints(False).read_frozen()
+
+    def frozen_store(self) -> ShardStore:
+        return self._checkpoints(False).store
 
     def read(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
         """The held state, each unit's once a checkpoint being saved has written it."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.runtime.sizes import FP32
-from engine.tiers.frozen import create_frozen, read_frozen, write_frozen
+from engine.tiers.frozen import FrozenAdder, read_frozen
 from engine.tiers.optimizer import STATE_KINDS, ShardState
 from engine.tiers.sizing import read_ahead_bytes
 from engine.tiers.step_record import check_step_record
@@ -112,7 +112,7 @@ class StoreOptimizerState:
         self.target_generation = 0  # the generation the next step writes (the mode's choice)
         self._read_prefix = generation_prefix(0)  # where the next step reads: it, or a checkpoint
         self._generation_zero_ready = False
-        self._frozen_ready = False  # the frozen units' arrays exist (a new store's, made at the first one added)
+        self._frozen = FrozenAdder(lambda: self.store, layout.frozen, rank, io.barrier)
         self._layout_adopted = True  # the store's attributes and committed arrays are this layout
         self._deferred: dict | None = None  # the record of a step whose commit waits for ``flush``
         self._bytes_read = self._bytes_written = 0  # by the steps since ``take_io_bytes``
@@ -236,7 +236,7 @@ class StoreOptimizerState:
         """Write the unit's initial master and zero moments to generation 0; a frozen unit's
         values once, outside the generations (``engine.tiers.frozen``)."""
         if not unit.trainable:
-            self._add_frozen(unit, master)
+            self._frozen.add(unit, master)  # durable with generation 0's commit
             return
         if not self._generation_zero_ready:
             if self.leader:
@@ -249,14 +249,6 @@ class StoreOptimizerState:
             state.exp_avg.zero_()
             state.exp_avg_sq.zero_()
             self._save(unit, buf)
-
-    def _add_frozen(self, unit: UnitLayout, values: torch.Tensor) -> None:
-        if not self._frozen_ready:
-            if self.leader:
-                create_frozen(self.store, self.layout.frozen, values.dtype)
-            self.barrier()
-            self._frozen_ready = True
-        write_frozen(self.store, unit, self.rank, values)  # durable with generation 0's commit
 
     def _views(self, unit: UnitLayout, buf: HostBuffer) -> ShardState:
         n = unit.shard_numel
@@ -283,6 +275,9 @@ class StoreOptimizerState:
         self.pipeline.drain()  # its reads are the resume's, not the next step's
         with naming_way_out(self.generations):
             yield from read_frozen(self.store, self.layout.frozen, self.rank)
+
+    def frozen_store(self) -> ShardStore:
+        return self.store
 
     def read(self, units: Sequence[UnitLayout]) -> Iterator[tuple[UnitLayout, ShardState]]:
         """The units' state in order; the first reads are issued now, not at the first ``next``.

@@ -10,6 +10,9 @@ The parameter shards are derived data: the fp32 masters are the truth, and a res
 rebuilds the shards from the committed masters. So the ``nvme`` tier keeps one copy
 outside the store's generations, rewritten in place each step: half the bytes of a
 versioned copy, and a crash mid-write loses nothing that resume does not recompute.
+A frozen unit's values are not derived, and never change: the store at ``offload.nvme_path``
+keeps them once (``engine.tiers.frozen``), and the ``nvme`` tier reads them from there rather
+than keeping a second copy.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ PARAM_STORE = "params"
 """The sub-folder of ``offload.nvme_path`` holding the ``nvme`` tier's parameter shards."""
 PARAM_KIND = "param"
 """The kind of state of the parameter shards' arrays, one per unit at the store's top."""
+
+FrozenReader = Callable[[UnitLayout, torch.Tensor], Future | None]
+"""Starts reading this rank's shard of a frozen unit's values into a tensor
+(``engine.tiers.frozen.read_frozen_async``); None if read already."""
 
 
 class Fetch:
@@ -141,7 +148,8 @@ class StoreParamTier:
     Reads for prefetch and writes of updated shards share the pool, so the host memory
     this tier holds is at most ``buffer_bytes`` (the prefetch window's share of this rank)
     plus two of the largest shards, whatever the model's size: one for a fetch the window
-    did not foresee and one for a write.
+    did not foresee and one for a write. The trainable units' shards are in its own store;
+    the frozen units' are read with ``read_frozen`` from where the run keeps them.
     """
 
     def __init__(
@@ -153,8 +161,9 @@ class StoreParamTier:
         io: StoreIO,
         *,
         buffer_bytes: int,
+        read_frozen: FrozenReader,
     ):
-        self._rank, self._dtype = rank, dtype
+        self._rank, self._dtype, self._read_frozen = rank, dtype, read_frozen
         self.pool = BufferPool(param_pool_bytes(layout.all_units, dtype, buffer_bytes))
         self.runner = io.runner
         if rank == 0:
@@ -168,7 +177,7 @@ class StoreParamTier:
                 direct_io=io.direct_io,
                 overwrite=True,
             )
-            create_arrays(store, TOP, layout.all_units, (PARAM_KIND,), dtype)
+            create_arrays(store, TOP, layout.units, (PARAM_KIND,), dtype)
             store.sync()
         io.barrier()
         self.store = ShardStore.open(path, runner=self.runner, direct_io=io.direct_io, costs=io.costs)
@@ -177,10 +186,12 @@ class StoreParamTier:
         self._bytes_written = 0
 
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
-        self._write(unit, shard)
+        if unit.trainable:  # a frozen unit's values are stored already, where it is read from
+            self._write(unit, shard)
 
     def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        self._write(unit, master)
+        if unit.trainable:  # a frozen unit's are only handed back on resume, as stored
+            self._write(unit, master)
 
     def _write(self, unit: UnitLayout, values: torch.Tensor) -> None:
         buf = self.pool.acquire(shard_bytes(unit, self._dtype))
@@ -202,7 +213,11 @@ class StoreParamTier:
     def read(self, unit: UnitLayout) -> Fetch:
         buf = self.pool.acquire(shard_bytes(unit, self._dtype))
         shard = buf.view(self._dtype, unit.shard_numel)
-        [future] = read_shard_async(self.store, TOP, unit, self._rank, [(PARAM_KIND, shard)])
+        future: Future | None
+        if unit.trainable:
+            [future] = read_shard_async(self.store, TOP, unit, self._rank, [(PARAM_KIND, shard)])
+        else:
+            future = self._read_frozen(unit, shard)
         self._bytes_read += buf.nbytes
         return Fetch(shard, future, lambda: self.pool.release(buf))
 

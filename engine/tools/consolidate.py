@@ -1,7 +1,9 @@
 """Full fp32 weights out of a store, as one ``.safetensors`` file under the model's own names.
 
 The masters in the store are the weights (sharded and padded per unit), with the frozen
-units' values stored once beside them (``engine.tiers.frozen``), and the layout saved with the
+units' values stored once beside them (``engine.tiers.frozen``): those of the committed
+generation, or of a kept checkpoint, which is all a store of the memory tiers (``offload.optimizer``
+``cpu`` or ``device``) holds, in the same layout. The layout saved with the
 store names every parameter and its place, so no model class is needed. The model
 may be larger than memory, so the file is written by streaming: the safetensors header is
 known from the layout alone and goes first, then each unit's master is read one chunk at a
@@ -37,9 +39,10 @@ from tqdm import tqdm
 
 from engine.runtime.sizes import FP32
 from engine.tiers.frozen import frozen_array
-from engine.tools.inspect import IO_THREADS, committed_record, generation_array, open_store, store_layout
+from engine.tiers.store_checks import naming_way_out
+from engine.tools.inspect import IO_THREADS, committed_record, open_store, store_layout
 from engine.zero.partition import ModelLayout, UnitLayout
-from offload import ChunkReader, Generations, IORunner, ShardStore
+from offload import ChunkReader, Generations, IORunner, ShardStore, array_name, generation_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +51,13 @@ HEADER_ALIGN = 8  # safetensors pads its header with spaces so the data starts 8
 
 @dataclass
 class Masters:
-    """The fp32 masters of one generation of a store, read unit by unit, one chunk at a time."""
+    """The fp32 masters of one step of a store (a generation or a checkpoint), read unit by unit, one chunk at a time."""
 
     layout: ModelLayout
-    generation: int
+    prefix: str
+    """The group holding the masters: a generation, or a kept checkpoint."""
+    what: str
+    """Which step they are, for a reader (``generation 3``, ``checkpoint step-4``)."""
     metadata: dict[str, str]
     """What a weights file written from them says of them (source store, generation, step)."""
     reader: ChunkReader
@@ -62,7 +68,7 @@ class Masters:
         ``[offset, offset + len(values))`` of the unit, in one reused buffer (valid until the
         next piece). ``units``: those units alone."""
         for unit in self.layout.all_units if units is None else units:
-            name = unit_array(self.generation, unit)
+            name = unit_array(self.prefix, unit)
             info = self.reader.infos[name]
             if (unit.trainable and info.dtype != torch.float32) or not info.dtype.is_floating_point:
                 raise ValueError(
@@ -80,33 +86,54 @@ class Masters:
                 offset += values.numel()
 
 
-def unit_array(generation: int, unit: UnitLayout) -> str:
-    """The array holding a unit's weights: its master in ``generation``, or a frozen unit's values."""
-    return generation_array(generation, unit.name, "master") if unit.trainable else frozen_array(unit)
+def unit_array(prefix: str, unit: UnitLayout) -> str:
+    """The array holding a unit's weights: its master in the group ``prefix``, or a frozen unit's values."""
+    return array_name(prefix, unit.name, "master") if unit.trainable else frozen_array(unit)
 
 
 @contextlib.contextmanager
-def open_masters(store_path: str | os.PathLike[str], generation: int | None = None) -> Iterator[Masters]:
-    """The masters of ``generation`` (default: the committed one) of the store at ``store_path``."""
+def open_masters(
+    store_path: str | os.PathLike[str], generation: int | None = None, checkpoint: str | None = None
+) -> Iterator[Masters]:
+    """The masters of the store at ``store_path``: of ``generation``, of the kept ``checkpoint``,
+    or by default of the committed generation, else (a store of the memory tiers, which commit
+    no live state) of the checkpoint kept last."""
     with IORunner(threads=IO_THREADS) as runner:
         store = open_store(Path(store_path), runner)
         layout = store_layout(store)
-        generation, metadata = _choose_generation(store, generation)
-        reader = ChunkReader(store, (unit_array(generation, u) for u in layout.all_units))
-        yield Masters(layout, generation, metadata, reader)
+        if generation is not None and checkpoint is not None:
+            raise ValueError("pass --generation N or --checkpoint TAG, not both: each names the step to read")
+        if checkpoint is None and generation is None and committed_record(store) is None:
+            checkpoint = Generations(store).latest_checkpoint()
+            if checkpoint is not None:
+                logger.info(
+                    "%s commits no live step (a memory tier's store): reading its last checkpoint, %s",
+                    store.path,
+                    checkpoint,
+                )
+        if checkpoint is not None:
+            prefix, what, metadata = _choose_checkpoint(store, checkpoint)
+        else:
+            prefix, what, metadata = _choose_generation(store, generation)
+        reader = ChunkReader(store, (unit_array(prefix, u) for u in layout.all_units))
+        yield Masters(layout, prefix, what, metadata, reader)
 
 
 def consolidate(
-    store_path: str | os.PathLike[str], out_path: str | os.PathLike[str], generation: int | None = None
+    store_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    generation: int | None = None,
+    checkpoint: str | None = None,
 ) -> int:
-    """Write the fp32 weights of ``generation`` (default: the committed one) of the store at
-    ``store_path`` to the safetensors file ``out_path``; return the number of tensors."""
+    """Write the fp32 weights of ``generation`` or ``checkpoint`` (default: as ``open_masters``
+    chooses) of the store at ``store_path`` to the safetensors file ``out_path``; return the
+    number of tensors."""
     store_path, out_path = Path(store_path), Path(out_path)
     if not out_path.parent.is_dir():
         raise FileNotFoundError(
             f"cannot write {out_path}: its folder {out_path.parent} does not exist; create it first"
         )
-    with open_masters(store_path, generation) as masters:
+    with open_masters(store_path, generation, checkpoint) as masters:
         layout = masters.layout
         header = safetensors_header(layout, masters.metadata)
         fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
@@ -123,25 +150,36 @@ def consolidate(
             raise
     count = sum(len(u.params) for u in layout.all_units)
     logger.info(
-        "wrote %d tensors (%.1fM fp32 weights) of %s generation %d to %s",
+        "wrote %d tensors (%.1fM fp32 weights) of %s (%s) to %s",
         count,
         (layout.numel + layout.frozen_numel) / 1e6,
         store_path,
-        masters.generation,
+        masters.what,
         out_path,
     )
     return count
 
 
-def _choose_generation(store: ShardStore, generation: int | None) -> tuple[int, dict[str, str]]:
-    """The generation to read, and what the file's metadata says about it."""
+def _choose_checkpoint(store: ShardStore, tag: str) -> tuple[str, str, dict[str, str]]:
+    """Where the kept checkpoint ``tag`` is, its name, and what the file's metadata says about it."""
+    generations = Generations(store)
+    with naming_way_out(generations):
+        prefix, record = generations.checkpoint(tag)
+    metadata = {"format": "pt", "source": str(store.path), "checkpoint": tag, "generation": str(record["generation"])}
+    if "step" in record:
+        metadata["step"] = str(record["step"])
+    return prefix, f"checkpoint {tag}", metadata
+
+
+def _choose_generation(store: ShardStore, generation: int | None) -> tuple[str, str, dict[str, str]]:
+    """Where the generation to read is, its name, and what the file's metadata says about it."""
     record = committed_record(store)
     on_disk = Generations(store).on_disk()
     if generation is None:
         if record is None:
             raise ValueError(
-                f"offload store {store.path} has no committed generation (no COMMITTED file); pass "
-                f"--generation N (in Python: generation=N) to consolidate one of the generations on disk, "
+                f"offload store {store.path} has no committed generation (no COMMITTED file) and keeps no "
+                f"checkpoint; pass --generation N (in Python: generation=N) to read one of the generations on disk, "
                 f"{on_disk}, at your own risk"
             )
         generation = record["generation"]
@@ -153,7 +191,7 @@ def _choose_generation(store: ShardStore, generation: int | None) -> tuple[int, 
     metadata = {"format": "pt", "source": str(store.path), "generation": str(generation)}
     if record is not None and record["generation"] == generation and "step" in record:
         metadata["step"] = str(record["step"])
-    return generation, metadata
+    return generation_prefix(generation), f"generation {generation}", metadata
 
 
 def safetensors_header(layout: ModelLayout, metadata: dict[str, str]) -> bytes:

@@ -184,8 +184,10 @@ def export(
     max_shard_size: str | int = "5GB",
     dtype: str | None = None,
     generation: int | None = None,
+    checkpoint: str | None = None,
 ) -> list[str]:
-    """Write the store's weights, config and tokenizer to ``out_dir`` as a Hugging Face folder;
+    """Write the store's weights (of ``generation`` or ``checkpoint``, default: as
+    ``open_masters`` chooses), config and tokenizer to ``out_dir`` as a Hugging Face folder;
     return the names of the weight files written."""
     store_path, out_dir = Path(store_path), Path(out_dir)
     max_bytes = parse_size(max_shard_size)
@@ -198,17 +200,17 @@ def export(
         raise FileExistsError(f"{out_dir} already holds model weights: export into a new or empty folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     if adapter:
-        return export_adapter(store_path, out_dir, source, record, dtype, generation)
-    with open_masters(store_path, generation) as masters:
+        return export_adapter(store_path, out_dir, source, record, dtype, generation, checkpoint)
+    with open_masters(store_path, generation, checkpoint) as masters:
         shards = plan_shards(masters.layout, dtype, max_bytes, masters.metadata)
         _write_shards(masters, shards, DTYPES[dtype][1], out_dir)
     _write_side_files(source, out_dir, shards, dtype)
     logger.info(
-        "exported %.1fM %s weights of %s (generation %d) to %s in %d file(s)",
+        "exported %.1fM %s weights of %s (%s) to %s in %d file(s)",
         (masters.layout.numel + masters.layout.frozen_numel) / 1e6,
         dtype,
         store_path,
-        masters.generation,
+        masters.what,
         out_dir,
         len(shards),
     )
@@ -228,7 +230,13 @@ def trained_weights(masters: Masters) -> dict[str, torch.Tensor]:
 
 
 def export_adapter(
-    store_path: Path, out_dir: Path, source: Path, record: dict, dtype: str, generation: int | None
+    store_path: Path,
+    out_dir: Path,
+    source: Path,
+    record: dict,
+    dtype: str,
+    generation: int | None,
+    checkpoint: str | None,
 ) -> list[str]:
     """A LoRA run's trained adapter, written by peft's ``save_pretrained`` (``adapter_config.json``
     naming the pretrained folder, ``adapter_model.safetensors``): ``PeftModel.from_pretrained(base,
@@ -237,7 +245,7 @@ def export_adapter(
     from engine.run.lora import with_lora
     from engine.run.pretrained import meta_model
 
-    with open_masters(store_path, generation) as masters:
+    with open_masters(store_path, generation, checkpoint) as masters:
         adapters = trained_weights(masters)
     model: Any = with_lora(meta_model(source), LoraConfig(**record["lora"]))  # a PeftModel
     model.peft_config["default"].base_model_name_or_path = record["folder"]  # not the store's copy of its config

@@ -185,8 +185,14 @@ def test_the_store_holds_optimizer_state_for_the_trainable_only(tmp_path) -> Non
     assert sum(report["bytes_per_kind"].values()) == fp32_state
     assert report["frozen"]["numel"] == layout.frozen_numel > layout.numel // 2
     assert report["frozen"]["bytes"] == 4 * sum(u.padded_numel for u in layout.frozen)
-    params = store_arrays(store / "params", "")  # the parameter tier holds every unit, frozen too
-    assert {unit for unit, _ in params.values()} == trainable | frozen
+    params = store_arrays(store / "params", "")  # the parameter tier holds the trained units: the frozen are in frozen/
+    assert {unit for unit, _ in params.values()} == trainable
+    # On disk, the frozen base is there once: the whole store is two generations of fp32 state,
+    # the trained units' parameters and the frozen values (each file with a 4-byte CRC per chunk).
+    chunks = [f for f in store.rglob("*") if f.is_file() and f.name != "zarr.json" and f.parent.name == "c"]
+    expected = 2 * fp32_state + sum(4 * u.padded_numel for u in layout.all_units)  # fp32 compute dtype
+    crcs = 4 * len(chunks)
+    assert sum(f.stat().st_size for f in chunks) == expected + crcs
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -203,8 +209,11 @@ def test_resume_from_the_store_continues_bit_identically(stage: int, tmp_path) -
     assert_bit_identical({k: first[k] + rest[k] for k in ("losses", "history")}, ref)
 
 
-def test_resume_from_a_cpu_tier_checkpoint_restores_frozen_values(tmp_path) -> None:
-    cfg = config(zero={"stage": 3}, offload={"optimizer": "cpu", "param": "cpu", "nvme_path": str(tmp_path / "store")})
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_resume_from_a_cpu_tier_checkpoint_restores_frozen_values(param: str, tmp_path) -> None:
+    """With the parameters on nvme the frozen values go to the store as the run is built, and
+    are read from there: the checkpoints, the resume and ``consolidate`` read that one copy."""
+    cfg = config(zero={"stage": 3}, offload={"optimizer": "cpu", "param": param, "nvme_path": str(tmp_path / "store")})
     eng = Engine(frozen_gpt(), cfg, total_steps=STEPS)
     first = run_engine(eng, 2)
     eng.save("two")
@@ -218,6 +227,10 @@ def test_resume_from_a_cpu_tier_checkpoint_restores_frozen_values(tmp_path) -> N
     with eng.gathered():
         assert all(torch.equal(p, rest["params"][n]) for n, p in eng.module.named_parameters())
     eng.close()
+    consolidate(tmp_path / "store", tmp_path / "four.safetensors", checkpoint="four")
+    weights = load_file(tmp_path / "four.safetensors")
+    assert all(torch.equal(weights[n], rest["params"][n]) for n in weights)
+    assert inspect_store(tmp_path / "store")["frozen"]["numel"] == eng.layout.frozen_numel
 
 
 def test_consolidate_and_export_include_frozen_tensors(tmp_path) -> None:

@@ -351,3 +351,55 @@ def test_a_vocabulary_over_two_to_the_sixteen_is_kept_as_uint32(tmp_path) -> Non
             str(tmp_path / "corpus.txt"), cache_dir=tmp_path, pretrained=str(tmp_path / "model")
         )
         assert vocab == 70_000 and tokens.dtype == np.uint32 and tokens.tolist() == [69999, 5, 65536, 1]
+
+
+@pytest.mark.parametrize(("optimizer", "param"), [("cpu", "cpu"), ("device", "device")])
+def test_a_memory_tier_checkpoint_exports_bit_for_bit(optimizer: str, param: str, tmp_path) -> None:
+    """The memory tiers commit no live step: export reads their last checkpoint (or the one named)."""
+    folder, store = checkpoint(qwen2, tmp_path / "pretrained"), tmp_path / "store"
+    cfg = config(zero={"stage": 3}, offload={"optimizer": optimizer, "param": param, "nvme_path": str(store)})
+    model = meta_model(folder)
+    eng = Engine(model, cfg, total_steps=STEPS, init_unit=Pretrained(folder, model))
+    data = batches(4)
+    kept = {}
+    for step in range(STEPS):
+        x = data.next()[0]
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        eng.step()
+        eng.save(f"step-{step + 1}")
+        with eng.gathered():
+            kept[step + 1] = params(eng.module)
+    eng.close()
+    assert not (store / "COMMITTED").exists()
+    record_source(folder, store, dtype="bf16")
+    export(store, tmp_path / "last", max_shard_size=SHARD, dtype="fp32")
+    export(store, tmp_path / "first", dtype="fp32", checkpoint="step-1")
+    for out, step in (("last", STEPS), ("first", 1)):
+        exported = params(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out))
+        assert exported.keys() == kept[step].keys()
+        for name, value in kept[step].items():
+            assert torch.equal(exported[name], value), f"{out}: {name} differs from the engine's"
+    assert not torch.equal(kept[1]["lm_head.weight"], kept[STEPS]["lm_head.weight"])
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint 'step-9' in store .*: it holds step-1, step-2"):
+        export(store, tmp_path / "none", checkpoint="step-9")
+    with pytest.raises(ValueError, match="pass --generation N or --checkpoint TAG, not both"):
+        consolidate(store, tmp_path / "both.safetensors", generation=1, checkpoint="step-1")
+
+
+def test_cli_exports_a_cpu_tier_run_from_its_checkpoints(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder, store, out = tmp_path / "pretrained", tmp_path / "store", tmp_path / "out"
+    torch.manual_seed(0)
+    llama(vocab=320).to(torch.bfloat16).save_pretrained(folder, max_shard_size=SHARD)
+    save_tokenizer(folder)
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    train = ["train", "--model.hf", str(folder), "--data.source", str(tmp_path / "corpus.txt"), "--steps", "2"]
+    train += ["--seq_len", "16", "--micro_batch", "2", "--nvme_path", str(store), "--optimizer", "cpu"]
+    assert cli.main([*train, "--checkpoint.interval", "1"]) == 0
+    assert cli.main(["export", str(store), str(out), "--checkpoint", "step-2"]) == 0
+    assert cli.main(["consolidate", str(store), str(tmp_path / "masters.safetensors")]) == 0  # the last: step-2
+    masters = load_file(tmp_path / "masters.safetensors")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    for name, param in loaded.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(param, masters[name].bfloat16()), name
+    assert (out / "tokenizer.json").is_file()

@@ -19,13 +19,14 @@ from engine.runtime.budget import DeviceBudget
 from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
+from engine.tiers.frozen import FrozenAdder, read_frozen_async
 from engine.tiers.optimizer import STATE_KINDS, MemoryOptimizerState, OptimizerState, ShardState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_KIND, MemoryParamTier, ParamTier, StoreParamTier
 from engine.tiers.store_checks import unit_state_bytes
 from engine.tiers.store_io import StoreIO
 from engine.zero.partition import ModelLayout, UnitLayout, build_layout
-from offload import TOP, IORunner, ShardStore, read_shard
+from offload import TOP, IORunner, ShardStore, read_shard, unit_arrays
 
 SIZES = (3000, 1000, 5000)  # elements per unit: shards padded to their chunks
 
@@ -85,7 +86,7 @@ class OptimizerKind:
             )
 
         def checkpoints(create: bool) -> MemoryCheckpoints:
-            return MemoryCheckpoints(path, layout, 0, io, create=create, frozen=frozen, dtype=torch.bfloat16)
+            return MemoryCheckpoints(path, layout, 0, io, create=create, frozen=frozen)
 
         state = MemoryOptimizerState(torch.device("cpu"), checkpoints)
         if checkpoint is not None:
@@ -334,10 +335,14 @@ def param_kind(request) -> str:
     return request.param
 
 
+def no_frozen(unit: UnitLayout, values: torch.Tensor) -> None:
+    raise AssertionError(f"unit {unit.name} is not frozen: its shard is the tier's own")
+
+
 def new_param_tier(kind: str, path: Path, layout: ModelLayout, io: StoreIO) -> ParamTier:
     device = Device.detect()
     if kind == "nvme":
-        return StoreParamTier(path / "params", layout, 0, DTYPE, io, buffer_bytes=MIB)
+        return StoreParamTier(path / "params", layout, 0, DTYPE, io, buffer_bytes=MIB, read_frozen=no_frozen)
     return MemoryParamTier(kind == "device", device, DTYPE, DeviceBudget())
 
 
@@ -430,3 +435,28 @@ def test_every_tier_is_a_protocol_tier() -> None:
 def test_shard_state_kinds_are_the_store_arrays() -> None:
     state = ShardState(torch.zeros(1), torch.ones(1), torch.full((1,), 2.0))
     assert [name for name, _ in state.views()] == list(STATE_KINDS) == ["master", "exp_avg", "exp_avg_sq"]
+
+
+def test_the_nvme_parameter_tier_reads_frozen_values_where_the_run_keeps_them(tmp_path, io) -> None:
+    """No second copy in ``params/``: a frozen unit's add writes nothing, its read goes to ``frozen/``."""
+    frozen = {"unit1.frozen": [("bias", nn.Parameter(torch.empty(2500, device="meta"), requires_grad=False))]}
+    units = {"unit0": [("weight", nn.Parameter(torch.empty(3000, device="meta")))]}
+    layout = build_layout(units, world_size=1, max_chunk_numel=MIB // 4, frozen=frozen)
+    [unit], [fixed] = layout.units, layout.frozen
+    values = torch.arange(fixed.shard_numel, dtype=DTYPE)
+    home = ShardStore.create(tmp_path / "store", {}, runner=io.runner)
+    adder = FrozenAdder(lambda: home, layout.frozen, 0, lambda: None)
+    adder.add(fixed, values)
+    tier = StoreParamTier(
+        tmp_path / "store" / "params", layout, 0, DTYPE, io, buffer_bytes=MIB,
+        read_frozen=lambda u, shard: read_frozen_async(home, u, 0, shard),
+    )  # fmt: skip
+    tier.add(unit, master_of(unit, 1).to(DTYPE))
+    tier.add(fixed, torch.zeros(fixed.shard_numel, dtype=DTYPE))  # not written anywhere
+    tier.flush()
+    assert sorted(unit_arrays(tier.store, "").values()) == [("unit0", PARAM_KIND)]
+    fetch = tier.read(fixed)
+    assert torch.equal(fetch.wait(), values)
+    fetch.release()
+    assert torch.equal(read_all(tier, layout)["unit0"], master_of(unit, 1).to(DTYPE))
+    tier.close()

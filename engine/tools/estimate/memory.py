@@ -133,7 +133,7 @@ def _heap_retention(run: RunShape, plan: Plan, device_is_host: bool) -> Footprin
     buckets = sorted((bucket_bytes(u) for u in units), reverse=True)[:MAX_IN_FLIGHT]
     churn = _on(_grad_tier(plan), _heap_sized(shards)) + Footprint(device=_heap_sized(buckets))
     if plan.stage == 3:
-        flats = [array_bytes(u, run.dtype) for u in units]
+        flats = [array_bytes(u, run.dtype) for u in run.layout.all_units]
         gathered = running_units_bytes(run) + prefetch_window_bytes(run)
         churn += Footprint(device=gathered * _heap_sized(flats) // sum(flats))
     return Footprint(host=heap_retention_bytes(churn.rss(device_is_host)))

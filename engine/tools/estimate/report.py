@@ -16,9 +16,10 @@ def format_table(
 ) -> str:
     """Every plan's bytes per tier, and the recommendation, as ``python -m engine estimate`` prints them."""
     shape, world = run.model, run.layout.world_size
+    frozen = f" trained and {run.layout.frozen_numel / 1e6:.1f}M frozen" if run.layout.frozen else ""
     lines = [
         (
-            f"model: {shape.name}, {run.layout.numel / 1e6:.1f}M params ({shape.n_layer} layers, d_model "
+            f"model: {shape.name}, {run.layout.numel / 1e6:.1f}M params{frozen} ({shape.n_layer} layers, d_model "
             f"{shape.d_model}, vocab {shape.vocab_size}, seq {shape.seq_len}), {len(run.layout.units)} units, "
             f"{run.config.precision.compute_dtype}, micro-batch {run.config.data.micro_batch}, {world} rank(s)"
         ),
@@ -56,7 +57,13 @@ def report_json(run: RunShape, estimates: Sequence[PlanEstimate], machine: Machi
     """The same as ``format_table``, as JSON."""
     return json.dumps(
         {
-            "model": dataclasses.asdict(run.model) | {"params": run.layout.numel, "units": len(run.layout.units)},
+            "model": dataclasses.asdict(run.model)
+            | {
+                "params": run.layout.numel,
+                "frozen_params": run.layout.frozen_numel,
+                "units": len(run.layout.units),
+                "frozen_units": len(run.layout.frozen),
+            },
             "world_size": run.layout.world_size,
             "machine": machine.to_dict(),
             "io": run.io,

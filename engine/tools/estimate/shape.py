@@ -14,19 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.build import units_layout
 from engine.config import Config, ConfigError, Tier
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
 from engine.tiers.store_io import settle_io
-from engine.zero.partition import (
-    ROOT_UNIT,
-    ModelLayout,
-    build_layout,
-    find_units,
-    max_chunk_numel,
-    unit_parameters,
-)
+from engine.zero.partition import ROOT_UNIT, ModelLayout, find_units
 from engine.zero.precision import compute_dtype
 
 TIER_ORDER: tuple[tuple[Tier, Tier], ...] = (
@@ -159,7 +153,8 @@ class RunShape:
 
     @property
     def largest_unit(self) -> int:
-        return max(u.padded_numel for u in self.layout.units)
+        """Of every unit the parameters hold, frozen ones too."""
+        return max(u.padded_numel for u in self.layout.all_units)
 
     @property
     def largest_shard(self) -> int:
@@ -222,7 +217,7 @@ def run_shape(
             model = GPT(gpt)
     config, io = settle_io(config, resume=True, measure=False)  # `train` resumes a store that is there
     units = find_units(model, config.zero.unit_classes)
-    layout = build_layout(unit_parameters(model, units), world_size, max_chunk_numel(config.offload.chunk_mb))
+    _, layout = units_layout(model, units, config, world_size)
     blocks = sum(1 for name, _ in units if name != ROOT_UNIT)
     shape = ModelShape.of_gpt(gpt) if gpt is not None else module_shape(model, config.data.seq_len, blocks)
     return RunShape(shape, layout, config, io)

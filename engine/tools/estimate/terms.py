@@ -20,7 +20,7 @@ from engine.tiers.store_checks import unit_state_bytes
 from engine.tools.estimate.shape import Plan, RunShape
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
-from engine.zero.partition import ROOT_UNIT
+from engine.zero.partition import FROZEN_SUFFIX, ROOT_UNIT
 from engine.zero.update import overlaps_backward
 from offload import array_bytes, shard_bytes
 
@@ -39,20 +39,31 @@ large is mapped on its own and returned to the system when freed; only smaller o
 
 
 def construction_transient_bytes(run: RunShape) -> int:
-    """The unit being flattened: its fp32 flat and the compute-dtype copy cast from it
-    (the same buffer in fp32)."""
+    """The unit being flattened (a frozen one too): its fp32 flat and the compute-dtype copy
+    cast from it (the same buffer in fp32)."""
     cast = run.itemsize * run.largest_unit if run.itemsize != FP32 else 0
     return FP32 * run.largest_unit + cast
 
 
 def replicated_param_bytes(run: RunShape) -> int:
-    """Stages 1 and 2: every unit's full compute-dtype flat, on every rank."""
-    return sum(array_bytes(u, run.dtype) for u in run.layout.units)
+    """Stages 1 and 2: every unit's full compute-dtype flat, frozen ones too, on every rank."""
+    return sum(array_bytes(u, run.dtype) for u in run.layout.all_units)
 
 
 def param_shard_bytes(run: RunShape) -> int:
-    """Stage 3 with parameters in memory (``device`` or ``cpu``): the rank's compute-dtype shards."""
-    return sum(shard_bytes(u, run.dtype) for u in run.layout.units)
+    """Stage 3 with parameters in memory (``device`` or ``cpu``): the rank's compute-dtype shards
+    of every unit, frozen ones too (a frozen base lives on the parameter tier)."""
+    return sum(shard_bytes(u, run.dtype) for u in run.layout.all_units)
+
+
+def module_sizes(run: RunShape) -> dict[str, int]:
+    """Padded elements gathered when each unit's module runs: its trainable unit and its frozen
+    one (``FROZEN_SUFFIX``) together."""
+    sizes: dict[str, int] = {}
+    for unit in run.layout.all_units:
+        name = unit.name.removesuffix(FROZEN_SUFFIX)
+        sizes[name] = sizes.get(name, 0) + unit.padded_numel
+    return sizes
 
 
 def running_units_bytes(run: RunShape) -> int:
@@ -60,17 +71,20 @@ def running_units_bytes(run: RunShape) -> int:
     gathered from its forward to the end of backward; a block is gathered while it runs, and
     in backward the next is gathered before the last is released; units under
     ``zero.persistence_threshold`` parameters are never released."""
-    zero, units = run.config.zero, run.layout.units
-    root = sum(u.padded_numel for u in units if u.name == ROOT_UNIT)
-    blocks = [u.padded_numel for u in units if u.name != ROOT_UNIT]
-    persistent = sum(u.padded_numel for u in units if u.numel < zero.persistence_threshold and u.name != ROOT_UNIT)
-    return run.itemsize * (root + sum(sorted(blocks, reverse=True)[:2]) + persistent)
+    zero, sizes = run.config.zero, module_sizes(run)
+    blocks = [size for name, size in sizes.items() if name != ROOT_UNIT]
+    persistent = sum(
+        u.padded_numel
+        for u in run.layout.all_units
+        if u.numel < zero.persistence_threshold and u.name.removesuffix(FROZEN_SUFFIX) != ROOT_UNIT
+    )
+    return run.itemsize * (sizes.get(ROOT_UNIT, 0) + sum(sorted(blocks, reverse=True)[:2]) + persistent)
 
 
 def prefetch_window_bytes(run: RunShape) -> int:
     """Stage 3: the units gathered ahead of use, within ``zero.prefetch_mb``. The window looks
     ahead in the iteration only, so it is full at the start of backward and empty at its end."""
-    blocks = sum(u.padded_numel for u in run.layout.units if u.name != ROOT_UNIT)
+    blocks = sum(size for name, size in module_sizes(run).items() if name != ROOT_UNIT)
     return min(prefetch_bytes(run.config.zero), run.itemsize * blocks)
 
 
@@ -78,7 +92,7 @@ def param_staging_bytes(run: RunShape) -> int:
     """Stage 3, ``offload.param = "nvme"``: the host pool shards are read into, the rank's share
     of the prefetch window plus two of the largest shards (one fetch not foreseen, one write)."""
     window = param_window_bytes(run.config.zero, run.layout.world_size)
-    return param_pool_bytes(run.layout.units, run.dtype, window)
+    return param_pool_bytes(run.layout.all_units, run.dtype, window)
 
 
 def optimizer_state_bytes(run: RunShape) -> int:
@@ -153,12 +167,16 @@ def heap_retention_bytes(churn: int) -> int:
 
 def store_bytes(run: RunShape, plan: Plan) -> int:
     """Disk under ``offload.nvme_path`` for all ranks: the nvme tier's generations of optimizer
-    state (two with ``store.mode = "generations"``, one ``"in-place"``), one copy of the
+    state (two with ``store.mode = "generations"``, one ``"in-place"``), one copy of the trained
     compute-dtype parameters under ``params`` for the nvme parameter tier (derived data, not
-    versioned), and the checkpoints ``[checkpoint]`` keeps (any tier writes those)."""
+    versioned), the checkpoints ``[checkpoint]`` keeps (any tier writes those), and the frozen
+    units' values, once, when the store keeps a step or the parameters are on disk
+    (``engine.tiers.frozen``)."""
     config, layout = run.config, run.layout
     live = optimizer_store_bytes(layout, config.store.mode) if plan.optimizer == "nvme" else 0
-    params = sum(array_bytes(u, run.dtype) for u in layout.units) if plan.param == "nvme" else 0
+    on_disk = plan.param == "nvme"
+    params = sum(array_bytes(u, run.dtype) for u in layout.units) if on_disk else 0
     ckpt = config.checkpoint
     kept = ckpt.keep if ckpt.keep else (config.train.steps // ckpt.interval if ckpt.interval else 0)
-    return live + kept * checkpoint_bytes(layout) + params
+    frozen = sum(array_bytes(u, run.dtype) for u in layout.frozen) if live or kept or on_disk else 0
+    return live + kept * checkpoint_bytes(layout) + params + frozen

@@ -1,0 +1,54 @@
+"""Import, in a fresh process, a pretrained checkpoint into a stage-3 store with everything on
+nvme, and print what the import added to the process's resident set, as one JSON line.
+
+``python -m tests.engine.import_probe FOLDER STORE BUFFER_MB``. The high-water mark (VmHWM) is
+reset once the model is built on the meta device, so the peak is the import's alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import psutil
+import torch
+
+from engine.config import Config
+from engine.engine import Engine
+from engine.run.pretrained import pretrained_model
+from engine.runtime.heap import return_freed_buffers
+from engine.tiers.sizing import optimizer_buffer_bytes, param_pool_bytes, param_window_bytes
+
+
+def high_water_bytes() -> int:
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+
+
+def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
+    return_freed_buffers()  # as python -m engine train does
+    model, init = pretrained_model(folder, seq_len=32)
+    settings = {
+        "zero": {"stage": 3, "prefetch_mb": 8},
+        "offload": {"optimizer": "nvme", "param": "nvme", "nvme_path": store, "buffer_mb": buffer_mb},
+        "precision": {"compute_dtype": "fp32"},
+    }
+    config = Config.from_dict(settings | {"offload": settings["offload"] | {"chunk_mb": 4, "io_threads": 4}})
+    before = psutil.Process().memory_info().rss
+    Path("/proc/self/clear_refs").write_text("5")
+    eng = Engine(model, config, init_unit=init)
+    layout, offload = eng.layout, eng.config.offload
+    window = param_window_bytes(eng.config.zero, 1)
+    eng.close()
+    return {
+        "added_peak": high_water_bytes() - before,
+        "largest_unit": max(u.padded_numel for u in layout.all_units) * 4,
+        "buffers": optimizer_buffer_bytes(offload, layout.units)
+        + param_pool_bytes(layout.all_units, torch.float32, window),
+        "params": layout.numel + layout.frozen_numel,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
