@@ -19,6 +19,7 @@ from engine.config import Config
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
+from engine.runtime.sizes import FP32
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.grad_spill import GradSpill
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
@@ -157,6 +158,7 @@ def optimizer_state(
         resume=resume,
         checkpoint=checkpoint,
         mode=config.store.mode,
+        scratch_bytes=FP32 * sum(u.padded_numel for u in layout.units) if spills_gradients(config) else 0,
     )
 
 

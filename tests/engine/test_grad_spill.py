@@ -13,6 +13,7 @@ import torch
 from engine.config import ConfigError
 from engine.engine import Engine
 from engine.tiers.grad_spill import scratch_path
+from engine.tiers.store_checks import store_bytes
 from engine.zero.update import spills_gradients
 from offload import OffloadIOError, ShardStore
 from tests.engine.test_nvme_tier import FailingOps
@@ -179,3 +180,18 @@ def test_auto_spills_where_the_update_waits_on_nvme(sections: dict, spills: bool
 def test_spill_true_where_it_cannot_is_refused(sections: dict, says: str, tmp_path) -> None:
     with pytest.raises(ConfigError, match=rf"^offload.grad_spill = True: .*{says}"):
         nvme(tmp_path, True, **sections)
+
+
+def test_the_disk_check_counts_the_spilled_gradients(tmp_path, monkeypatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    probe = Engine(tiny_gpt(), nvme(tmp_path / "probe", False), total_steps=1)
+    free = store_bytes(probe.layout) + 4096  # the store fits, its spilled gradients do not
+    probe.close()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - free, free))
+    with pytest.raises(OSError, match=r"spilled gradients \(offload.grad_spill; false keeps them in memory\)"):
+        Engine(tiny_gpt(), nvme(tmp_path / "a"), total_steps=1)
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+    Engine(tiny_gpt(), nvme(tmp_path / "b", False), total_steps=1).close()

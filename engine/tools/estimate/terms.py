@@ -108,13 +108,16 @@ def grad_shard_bytes(run: RunShape) -> int:
 
 
 def spill_staging_bytes(run: RunShape) -> int:
-    """Spilled gradients (``engine.tiers.grad_spill``): the spill's buffer pool, which grows up to
-    ``spill_buffer_bytes`` (or to every shard, if fewer) and keeps what it allocated; 0 when the
-    gradients are not spilled."""
+    """Spilled gradients (``engine.tiers.grad_spill``): the spill's buffer pool, which keeps what it
+    allocated: the shards its pipeline's window holds (writes behind backward, reads ahead of the
+    update; one always may be, however large) and the one being filled or used, and never more
+    than every shard; 0 when the gradients are not spilled."""
     if not spills_gradients(run.config):
         return 0
     units = run.layout.units
-    return min(spill_buffer_bytes(run.config.offload, units), sum(unit_grad_shard_bytes(u) for u in units))
+    shards = [unit_grad_shard_bytes(u) for u in units]
+    window = spill_buffer_bytes(run.config.offload, units) // 2  # the pipeline's, as ``GradSpill`` opens it
+    return min(max(window, max(shards)) + max(shards), sum(shards))
 
 
 def scratch_bytes(run: RunShape, plan: Plan) -> int:
