@@ -71,7 +71,7 @@ def test_no_gradient_shard_is_in_memory_at_the_step(tmp_path) -> None:
     eng.close()
 
 
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_two_gloo_ranks_spilled_match_in_memory_bit_for_bit(stage: int, tmp_path) -> None:
     """(The clip threshold bites on two ranks too: ``test_equivalence``.)"""
     spilled = run_ranks(2, train_engine_on_ranks, nvme(tmp_path / "a", zero={"stage": stage}), STEPS, 2)
