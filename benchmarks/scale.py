@@ -11,6 +11,14 @@ counter, gives the resident memory before the engine for comparison) and the sto
 size on disk. Each size runs in a fresh process, so that its peak memory is its own
 (`benchmarks.runs.run_isolated`).
 
+With ``--clipping`` it measures instead what gradient clipping costs in memory: each size
+runs three times, with clipping (``optim.grad_clip``, the default; on nvme each unit's gradient
+shard is spilled to the store during backward, ``offload.grad_spill``), with clipping and the
+gradient shards kept in memory until the step (``offload.grad_spill = false``), and without
+clipping; the table gives each one's peak RSS and its ratio to the unclipped run's.
+
+    python -m benchmarks.scale --clipping --sizes 100 --plan s2-nvme --seq_len 64 --micro_batch 1
+
 Two linear fits against parameters are printed: of the step time (what each extra
 million parameters costs a step; the intercept is the fixed cost) and of the peak
 RSS (the host bytes each extra parameter costs: the fp32 masters and moments alone
@@ -28,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.plans import PLANS
+from benchmarks.plans import PLANS, TierPlan
 from benchmarks.plots import line_panels
 from benchmarks.report import Row, base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import RunResult, Schedule, add_schedule_arguments, run_isolated, schedule_from
@@ -77,6 +85,42 @@ def size_row(run: RunResult) -> Row:
     }
 
 
+CLIPPING = {
+    "clipped, gradients spilled": {},
+    "clipped, gradients in memory": {"offload": {"grad_spill": False}},
+    "not clipped": {"optim": {"grad_clip": 0.0}},
+}
+"""The runs ``--clipping`` compares at each size: config sections on top of the plan's."""
+
+
+def compare_clipping(
+    sizes: list[float], plan: TierPlan, schedule: Schedule, work: Path, data: dict[str, int]
+) -> list[Row]:
+    """Each size run with clipping (spilled and in memory) and without: peak RSS, and its ratio
+    to the unclipped run's."""
+    rows: list[Row] = []
+    for millions in sizes:
+        peaks: dict[str, RunResult] = {}
+        for name, sections in CLIPPING.items():
+            store = work / f"{millions:g}M-{len(peaks)}"
+            config = plan.config(store, {"model": {"params": millions * 1e6}, "data": data, **sections})
+            peaks[name] = run_isolated(config, schedule)
+            shutil.rmtree(store, ignore_errors=True)
+        unclipped = peaks["not clipped"].peak_rss_bytes
+        for name, run in peaks.items():
+            rows.append(
+                {
+                    "params M": run.params / 1e6,
+                    "run": name,
+                    "peak RSS MB": run.peak_rss_bytes / 1e6,
+                    "x unclipped": run.peak_rss_bytes / unclipped,
+                    "step s": run.median("seconds"),
+                    "GB moved": (run.median("bytes_read") + run.median("bytes_written")) / 1e9,
+                }
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -85,27 +129,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nargs="+",
         help=f"millions of parameters (default {' '.join(map(str, FULL_SIZES))}, --quick {' '.join(map(str, QUICK_SIZES))})",
     )
-    parser.add_argument(
-        "--plan", choices=list(PLANS), default=DEFAULT_PLAN, help=f"tier plan (default {DEFAULT_PLAN})"
-    )
-    parser.add_argument(
-        "--dir", type=Path, default=Path("."), help="directory on the disk for the stores (default .)"
-    )
+    parser.add_argument("--plan", choices=list(PLANS), default=DEFAULT_PLAN, help=f"tier plan (default {DEFAULT_PLAN})")
+    parser.add_argument("--dir", type=Path, default=Path("."), help="directory on the disk for the stores (default .)")
+    parser.add_argument("--clipping", action="store_true", help="peak RSS with and without gradient clipping")
+    parser.add_argument("--seq_len", type=int, help="tokens per sequence (default the config's)")
+    parser.add_argument("--micro_batch", type=int, help="sequences per micro-batch (default the config's)")
     add_schedule_arguments(parser, FULL, QUICK)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     sizes = sorted(args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES))
-    if len(sizes) < 2:
-        parser.error("--sizes needs at least two sizes to fit a line")
     schedule = schedule_from(args, FULL, QUICK)
     plan = PLANS[args.plan]
-
+    data = {key: value for key in ("seq_len", "micro_batch") if (value := getattr(args, key)) is not None}
     args.dir.mkdir(parents=True, exist_ok=True)
+    if args.clipping:
+        with tempfile.TemporaryDirectory(prefix="bench-clip-", dir=args.dir) as work:
+            rows = compare_clipping(sizes, plan, schedule, Path(work), data)
+        print_table(f"Peak RSS with and without clipping, {plan.label}, one process per run", rows)
+        result = {
+            "plan": dataclasses.asdict(plan),
+            "schedule": dataclasses.asdict(schedule),
+            "data": data,
+            "rows": rows,
+        }
+        save_json(args.out, "scale-clipping", result)
+        return result
+    if len(sizes) < 2:
+        parser.error("--sizes needs at least two sizes to fit a line")
+
     runs: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=args.dir) as work:
         for millions in sizes:
             store = Path(work) / f"{millions:g}M"
-            runs.append(run_isolated(plan.config(store, {"model": {"params": millions * 1e6}}), schedule))
+            runs.append(run_isolated(plan.config(store, {"model": {"params": millions * 1e6}, "data": data}), schedule))
             shutil.rmtree(store, ignore_errors=True)  # measured by the run; the next size needs the disk
     rows = [size_row(run) for run in runs]
     params = [float(run.params) for run in runs]

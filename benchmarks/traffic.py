@@ -8,7 +8,10 @@ A step of a tier plan moves, per unit and on one rank:
 - parameter shards on ``nvme`` (stage 3): the compute-dtype shard, read before the unit's
   forward and again before its backward, and the updated shard written once. They are
   derived from the masters, so the engine keeps one copy, rewritten in place each step,
-  outside the generations.
+  outside the generations;
+- spilled gradients (``offload.grad_spill``, with clipping or loss scaling): the fp32 gradient
+  shard, written in backward and read back with the unit's optimizer state, in one scratch
+  copy outside the generations.
 
 Tiers held in memory move nothing through the store (on a CPU-only build the ``cpu``
 tier is the device's own memory). The bytes go through the same offload parts as the
@@ -36,13 +39,16 @@ import torch
 
 from benchmarks.plans import TierPlan
 from engine.config import Config, OffloadConfig
+from engine.tiers.grad_spill import GRAD
 from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.parameters import PARAM_KIND, PARAM_STORE
 from engine.tiers.sizing import optimizer_buffer_bytes, read_ahead_bytes
 from engine.tiers.store_io import settle_io
 from engine.zero.partition import ModelLayout, UnitLayout
 from engine.zero.precision import compute_dtype
+from engine.zero.update import spills_gradients
 from offload import (
+    SCRATCH,
     BufferPool,
     HostBuffer,
     IORunner,
@@ -98,21 +104,25 @@ def _packed(unit: UnitLayout, kinds: list[tuple[str, torch.dtype]]) -> tuple[Seg
     return tuple(segments)
 
 
-def step_transfers(layout: ModelLayout, plan: TierPlan, param_dtype: torch.dtype) -> list[Transfer]:
-    """Every transfer of one step of ``plan``, in the order the step makes them; empty when
-    nothing is on nvme."""
+def step_transfers(
+    layout: ModelLayout, plan: TierPlan, param_dtype: torch.dtype, spill: bool = False
+) -> list[Transfer]:
+    """Every transfer of one step of ``plan``, in the order the step makes them (``spill``: the
+    gradient shards spilled in backward and read back for the update); empty when nothing is on nvme."""
     param = [(PARAM_KIND, param_dtype)] if plan.param == "nvme" else []
     state = [(kind, torch.float32) for kind in STATE_KINDS] if plan.optimizer == "nvme" else []
+    grad = [(GRAD, torch.float32)] if spill else []
     transfers: list[Transfer] = []
     if param:
         fetch = {u.name: _packed(u, param) for u in layout.units}
         transfers += [Transfer(u, "forward", fetch[u.name], ()) for u in layout.units]
-        transfers += [Transfer(u, "backward", fetch[u.name], ()) for u in reversed(layout.units)]
+    if param or grad:
+        transfers += [Transfer(u, "backward", _packed(u, param), _packed(u, grad)) for u in reversed(layout.units)]
     if param or state:
         for unit in layout.units:
-            segments = _packed(unit, state + param)
-            reads = tuple(s for s in segments if s.kind in STATE_KINDS)
-            transfers.append(Transfer(unit, "optimizer", reads, segments))
+            segments = _packed(unit, state + param + grad)
+            reads = tuple(s for s in segments if s.kind in STATE_KINDS or s.kind == GRAD)
+            transfers.append(Transfer(unit, "optimizer", reads, tuple(s for s in segments if s.kind != GRAD)))
     return transfers
 
 
@@ -148,9 +158,10 @@ class StoreTraffic:
 
     @staticmethod
     def _prefix(generation: int, segment: Segment) -> str:
-        """Where a segment lives: optimizer state in a generation, parameter shards in their one
-        copy (the engine's parameter store, here a group of the one store)."""
-        return PARAM_STORE if segment.kind == PARAM_KIND else generation_prefix(generation)
+        """Where a segment lives: optimizer state in a generation, parameter shards and spilled
+        gradients in their one copy (the engine's parameter and scratch stores, here groups of
+        the one store)."""
+        return {PARAM_KIND: PARAM_STORE, GRAD: SCRATCH}.get(segment.kind, generation_prefix(generation))
 
     def _move(self, generation: int, write: bool, transfer: Transfer, buf: HostBuffer) -> None:
         """Read or write the transfer's segments (one rank: a shard is its whole array)."""
@@ -214,7 +225,7 @@ def measure_movement(path: Path, layout: ModelLayout, config: Config, plan: Tier
     second generation's files for the first time), with ``config``'s ``[offload]`` settings and
     ``store.mode``, in a store at ``path`` deleted afterwards."""
     config, _ = settle_io(config, resume=False)  # as the engine settles "auto" I/O settings
-    transfers = step_transfers(layout, plan, compute_dtype(config.precision.compute_dtype))
+    transfers = step_transfers(layout, plan, compute_dtype(config.precision.compute_dtype), spills_gradients(config))
     if not transfers:
         return Movement(0.0, [], 0, 0)
     bytes_read = sum(s.nbytes for t in transfers for s in t.reads)

@@ -19,12 +19,14 @@ from engine.config import Config
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
+from engine.runtime.sizes import FP32
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.frozen import read_frozen_async
+from engine.tiers.grad_spill import GradSpill
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
-from engine.tiers.sizing import optimizer_buffer_bytes, param_window_bytes, prefetch_bytes
+from engine.tiers.sizing import optimizer_buffer_bytes, param_window_bytes, prefetch_bytes, spill_buffer_bytes
 from engine.tiers.store_checks import check_buffer_memory
 from engine.tiers.store_io import StoreIO
 from engine.zero.buffers import materialize_buffers_
@@ -42,6 +44,7 @@ from engine.zero.partition import (
     unit_parameters,
 )
 from engine.zero.recompute import checkpoint_forward
+from engine.zero.update import spills_gradients
 from offload import ShardStore
 
 logger = logging.getLogger(__name__)
@@ -166,6 +169,7 @@ def optimizer_state(
         resume=resume,
         checkpoint=checkpoint,
         mode=config.store.mode,
+        scratch_bytes=FP32 * sum(u.padded_numel for u in layout.units) if spills_gradients(config) else 0,
     )
 
 
@@ -231,9 +235,11 @@ def gradients(
     budget: DeviceBudget,
     params: ReplicatedParams | ShardedParams,
     opt_device: torch.device,
-) -> GradientShards:
-    """The gradient buckets and shards, on the optimizer's device."""
-    return GradientShards(
+    io: StoreIO,
+) -> tuple[GradientShards, GradSpill | None]:
+    """The gradient buckets and shards, on the optimizer's device, and where final shards wait
+    on disk for the step (``grad_spill``), if they do."""
+    shards = GradientShards(
         layout,
         owned,
         comm,
@@ -245,6 +251,17 @@ def gradients(
         pin_memory=device.pin_memory and opt_device.type == "cpu",
         after_reduce=params.release_after_backward,
     )
+    return shards, grad_spill(config, layout, comm.rank, io)
+
+
+def grad_spill(config: Config, layout: ModelLayout, rank: int, io: StoreIO) -> GradSpill | None:
+    """This rank's spill of final gradient shards to the nvme store's scratch folder, where the
+    update waits for every gradient (``offload.grad_spill``), else None. Built after the
+    optimizer tier, whose writer has swept the last run's scratch folder by then."""
+    if not spills_gradients(config):
+        return None
+    buffer = spill_buffer_bytes(config.offload, layout.units)
+    return GradSpill(config.offload.nvme_path, layout, rank, io, buffer_bytes=buffer)
 
 
 def build_units(

@@ -79,6 +79,12 @@ class OffloadConfig:
     """Store a CRC-32C with every chunk and verify it on every read."""
     direct_io: bool = True
     """Use O_DIRECT where the filesystem allows it (falls back by itself where it does not)."""
+    grad_spill: bool | Literal["auto"] = "auto"
+    """Spill each unit's final gradient shard to the store's ``scratch`` folder during backward
+    and read it back with its optimizer state at the step, when the update must wait for every
+    gradient (clipping, loss scaling): host memory then holds no gradient shard of the whole
+    model. ``auto``: whenever the optimizer is on ``nvme`` and the update waits (stages 2 and 3;
+    stage 1 reduces every gradient at the step)."""
 
 
 @dataclass
@@ -301,6 +307,7 @@ class Config:
             o.io_threads,
             'must be in [1, 64] (or "auto")',
         )
+        self._check_spill()
         _check(
             p.compute_dtype != "fp16" or p.loss_scaling != "none",
             "precision.loss_scaling",
@@ -321,6 +328,37 @@ class Config:
         _check(opt.decay_steps >= 0, "optim.decay_steps", opt.decay_steps, "must be >= 0")
         _check(0 <= opt.min_lr_ratio <= 1, "optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")
         self._check_run()
+
+    def _check_spill(self) -> None:
+        """``offload.grad_spill = true`` only where there is a store to spill to and a shard
+        that waits for the step."""
+        from engine.zero.update import overlaps_backward  # the update's own rule, which imports this module
+
+        spill = self.offload.grad_spill
+        if spill is not True:
+            return
+        key = "offload.grad_spill"
+        _check(
+            self.offload.optimizer == "nvme",
+            key,
+            spill,
+            f'spills gradients to the nvme store, but offload.optimizer = "{self.offload.optimizer}": set '
+            f'offload.optimizer = "nvme", or grad_spill = "auto"',
+        )
+        _check(
+            self.zero.stage >= 2,
+            key,
+            spill,
+            "needs zero.stage >= 2 (stage 1 reduces every gradient at the step, so none is final before it); "
+            'set zero.stage = 2, or grad_spill = "auto"',
+        )
+        _check(
+            not overlaps_backward(self),
+            key,
+            spill,
+            "has nothing to spill: without clipping or loss scaling each unit is updated as its gradient is "
+            'reduced (optim.overlap); set grad_spill = "auto"',
+        )
 
     def _check_run(self) -> None:
         """The model, data, loop and checkpoint sections."""

@@ -100,12 +100,12 @@ class Engine:
             materialize=on_meta,
             resume=resume,
         )
-        self.grads = build.gradients(
-            config, self.layout, owned, self.comm, self.device, self.budget, self.params, opt_device
+        self.grads, spill = build.gradients(
+            config, self.layout, owned, self.comm, self.device, self.budget, self.params, opt_device, self.io
         )
         self.params.hook(dict(units), unit_needs(model, units, owned))
         self.params.check_fits({u.name: bucket_bytes(u) * u.trainable for u in self.layout.all_units}, MAX_IN_FLIGHT)
-        self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, model, opt_device)
+        self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, model, opt_device, spill)
         self.scaler = LossScaler(config.precision)
         self._start_counting()
         if resume:
@@ -300,9 +300,8 @@ class Engine:
                 self.optimizer_state.flush()
                 lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
                 self.last_lr = lr
-                self._update = Update(self._update_order(), self.optimizer_state, lambda u, s: self._apply(u, s, lr))
-                self.math.unit_norms = {}
-                self.grads.on_ready = self._update.ready if self.math.overlap else None
+                self._update = Update(self._update_order(), self.optimizer_state, lambda *u: self._apply(*u, lr=lr))
+                self.grads.on_ready = self.math.begin(self._update, self.scaler)
             scaled = self.scaler.scale_loss(loss)
             (scaled / accum if accum > 1 else scaled).backward()
             self.grads.end_backward()
@@ -336,7 +335,7 @@ class Engine:
         with self._within_step():
             update = self._take_update()
             grads = self.grads.final_shards()
-            overflow = self.scaler.unscale_and_check(grads, self.comm)
+            overflow = self.scaler.unscale_and_check(grads, self.comm, self.math.found_inf)
             self.scaler.update(overflow)
             if overflow:
                 update.abandon()
@@ -366,7 +365,7 @@ class Engine:
             update.apply_remaining()
             diverged = self.math.check_unit_norms()
         else:
-            diverged = self.math.check_norm(grads, self.scaler.enabled)
+            diverged = self.math.check_norm(grads)
         if diverged is not None:
             self._diverge(update, diverged)
         if not self.math.overlap:
@@ -395,14 +394,14 @@ class Engine:
         self._phase = StepPhase.DIVERGED
         raise DivergedError(self._diverged)
 
-    def _apply(self, unit: UnitLayout, state: ShardState, lr: float) -> None:
+    def _apply(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor | None, *, lr: float) -> None:
         """One unit's update (``StepMath.apply``), as the step's ``Update`` calls it."""
-        self.math.apply(unit, state, lr)
+        self.math.apply(unit, state, lr, grad)
 
     def _record_stats(self, update: Update) -> None:
         started, self._step_started = self._step_started or StepClock.now(), None
         self.last_step_stats = measure_step(
-            started, update, self.optimizer_state, self.params, self.budget, self.device, self.io.costs
+            started, update, self.optimizer_state, self.params, self.budget, self.device, self.io.costs, self.math.spill
         )
 
     def gathered(self):
@@ -493,6 +492,7 @@ class Engine:
             self._phase = StepPhase.CLOSED
             self.grads.close()
             self.params.close()
+            self.math.close()  # removes the spilled gradients
             self.io.close()  # after every tier: the writes still in flight land before the lock goes
             if self._store_lock is not None:
                 self._store_lock.release()

@@ -10,6 +10,7 @@ from offload.io import IORunner, OffloadIOError
 from offload.lock import StoreLock, StoreLockedError, describe_holder, read_holder
 from offload.manifest import ManifestError, commit, read_committed
 from offload.metadata import FORMAT_VERSION, ArrayInfo, group_attrs
+from offload.nodes import SCRATCH
 from offload.pipeline import Pipeline, PipelineStats, ReadAhead
 from offload.shards import (
     TOP,
@@ -35,6 +36,7 @@ __all__ = [
     "DIRECT_ALIGN",
     "FORMAT_VERSION",
     "KEEP",
+    "SCRATCH",
     "STAGES",
     "TOP",
     "ArrayInfo",

@@ -5,6 +5,8 @@ Groups and arrays are directories, so each of these is a rename made durable by 
 the directories it changed; zarr metadata holds no paths, so it stays valid wherever a
 node goes. A crash mid-operation leaves only a top-level leftover under a name no node
 can have (`.staging-*`, `.trash-*`), which the store's one writer sweeps before it writes.
+So is the `scratch` folder: per-rank stores of data that lives within one step (spilled
+gradients), never part of a commit, and left behind only by a run that stopped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ log = logging.getLogger("offload.store")
 # Top-level names of groups being built or removed: never a valid node name, swept by the writer.
 STAGING = ".staging-"
 TRASH = ".trash-"
+SCRATCH = "scratch"
+"""Top-level folder of per-rank scratch stores (not a node: no zarr.json), swept by the writer."""
 
 
 class NodeOps:
@@ -152,10 +156,11 @@ class NodeOps:
 
     def sweep(self) -> None:
         """Remove what interrupted operations left behind: half-built groups (`build`),
-        half-removed ones (`delete`) and temporary metadata files. For the store's one writer,
+        half-removed ones (`delete`), scratch stores and temporary metadata files. For the store's one writer,
         before it writes: nothing else refers to them."""
         for entry in self.path.iterdir():
-            if entry.name.startswith((STAGING, TRASH)) and entry.is_dir() and not entry.is_symlink():
+            leftover = entry.name.startswith((STAGING, TRASH)) or entry.name == SCRATCH
+            if leftover and entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
                 log.info("removed %s, left by an interrupted run", entry)
             elif entry.is_file() and (

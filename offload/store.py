@@ -77,9 +77,12 @@ class ShardStore(NodeOps):
         direct_io: bool,
         file_ops: FileOps | None,
         costs: CostAccount | None = None,
+        scratch: bool = False,
     ) -> None:
         self.path = root
         self.checksum = checksum
+        self.scratch = scratch
+        """Its chunks hold data for one step only: `sync` never makes them durable."""
         self._attrs = attrs
         self._runner = runner
         self._files = ChunkFiles(root, file_ops if file_ops is not None else FileOps(), direct_io, costs)
@@ -119,6 +122,8 @@ class ShardStore(NodeOps):
         overwrite: bool = False,
         file_ops: FileOps | None = None,
         beside: Collection[str] = (),
+        scratch: bool = False,
+        costs: CostAccount | None = None,
     ) -> ShardStore:
         """Create an empty store at `path` with group attributes `attrs`.
 
@@ -126,6 +131,9 @@ class ShardStore(NodeOps):
         existing store (or empty directory) at `path` is replaced; anything
         else there is left alone and refused. The entries named in `beside`
         (another store nested in the folder) are neither the store's nor in its way.
+        Its I/O is accounted in `costs` (as `open`'s).
+        A `scratch` store's chunk writes are never fsynced: what it holds is rewritten
+        before it is read again, and a crash loses nothing that matters.
         """
         root = Path(path)
         if FORMAT_KEY in attrs:
@@ -150,7 +158,16 @@ class ShardStore(NodeOps):
                     entry.unlink()
         marker = {"version": FORMAT_VERSION, "checksum": checksum}
         create_group(root, {**attrs, FORMAT_KEY: marker})
-        store = cls(root, dict(attrs), runner=runner, checksum=checksum, direct_io=direct_io, file_ops=file_ops)
+        store = cls(
+            root,
+            dict(attrs),
+            runner=runner,
+            checksum=checksum,
+            direct_io=direct_io,
+            file_ops=file_ops,
+            costs=costs,
+            scratch=scratch,
+        )
         store._pending_files.add(str(root / "zarr.json"))
         store._pending_dirs.update((str(root), str(root.parent)))
         log.debug("created offload store %s (checksum=%s)", root, checksum)
@@ -317,6 +334,8 @@ class ShardStore(NodeOps):
         if crcs is not None and len(crcs) != buf.size // info.chunk_bytes:
             raise ValueError(f"write {name!r}: {len(crcs)} CRCs for {buf.size // info.chunk_bytes} chunks")
         future = self._submit_chunks("write", name, info, first, buf, aligned, self._files.write, crcs)
+        if self.scratch:
+            return future  # never synced, so not recorded for `sync`
         with self._lock:
             self._pending_writes.append((name, first, buf.size // info.chunk_bytes, future))
             self._pending_dirs.add(str(chunk_dir(self.path, name)))

@@ -82,7 +82,10 @@ class StoreOptimizerState:
         resume: bool = False,
         checkpoint: str | None = None,
         mode: str = GENERATIONS,
+        scratch_bytes: int = 0,
     ):
+        """``scratch_bytes``: the disk the run's spilled gradients take beside the store, all ranks
+        (``engine.tiers.grad_spill``), checked with the store's own before a new store is made."""
         self.mode = store_mode(mode)
         check_buffer(layout, buffer_bytes)
         self.layout, self.rank = layout, rank
@@ -96,7 +99,7 @@ class StoreOptimizerState:
         self._held: dict[str, HostBuffer] = {}
         self._copy_bytes = window  # a checkpoint copy's buffer: room for it beside a read-ahead's window
         if self.leader and not resume:
-            check_nvme_path(path, layout, mode)
+            check_nvme_path(path, layout, mode, scratch_bytes)
             attrs = {"layout": layout.to_dict(), MODE_ATTR: mode}
             abandoned = check_new(path, self.runner)
             ShardStore.create(

@@ -13,6 +13,7 @@ import torch
 
 from engine.config import OffloadConfig, ZeroConfig
 from engine.runtime.sizes import MIB
+from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.store_checks import IN_PLACE, store_bytes, unit_state_bytes
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import shard_bytes
@@ -57,6 +58,16 @@ def read_ahead_bytes(buffer_bytes: int) -> int:
     while the window is full (``offload.Pipeline``). Its loads run chunk by chunk on every I/O
     thread, so a window holding one large unit keeps them all as busy as many small ones."""
     return buffer_bytes // 2
+
+
+def spill_buffer_bytes(offload: OffloadConfig, units: Iterable[UnitLayout]) -> int:
+    """The host pool of gradient shards spilled to the store (``engine.tiers.grad_spill``): a
+    third of the optimizer tier's, as a gradient is a third of a unit's optimizer state, so its
+    read-ahead keeps pace with the state's; at least two of the largest shards (one written
+    while the next is filled)."""
+    units = list(units)
+    largest = max(shard_bytes(u, torch.float32) for u in units)
+    return max(optimizer_buffer_bytes(offload, units) // len(STATE_KINDS), 2 * largest)
 
 
 def checkpoint_bytes(layout: ModelLayout) -> int:

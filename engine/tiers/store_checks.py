@@ -84,8 +84,9 @@ def check_buffer_memory(layout: ModelLayout, buffer_bytes: int, available_bytes:
         )
 
 
-def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS) -> None:
-    """Refuse, before any work, a path that cannot hold the store (missing rights or space)."""
+def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS, scratch_bytes: int = 0) -> None:
+    """Refuse, before any work, a path that cannot hold the store and the run's spilled gradients
+    (``scratch_bytes``) (missing rights or space)."""
     parent = path if path.exists() else path.parent
     if not parent.exists():
         raise FileNotFoundError(
@@ -93,19 +94,24 @@ def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS) ->
         )
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"offload.nvme_path = {str(path)!r}: {parent} is not writable; choose a writable folder")
-    need, free = store_bytes(layout, mode), shutil.disk_usage(parent).free
+    need, free = store_bytes(layout, mode) + scratch_bytes, shutil.disk_usage(parent).free
     if need > free:
-        in_place = store_bytes(layout, IN_PLACE)
+        in_place = store_bytes(layout, IN_PLACE) + scratch_bytes
         hint = (
             f'; store.mode = "in-place" needs {in_place / GIB:.2f} GiB (one generation rewritten each step; '
             f"after a crash mid-step only an explicit checkpoint resumes)"
             if mode != IN_PLACE and in_place <= free
             else "; free some space or choose another nvme_path"
         )
+        spilled = (
+            f" and {scratch_bytes / GIB:.2f} GiB of spilled gradients (offload.grad_spill; false keeps them in memory)"
+            if scratch_bytes
+            else ""
+        )
         raise OSError(
             f"offload.nvme_path = {str(path)!r}: the store needs {need / GIB:.2f} GiB "
-            f"({LIVE_GENERATIONS[mode]} generation(s) of fp32 master, exp_avg and exp_avg_sq, store.mode = {mode!r}) "
-            f"but only {free / GIB:.2f} GiB are free there{hint}"
+            f"({LIVE_GENERATIONS[mode]} generation(s) of fp32 master, exp_avg and exp_avg_sq, store.mode = {mode!r}"
+            f"{spilled}) but only {free / GIB:.2f} GiB are free there{hint}"
         )
 
 

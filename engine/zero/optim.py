@@ -79,7 +79,23 @@ def grad_norm(pieces: list[torch.Tensor], comm: Comm) -> torch.Tensor:
     order, it is torch's norm bit for bit. Over several ranks a parameter spans shards, so
     each rank's norm is squared and summed over ranks (in float64).
     """
-    local = torch.nn.utils.get_total_norm(pieces)
+    return global_norm(torch.nn.utils.get_total_norm(pieces), comm)
+
+
+def piece_norms(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each host tensor's L2 norm as ``get_total_norm`` takes it (one foreach pass, whose result
+    for a tensor does not depend on the others in the list), to be combined later by
+    ``norm_of_norms``: the pieces need not all be in memory at once."""
+    return list(torch._foreach_norm(pieces, 2.0))
+
+
+def norm_of_norms(norms: list[torch.Tensor]) -> torch.Tensor:
+    """``get_total_norm`` of the pieces whose ``piece_norms`` these are, in the same order."""
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def global_norm(local: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The norm over every rank of each rank's ``local`` norm (squared, summed in float64)."""
     if comm.world_size == 1:
         return local
     total = math.sqrt(comm.all_reduce_value(float(local) ** 2, op="sum"))

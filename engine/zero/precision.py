@@ -37,20 +37,27 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
 
-    def unscale_and_check(self, grads: list[torch.Tensor], comm: Comm) -> bool:
+    def unscale_and_check(self, grads: list[torch.Tensor], comm: Comm, found_inf: torch.Tensor | None = None) -> bool:
         """Divide ``grads`` by the scale in place; True if any rank's gradients hold inf/nan.
 
         One fused pass does both the check and the unscale; the flag is then agreed on by
-        all ranks, because a step must be skipped everywhere or nowhere.
+        all ranks, because a step must be skipped everywhere or nowhere. ``found_inf`` is the
+        flag of gradients already unscaled (``unscale_``: spilled ones, as each was made).
         """
-        if not self.enabled or not grads:
+        if not self.enabled:
             return False
-        device = grads[0].device
-        found_inf = torch.zeros(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            grads, found_inf, torch.full((1,), 1.0 / self.scale, device=device)
-        )
-        return comm.all_reduce_value(found_inf.item(), op="max") > 0
+        found = torch.zeros(1) if found_inf is None else found_inf
+        if grads:
+            found = found.to(grads[0].device)
+            self.unscale_(grads, found)
+        return comm.all_reduce_value(found.item(), op="max") > 0
+
+    def unscale_(self, grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+        """Divide ``grads`` by the scale in place, setting ``found_inf`` (one element, on their
+        device) if any holds inf/nan. Elementwise, so unscaling shard by shard gives the bits
+        of one pass over all of them."""
+        inv_scale = torch.full((1,), 1.0 / self.scale, device=found_inf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
     def update(self, overflow: bool) -> None:
         """Back off after an overflow; grow after ``growth_interval`` clean steps (dynamic mode)."""

@@ -21,6 +21,7 @@ from offload import CostAccount, per_gb
 if TYPE_CHECKING:
     from engine.runtime.budget import DeviceBudget
     from engine.runtime.device import Device
+    from engine.tiers.grad_spill import GradSpill
     from engine.tiers.optimizer import OptimizerState
     from engine.zero.params import ReplicatedParams, ShardedParams
     from engine.zero.update import Update
@@ -39,7 +40,7 @@ class StepStats:
     optimizer_s: float = 0.0
     """Spent in the AdamW update itself (on the step's thread or hidden in backward)."""
     bytes_read: int = 0
-    """Bytes read from the store (optimizer state and parameter shards)."""
+    """Bytes read from the store (optimizer state, spilled gradients and parameter shards)."""
     bytes_written: int = 0
     """Bytes written to the store."""
     prefetch_hits: int = 0
@@ -102,12 +103,17 @@ def measure_step(
     budget: DeviceBudget,
     device: Device,
     costs: CostAccount,
+    spill: GradSpill | None = None,
 ) -> StepStats:
     """The step started at ``started`` and just ended, from the counters each part keeps (and
-    resets as they are taken); ``costs`` is the account of every store's I/O."""
+    resets as they are taken); ``costs`` is the account of every store's I/O; gradients spilled
+    to disk count as optimizer-state I/O."""
     ended = StepClock.now()
     io = costs.take()
     reads, writes = optimizer_state.take_io_bytes()
+    if spill is not None:
+        spill_reads, spill_writes = spill.take_io_bytes()
+        reads, writes = reads + spill_reads, writes + spill_writes
     param_reads, param_writes = params.take_io_bytes()
     hits, misses = params.prefetch_counts()
     return StepStats(

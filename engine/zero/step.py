@@ -2,24 +2,32 @@
 shard, the global gradient norm and clipping, and the per-unit norms that tell whether a step
 updated inside backward diverged. The engine decides when each runs and what a divergence
 does; this decides the numbers.
+
+With spilled gradients (``engine.tiers.grad_spill``) the step takes what it needs from each
+shard as backward finishes it, before it goes to disk: its unscaling and overflow flag (loss
+scaling) and its pieces' norms, combined at the step into torch's global norm bit for bit; the
+clipping then scales each shard as it comes back, with the same coefficient.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from engine.config import Config
 from engine.runtime.comm import Comm
+from engine.tiers.grad_spill import GradSpill
 from engine.tiers.optimizer import ShardState
 from engine.zero.divergence import nonfinite_units
 from engine.zero.grads import GradientShards
-from engine.zero.optim import ShardAdamW, clip_grads_, grad_norm
+from engine.zero.optim import ShardAdamW, clip_grads_, global_norm, grad_norm, norm_of_norms, piece_norms
 from engine.zero.params import ReplicatedParams, ShardedParams
 from engine.zero.partition import ModelLayout, UnitLayout, param_views
-from engine.zero.update import overlaps_backward
+from engine.zero.precision import LossScaler
+from engine.zero.update import Update, overlaps_backward
 
 
 class StepMath:
@@ -34,9 +42,14 @@ class StepMath:
         params: ReplicatedParams | ShardedParams,
         model: nn.Module,
         opt_device: torch.device,
+        spill: GradSpill | None = None,
     ):
         self._config, self._layout, self._comm = config, layout, comm
         self._grads, self._params = grads, params
+        self.spill = spill
+        """Where each unit's final gradient shard waits for the step, when not in memory."""
+        self._scaler: LossScaler | None = None
+        """The loss scaler of the step being spilled, which unscales each shard as it is made."""
         self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
         """The model's own parameter order, which torch's gradient norm follows."""
         self.adam = ShardAdamW(config.optim)
@@ -48,6 +61,43 @@ class StepMath:
         self.last_grad_norm: float | None = None
         """The last step's global gradient norm before clipping (None with loss scaling and no
         clipping: nothing takes it there)."""
+        self._takes_norm = not (config.optim.grad_clip == 0 and config.precision.loss_scaling != "none")
+        """Whether a step waiting for every gradient takes their norm (see ``check_norm``)."""
+        self._update: Update | None = None
+        """The step's update, while its gradients are being spilled and until they are read back."""
+        self._piece_norms: dict[str, torch.Tensor] = {}
+        """The norms of the spilled gradients' pieces (``_norm_pieces``), by parameter or unit."""
+        self.found_inf: torch.Tensor | None = None
+        """Whether a spilled gradient held inf/nan (loss scaling), for ``LossScaler.unscale_and_check``."""
+        self._clip_norm: torch.Tensor | None = None
+        """The global norm the spilled gradients are clipped with as they come back."""
+
+    def begin(self, update: Update, scaler: LossScaler) -> Callable[[str], None] | None:
+        """The step's last backward starts: what to call with each unit's name as its gradient
+        shard becomes final (``GradientShards.on_ready``): its update inside backward, its
+        spill (unscaled by ``scaler`` first), or nothing (the shards wait in memory)."""
+        self.unit_norms, self._piece_norms, self._clip_norm = {}, {}, None
+        if self.overlap:
+            return update.ready
+        if self.spill is None:
+            return None
+        self._update, self._scaler = update, scaler
+        self.found_inf = torch.zeros(1) if scaler.enabled else None
+        self.spill.begin()
+        return self._spill_unit
+
+    def _spill_unit(self, unit_name: str) -> None:
+        """Unscale the unit's final shard and take its pieces' norms (what the step needs of it),
+        then spill it to disk and free it."""
+        assert self._update is not None and self.spill is not None  # ``begin`` hands this out only then
+        unit, grad = self._layout.unit(unit_name), self._grads.ready(unit_name)
+        if self.found_inf is not None and self._scaler is not None:
+            self._scaler.unscale_([grad], self.found_inf)
+        if self._takes_norm:
+            pieces = self._unit_pieces(unit, grad)
+            self._piece_norms.update(zip(pieces, piece_norms(list(pieces.values())), strict=True))
+        self._update.wait_s += self.spill.write(unit, grad)
+        self._grads.release_shard(unit_name)
 
     def optimizer_steps(self) -> int:
         """AdamW steps taken (the bias correction's count), for the step's record."""
@@ -57,15 +107,20 @@ class StepMath:
         for counter in self._counters.values():
             counter.fill_(optimizer_steps)
 
-    def apply(self, unit: UnitLayout, state: ShardState, lr: float) -> None:
-        """AdamW on one unit's shard, then hand the new master to the parameters.
+    def apply(self, unit: UnitLayout, state: ShardState, lr: float, grad: torch.Tensor | None = None) -> None:
+        """AdamW on one unit's shard, then hand the new master to the parameters. ``grad`` is the
+        unit's spilled gradient shard read back (clipped here), else it is in memory.
 
         Inside backward (overlap) nothing has seen every gradient, so the unit's own gradient
         norm is taken first, and a unit whose norm is not finite is left as it was (the step
         then stops on every rank, see ``check_unit_norms``; raising here, in an autograd hook,
         would leave the other ranks waiting in their collectives). Its unchanged master is still
         handed on: every rank must take part in the same parameter gathers."""
-        grad = self._grads.ready(unit.name)
+        spilled = grad is not None
+        if grad is None:
+            grad = self._grads.ready(unit.name)
+        elif self._clip_norm is not None:
+            clip_grads_([grad], self._config.optim.grad_clip, self._clip_norm)
         finite = True
         if self.overlap:
             norm = self.unit_norms[unit.name] = float(torch.linalg.vector_norm(grad))
@@ -73,22 +128,41 @@ class StepMath:
         if finite:
             self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._counters[unit.name], lr)
         self._params.write_back(unit, state.master)
-        self._grads.release_shard(unit.name)
+        if not spilled:
+            self._grads.release_shard(unit.name)
 
-    def check_norm(self, grads: list[torch.Tensor], loss_scaling: bool) -> str | None:
+    def check_norm(self, grads: list[torch.Tensor]) -> str | None:
         """Before any unit is updated: the global gradient norm; what is not finite (the step
-        diverged), or None once the gradients are clipped (``optim.grad_clip``). Loss scaling
-        without clipping needs neither: its overflow check has passed."""
+        diverged), or None once the gradients are clipped (``optim.grad_clip``), or will be as
+        they come back from disk, whose reads start then. Loss scaling without clipping needs
+        neither: its overflow check has passed."""
         clip = self._config.optim.grad_clip
-        if clip == 0 and loss_scaling:
-            return None
-        norm = grad_norm(self._norm_pieces(grads), self._comm)
-        self.last_grad_norm = float(norm)
-        if not math.isfinite(self.last_grad_norm):
-            return f"the gradient norm is {self.last_grad_norm}"
-        if clip > 0:
-            clip_grads_(grads, clip, norm)
+        update, self._update = self._update, None
+        if self._takes_norm:
+            norm = self._global_norm(grads)
+            self.last_grad_norm = float(norm)
+            if not math.isfinite(self.last_grad_norm):
+                return f"the gradient norm is {self.last_grad_norm}"
+            if clip > 0 and self.spill is not None:
+                self._clip_norm = norm
+            elif clip > 0:
+                clip_grads_(grads, clip, norm)
+        if update is not None and self.spill is not None:
+            update.read_grads(self.spill.read(update.order))
         return None
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """torch's norm of the pieces ``_norm_pieces`` cuts: of the gradients in memory, or
+        combined from the norms the spill took."""
+        if self.spill is None:
+            return grad_norm(self._norm_pieces(grads), self._comm)
+        order = self._param_order if self._comm.world_size == 1 else [u.name for u in self._layout.units]
+        return global_norm(norm_of_norms([self._piece_norms[name] for name in order]), self._comm)
+
+    def close(self) -> None:
+        """Remove the spilled gradients, if any (before the engine's I/O runner closes)."""
+        if self.spill is not None:
+            self.spill.close()
 
     def check_unit_norms(self) -> str | None:
         """After updates inside backward, each taken only if its unit's gradient norm was
@@ -110,5 +184,10 @@ class StepMath:
             return grads
         views = {}
         for unit in self._layout.units:
-            views.update(param_views(self._grads.ready(unit.name), unit))
+            views.update(self._unit_pieces(unit, self._grads.ready(unit.name)))
         return [views[name] for name in self._param_order]
+
+    def _unit_pieces(self, unit: UnitLayout, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The unit's part of ``_norm_pieces``, by name: its parameters' views (one rank), or
+        its shard (several)."""
+        return param_views(grad, unit) if self._comm.world_size == 1 else {unit.name: grad}

@@ -56,8 +56,9 @@ def test_step_quick(tmp_path: Path) -> None:
 
 
 def test_step_traffic_moves_what_the_plan_offloads() -> None:
-    """Per parameter: 3 fp32 states read and written when the optimizer is on nvme; a bf16
-    shard read twice (forward, backward) and written once when the parameters are."""
+    """Per parameter: 3 fp32 states read and written when the optimizer is on nvme (and an fp32
+    gradient when it is spilled); a bf16 shard read twice (forward, backward) and written once
+    when the parameters are."""
     layout = synthetic_layout([4096, 8192], chunk_mb=1)
     numel = sum(unit.shard_numel for unit in layout.units)
     expected = {  # (read, written) bytes per element
@@ -70,6 +71,12 @@ def test_step_traffic_moves_what_the_plan_offloads() -> None:
         transfers = step_transfers(layout, PLANS[key], torch.bfloat16)
         assert sum(s.nbytes for t in transfers for s in t.reads) == read * numel, key
         assert sum(s.nbytes for t in transfers for s in t.writes) == written * numel, key
+        if PLANS[key].optimizer != "nvme":
+            continue  # gradients are spilled only beside optimizer state on nvme
+        # Spilled gradients: an fp32 shard written in backward and read back with the state.
+        spilled = step_transfers(layout, PLANS[key], torch.bfloat16, spill=True)
+        assert sum(s.nbytes for t in spilled for s in t.reads) == (read + 4) * numel, key
+        assert sum(s.nbytes for t in spilled for s in t.writes) == (written + 4) * numel, key
 
 
 def test_scale_quick(tmp_path: Path) -> None:
@@ -85,6 +92,20 @@ def test_scale_quick(tmp_path: Path) -> None:
         assert all(value > 0 for value in row.values()), row
     for fit in ("step_fit", "rss_fit"):
         assert all(math.isfinite(value) for value in record[fit].values()), fit
+    assert list(disk.iterdir()) == []
+
+
+def test_scale_clipping_quick(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    argv = ["--clipping", "--sizes", "0.5", "--plan", "s2-nvme", "--seq_len", "32", "--micro_batch", "1"]
+    scale.main([*argv, "--out", str(tmp_path), "--dir", str(disk), "--steps", "1", "--warmup", "0", *ONE_THREAD])
+    rows = load_record(tmp_path, "scale-clipping")["rows"]
+    assert [row["run"] for row in rows] == list(scale.CLIPPING)
+    for row in rows:
+        assert_finite_non_negative(row)
+        assert row["peak RSS MB"] > 0 and row["step s"] > 0, row
+    spilled, in_memory, unclipped = (row["GB moved"] for row in rows)
+    assert spilled > in_memory == unclipped, "the spilled gradients are written and read back"
     assert list(disk.iterdir()) == []
 
 

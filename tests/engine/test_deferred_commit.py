@@ -76,8 +76,8 @@ def test_a_background_write_failure_surfaces_at_the_next_step_and_keeps_the_last
     last = eng._update_order()[-1].name
     apply = eng._apply
 
-    def fail_the_last_writes(unit, state, lr) -> None:  # only the step's final write-back fails
-        apply(unit, state, lr)
+    def fail_the_last_writes(unit, state, grad, *, lr) -> None:  # only the step's final write-back fails
+        apply(unit, state, grad, lr=lr)
         ops.armed = unit.name == last
 
     eng._apply = fail_the_last_writes

@@ -36,7 +36,7 @@ def opened(names: tuple[str, ...], order: list[str]):
     tier = Recorded(layout)
     applied: list[str] = []
 
-    def apply(unit: UnitLayout, state: ShardState) -> None:
+    def apply(unit: UnitLayout, state: ShardState, grad: torch.Tensor | None) -> None:
         applied.append(unit.name)
         state.master.add_(10)
 

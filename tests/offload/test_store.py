@@ -14,6 +14,7 @@ import zarr
 
 from offload.io import IORunner, OffloadIOError
 from offload.chunks import ChecksumError, FileOps
+from offload.nodes import SCRATCH
 from offload.store import ShardStore
 
 TIMEOUT = 10
@@ -415,6 +416,25 @@ def test_sync_fsyncs_every_written_chunk_and_its_directories(tmp_path, runner):
     ops.fsynced.clear()
     store.sync()
     assert ops.fsynced == []
+
+
+def test_a_scratch_store_never_fsyncs_its_chunks_and_is_swept_from_its_parent(tmp_path, runner):
+    parent = make_store(tmp_path, runner)
+    ops = RecordingOps()
+    scratch = ShardStore.create(parent.path / SCRATCH / "rank-0", {}, runner=runner, file_ops=ops, scratch=True)
+    scratch.create_array("a/grad", NUMEL, CHUNK, torch.float32)
+    scratch.sync()
+    ops.fsynced.clear()
+    data = random_bits(NUMEL, torch.float32)
+    scratch.write_from("a/grad", 0, data)
+    scratch.sync()
+    assert ops.fsynced == [], "chunks of a scratch store are rewritten before they are read again"
+    back = torch.empty(NUMEL)
+    scratch.read_into("a/grad", 0, back)
+    assert same_bits(back, data)
+    assert parent.array_names() == [], "a scratch store is no node of the store it sits in"
+    parent.sweep()
+    assert not (parent.path / SCRATCH).exists()
 
 
 def test_new_arrays_metadata_is_fsynced(tmp_path, runner):

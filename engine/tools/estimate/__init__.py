@@ -73,6 +73,9 @@ from engine.tools.estimate.terms import (
     prefetch_window_bytes,
     replicated_param_bytes,
     running_units_bytes,
+    scratch_bytes,
+    spill_staging_bytes,
+    step_io_bytes,
     store_bytes,
 )
 
@@ -118,7 +121,10 @@ __all__ = [
     "report_json",
     "run_shape",
     "running_units_bytes",
+    "scratch_bytes",
+    "spill_staging_bytes",
     "stage_preference",
+    "step_io_bytes",
     "store_bytes",
     "vocab_size",
     "why_none_fits",

@@ -30,10 +30,13 @@ from engine.tools.estimate.terms import (
     prefetch_window_bytes,
     replicated_param_bytes,
     running_units_bytes,
+    spill_staging_bytes,
+    step_io_bytes,
     store_bytes,
 )
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
+from engine.zero.update import spills_gradients
 from offload import array_bytes
 
 
@@ -80,6 +83,8 @@ def _held_state(run: RunShape, plan: Plan) -> dict[str, Footprint]:
         terms["parameter shards"] = _on(plan.param, param_shard_bytes(run))
     if plan.param == "nvme":
         terms["parameter staging"] = Footprint(host=param_staging_bytes(run))
+    if spills_gradients(run.config):
+        terms["gradient spill staging"] = Footprint(host=spill_staging_bytes(run))
     return terms
 
 
@@ -87,6 +92,7 @@ def _construction_end(run: RunShape, plan: Plan) -> dict[str, Footprint]:
     """What ``Engine`` has built when it flattens its last unit: the held state, with the nvme
     tier's pool having staged only one unit's optimizer state at a time so far."""
     built = _held_state(run, plan)
+    built.pop("gradient spill staging", None)  # nothing spilled yet
     if plan.optimizer == "nvme":
         built["optimizer staging"] = Footprint(host=max(unit_state_bytes(u) for u in run.layout.units))
     return built
@@ -120,7 +126,10 @@ def _backward_end(run: RunShape, plan: Plan) -> dict[str, Footprint]:
 
 
 def _optimizer_step(run: RunShape, plan: Plan) -> dict[str, Footprint]:
-    """The step: every gradient shard, no bucket."""
+    """The step: every gradient shard, no bucket; or, spilled, none (they come back through the
+    spill's staging, a held term)."""
+    if spills_gradients(run.config):
+        return {}
     return {"gradient shards": _on(_grad_tier(plan), grad_shard_bytes(run))}
 
 
@@ -172,6 +181,9 @@ class PlanEstimate:
     build everything on the "device" too."""
     disk_bytes: int
     """The store under ``offload.nvme_path``, all ranks."""
+    step_io_bytes: int
+    """Bytes one rank reads plus writes per step for the optimizer: the nvme tier's state and
+    the spilled gradient shards (``terms.step_io_bytes``)."""
     peak_phase: str
     """When the peak RSS comes: construction, backward start or end, optimizer step."""
     terms: dict[str, int] = field(default_factory=dict)
@@ -225,6 +237,7 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
         host_bytes=max(f.host for f in phases.values()),
         peak_rss_bytes=baseline_bytes + size(phases[peak]),
         disk_bytes=store_bytes(run, plan),
+        step_io_bytes=step_io_bytes(run, plan),
         peak_phase=peak,
         terms={name: f.device + f.host for name, f in terms.items() if f.device + f.host},
         refused=refusal(run, plan),

@@ -26,11 +26,12 @@ def format_table(
         f"machine: {gib(machine.ram_bytes)} GiB RAM available, {gib(machine.disk_free_bytes)} GiB free disk, "
         + (f"{gib(machine.device_bytes)} GiB per device" if machine.device_bytes else "device memory is host memory"),
         run.io,
-        "GiB; device, host and RSS per rank; node RAM for all ranks; disk for the store",
+        "GiB; device, host and RSS per rank; node RAM for all ranks; disk for the store; I/O read plus written per "
+        "step and rank for the optimizer (state on nvme, spilled gradients)",
         "",
         (
             f"{'stage':>5}  {'optimizer':<9}  {'param':<6}  {'device':>7}  {'activ.':>7}  {'host':>7}  "
-            f"{'peak RSS':>8}  {'node RAM':>8}  {'disk':>7}  fits"
+            f"{'peak RSS':>8}  {'node RAM':>8}  {'disk':>7}  {'I/O':>7}  fits"
         ),
     ]
     for est in estimates:
@@ -39,7 +40,7 @@ def format_table(
         lines.append(
             f"{p.stage:>5}  {p.optimizer:<9}  {p.param:<6}  {gib(est.device_bytes):>7}  {gib(est.activation_bytes):>7}  "
             f"{gib(est.host_bytes):>7}  {gib(est.peak_rss_bytes):>8}  {gib(est.node_rss_bytes):>8}  "
-            f"{gib(est.disk_bytes):>7}  {'yes' if machine.fits(est) else 'no'}{mark}"
+            f"{gib(est.disk_bytes):>7}  {gib(est.step_io_bytes):>7}  {'yes' if machine.fits(est) else 'no'}{mark}"
         )
     lines.append("")
     if choice is None:

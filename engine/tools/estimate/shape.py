@@ -47,6 +47,8 @@ class Plan:
         """A copy of ``config`` with this plan's stage and tiers."""
         zero = dataclasses.replace(config.zero, stage=self.stage)
         offload = dataclasses.replace(config.offload, optimizer=self.optimizer, param=self.param)
+        if offload.grad_spill is True and (self.optimizer != "nvme" or self.stage < 2):
+            offload = dataclasses.replace(offload, grad_spill="auto")  # a plan that cannot spill keeps its shards
         planned = dataclasses.replace(config, zero=zero, offload=offload)
         planned.validate()
         return planned

@@ -14,6 +14,7 @@ from engine.tiers.sizing import (
     param_pool_bytes,
     param_window_bytes,
     prefetch_bytes,
+    spill_buffer_bytes,
 )
 from engine.tiers.store_checks import store_bytes as optimizer_store_bytes
 from engine.tiers.store_checks import unit_state_bytes
@@ -21,7 +22,7 @@ from engine.tools.estimate.shape import Plan, RunShape
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
 from engine.zero.partition import FROZEN_SUFFIX, ROOT_UNIT
-from engine.zero.update import overlaps_backward
+from engine.zero.update import overlaps_backward, spills_gradients
 from offload import array_bytes, shard_bytes
 
 ADAM_KINDS = len(STATE_KINDS)
@@ -108,13 +109,41 @@ def optimizer_staging_bytes(run: RunShape) -> int:
 
 def grad_shard_bytes(run: RunShape) -> int:
     """The rank's fp32 gradient shards at their peak, each made when its unit's gradient is first
-    reduced and freed once the optimizer has used it. With clipping, loss scaling or accumulation
-    every one waits for the step; when one micro-batch's update overlaps backward
-    (``engine.zero.update``), each is used as it is reduced, so only those in flight wait."""
+    reduced and freed once the optimizer has used it, or once it is spilled to disk. With
+    clipping, loss scaling or accumulation every one waits for the step in memory, unless it
+    waits on disk (``offload.grad_spill``); when one micro-batch's update overlaps backward
+    (``engine.zero.update``), or its shards are spilled, each leaves memory as it is reduced,
+    so only those in flight are held."""
     shards = [unit_grad_shard_bytes(u) for u in run.layout.units]
-    if overlaps_backward(run.config) and run.config.zero.grad_accum_steps == 1:
+    leaves = overlaps_backward(run.config) or spills_gradients(run.config)
+    if leaves and run.config.zero.grad_accum_steps == 1:
         return MAX_IN_FLIGHT * max(shards)
     return sum(shards)
+
+
+def spill_staging_bytes(run: RunShape) -> int:
+    """Spilled gradients (``engine.tiers.grad_spill``): the spill's buffer pool, which keeps what it
+    allocated: the shards its pipeline's window holds (writes behind backward, reads ahead of the
+    update; one always may be, however large) and the one being filled or used, and never more
+    than every shard; 0 when the gradients are not spilled."""
+    if not spills_gradients(run.config):
+        return 0
+    units = run.layout.units
+    shards = [unit_grad_shard_bytes(u) for u in units]
+    window = spill_buffer_bytes(run.config.offload, units) // 2  # the pipeline's, as ``GradSpill`` opens it
+    return min(max(window, max(shards)) + max(shards), sum(shards))
+
+
+def scratch_bytes(run: RunShape, plan: Plan) -> int:
+    """Disk of the gradients ``plan`` spills, all ranks, in the store's scratch folder during the run."""
+    return FP32 * run.padded if spills_gradients(plan.apply(run.config)) else 0
+
+
+def step_io_bytes(run: RunShape, plan: Plan) -> int:
+    """Bytes one rank reads plus writes per step for the optimizer under ``plan``: the ``nvme``
+    tier's state read and written back, and the gradient shards spilled and read back."""
+    state = optimizer_state_bytes(run) if plan.optimizer == "nvme" else 0
+    return 2 * (state + scratch_bytes(run, plan) // run.layout.world_size)
 
 
 def grad_bucket_bytes(run: RunShape) -> int:
@@ -169,9 +198,9 @@ def store_bytes(run: RunShape, plan: Plan) -> int:
     """Disk under ``offload.nvme_path`` for all ranks: the nvme tier's generations of optimizer
     state (two with ``store.mode = "generations"``, one ``"in-place"``), one copy of the trained
     compute-dtype parameters under ``params`` for the nvme parameter tier (derived data, not
-    versioned), the checkpoints ``[checkpoint]`` keeps (any tier writes those), and the frozen
+    versioned), the checkpoints ``[checkpoint]`` keeps (any tier writes those), the frozen
     units' values, once, when the store keeps a step or the parameters are on disk
-    (``engine.tiers.frozen``)."""
+    (``engine.tiers.frozen``), and the spilled gradients' scratch stores."""
     config, layout = run.config, run.layout
     live = optimizer_store_bytes(layout, config.store.mode) if plan.optimizer == "nvme" else 0
     on_disk = plan.param == "nvme"
@@ -179,4 +208,4 @@ def store_bytes(run: RunShape, plan: Plan) -> int:
     ckpt = config.checkpoint
     kept = ckpt.keep if ckpt.keep else (config.train.steps // ckpt.interval if ckpt.interval else 0)
     frozen = sum(array_bytes(u, run.dtype) for u in layout.frozen) if live or kept or on_disk else 0
-    return live + kept * checkpoint_bytes(layout) + params + frozen
+    return live + kept * checkpoint_bytes(layout) + params + frozen + scratch_bytes(run, plan)
