@@ -21,6 +21,7 @@ from engine.tools.estimate import (
     plan_of,
     recommend,
     run_shape,
+    scratch_bytes,
     store_bytes,
 )
 from tests.engine.frozen_probe import frozen_config, frozen_model
@@ -29,6 +30,8 @@ from tests.engine.test_estimate import TOLERANCE, UNDER_TOLERANCE, env, machine,
 # The frozen base in host memory and on disk. Measured here (40M parameters, 99% frozen, bf16):
 # 514 and 502 MiB peak RSS against 439 and 441 predicted; without the frozen units the estimate
 # said 283 and 347. Stage 2 (replicated): 438 measured, 358 predicted, 282 without.
+# Most of the gap is the probe's process starting about 50 MiB above the baseline the estimate
+# is given (306 against 253 MiB).
 RUNS = {
     "stage 3, optimizer cpu, param cpu": {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "param": "cpu"}},
     "stage 3, optimizer nvme, param nvme": {"zero": {"stage": 3}, "offload": {"optimizer": "nvme", "param": "nvme"}},
@@ -77,7 +80,8 @@ def test_predicted_peak_rss_of_a_frozen_base_is_within_tolerance(name: str, meas
 def test_predicted_store_of_a_frozen_base_is_the_store_on_disk(measured) -> None:
     name = "stage 3, optimizer nvme, param nvme"
     config = frozen_config(RUNS[name])
-    predicted = store_bytes(run_shape(config, world_size=1, model=frozen_model(config)[0]), plan_of(config))
+    run, plan = run_shape(config, world_size=1, model=frozen_model(config)[0]), plan_of(config)
+    predicted = store_bytes(run, plan) - scratch_bytes(run, plan)  # the spilled gradients go at close
     on_disk = measured[name][1]
     # Besides the chunks' bytes, the files hold a 4-byte CRC per chunk and some JSON.
     assert predicted <= on_disk <= 1.01 * predicted
