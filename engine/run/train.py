@@ -37,7 +37,9 @@ from engine.run.data import TokenBatches, load_tokens, split
 from engine.run.evaluate import Validation, perplexity
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
+from engine.runtime.comm import node_of_env
 from engine.runtime.sizes import GIB, MIB
+from engine.tiers import hosts
 from engine.tiers.store_checks import resume_point
 from offload import CheckpointExistsError, read_committed
 
@@ -81,7 +83,12 @@ def meta_model(config: Config, vocab_size: int) -> tuple[GPT, Callable[[dict[str
 def resumable(config: Config) -> bool:
     """A run continues where the store at ``offload.nvme_path`` last committed, if there is one
     (the memory tiers commit no steps there, only checkpoints, resumed from by tag)."""
-    return config.offload.optimizer == "nvme" and resume_point(Path(config.offload.nvme_path))[0]
+    return config.offload.optimizer == "nvme" and resume_point(own_store(config))[0]
+
+
+def own_store(config: Config) -> Path:
+    """The store of the host this process runs on (``offload.nvme_path`` with its ``{node}``)."""
+    return Path(config.offload.on_node(node_of_env()).nvme_path)
 
 
 def save_checkpoint(engine: Engine, tag: str) -> None:
@@ -131,7 +138,7 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
-        path = Path(config.offload.nvme_path)
+        path = own_store(config)
         try:
             record = read_committed(path)
         except ValueError:
@@ -151,7 +158,9 @@ def start_engine(
     its checkpoint ``checkpoint``."""
     resume = checkpoint is not None
     if checkpoint is None and config.offload.optimizer == "nvme":
-        resume, checkpoint = resume_point(Path(config.offload.nvme_path))
+        resume, checkpoint = resume_point(own_store(config))
+        if config.offload.node_local:  # one host's store missing is refused on resume, not started afresh
+            resume, checkpoint = hosts.any_resumes(resume, checkpoint)
         if checkpoint is not None:
             logger.warning(
                 '%s was stopped mid-step while rewritten in place (store.mode = "in-place"): resuming from its last '
@@ -249,9 +258,9 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
             held_out, config.data.seq_len, config.data.micro_batch, config.train.eval_batches, every, loss_of
         )
     engine = start_engine(config, model, init, checkpoint)
-    if config.model.hf and engine.comm.rank == 0 and Path(config.offload.nvme_path).is_dir():
+    if config.model.hf and engine.comm.rank == 0 and Path(engine.config.offload.nvme_path).is_dir():
         assert isinstance(init, Pretrained)
-        record_source(config.model.hf, config.offload.nvme_path, init.dtype)  # for export
+        record_source(config.model.hf, engine.config.offload.nvme_path, init.dtype)  # for export
     data = TokenBatches(
         tokens,
         seq_len=config.data.seq_len,
@@ -307,7 +316,7 @@ def _run_steps(
     result.seconds_per_step = (time.perf_counter() - run_start) / max(1, len(result.losses))
     if result.stopped_early and rank == 0:
         how = (
-            f"run the same command again to resume from {config.offload.nvme_path}"
+            f"run the same command again to resume from {engine.config.offload.nvme_path}"
             if config.offload.optimizer == "nvme"
             else "the state was in memory: resume from a checkpoint with --from-checkpoint TAG, or set "
             'offload.optimizer = "nvme" to make every step resumable'

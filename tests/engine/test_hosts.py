@@ -1,0 +1,90 @@
+"""Several hosts, each with its own store (``offload.nvme_path`` holding ``{node}``), simulated
+by ranks told they run on different nodes: they train as the same ranks on one host do, bit for
+bit, commit each step together and resume from the newest step every host holds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.tools.gather import gather
+from engine.tools.inspect import format_report, inspect_store
+from tests.ranks import run_ranks
+from tests.training import batches, config, tiny_gpt
+
+
+def host_config(path: str, **offload):
+    """Stage 3 with the optimizer state and the parameters on nvme, in the store(s) at ``path``."""
+    return config(zero={"stage": 3}, offload={"optimizer": "nvme", "param": "nvme", "nvme_path": path} | offload)
+
+
+def test_two_hosts_train_as_one_host_does_and_resume_on_one_host_from_their_gathered_stores(tmp_path) -> None:
+    straight = run_ranks(2, train_span, host_config(str(tmp_path / "one")), 0, 5, 5, 3)
+    two = run_ranks(2, train_span, host_config(str(tmp_path / "node-{node}")), 0, 3, 5, nodes=2)
+    for rank in range(2):  # bit for bit as the same ranks on one host
+        assert two[rank]["losses"] == straight[rank]["losses"][:3]
+        assert all(torch.equal(v, straight[rank]["midway"][k]) for k, v in two[rank]["params"].items())
+    chunks = []
+    for node in range(2):
+        store = tmp_path / f"node-{node}"
+        assert json.loads((store / "COMMITTED").read_text())["step"] == 3
+        assert json.loads((store / "zarr.json").read_text())["attributes"]["hosts"] == {"node": node, "nodes": 2}
+        assert f"host {node} of 2" in format_report(inspect_store(store))
+        chunks.append(chunk_files(store))
+    # Each host's store holds its own rank's chunks, and the two hold what one host's holds.
+    assert chunks[0] and chunks[1] and not chunks[0] & chunks[1]
+    assert chunks[0] | chunks[1] == chunk_files(tmp_path / "one")
+
+    before = sorted(p.name for p in (tmp_path / "node-0").iterdir())
+    with pytest.raises(ValueError, match="python -m engine gather"):  # one host's part alone is refused
+        Engine.resume(tiny_gpt(), host_config(str(tmp_path / "node-0")))
+    assert sorted(p.name for p in (tmp_path / "node-0").iterdir()) == before
+    gathered = tmp_path / "gathered"
+    assert gather(gathered, [tmp_path / "node-1", tmp_path / "node-0"]) == 3  # in any order
+    resumed = run_ranks(2, train_span, host_config(str(gathered)), 3, 5, 5)
+    for rank in range(2):
+        assert resumed[rank]["losses"] == straight[rank]["losses"][3:]
+        assert all(torch.equal(resumed[rank]["params"][k], v) for k, v in straight[rank]["params"].items())
+
+    shutil.rmtree(tmp_path / "node-1")
+    with pytest.raises(FileNotFoundError, match=r"the store of host 1 \(.*node-1\) is missing"):
+        gather(tmp_path / "again", [tmp_path / "node-0", tmp_path / "node-1"])
+    assert not (tmp_path / "again").exists()
+
+
+def chunk_files(store) -> set[str]:
+    """The chunk files of the committed generation's masters, relative to it."""
+    generation = json.loads((store / "COMMITTED").read_text())["generation"]
+    root = store / f"gen-{generation}"
+    return {str(p.relative_to(root)) for p in root.glob("*/master/c/*")}
+
+
+def train_span(cfg, first: int, last: int, total: int, midway: int = 0) -> dict:
+    """Steps ``first`` to ``last`` of a ``total``-step run on this rank: afresh from step 0, or
+    resumed from the store at ``first``; the losses, the final parameters and those after step ``midway``."""
+    model = tiny_gpt()
+    eng = Engine.resume(model, cfg, total_steps=total) if first else Engine(model, cfg, total_steps=total)
+    assert eng.global_step == first
+    data = batches(2, eng.comm.rank, eng.comm.world_size)
+    for _ in range(first):  # the data position the first steps reached
+        data.next()
+    losses, midway_params = [], {}
+    for step in range(first, last):
+        loss = eng(*data.next())
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+        if step + 1 == midway:
+            midway_params = snapshot(eng)
+    params = snapshot(eng)
+    eng.close()
+    return {"losses": losses, "params": params, "midway": midway_params}
+
+
+def snapshot(eng: Engine) -> dict[str, torch.Tensor]:
+    with eng.gathered():
+        return {n: p.detach().clone() for n, p in eng.module.named_parameters()}
