@@ -4,15 +4,21 @@ bit, commit each step together and resume from the newest step every host holds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import pytest
 import torch
 
+from engine.build import model_units
 from engine.engine import Engine
+from engine.tiers.hosts import HostStore, common_step
+from engine.tiers.optimizer_store import StoreOptimizerState
+from engine.tiers.store_io import StoreIO
 from engine.tools.gather import gather
 from engine.tools.inspect import format_report, inspect_store
+from offload import IORunner
 from tests.ranks import run_ranks
 from tests.training import batches, config, tiny_gpt
 
@@ -23,8 +29,9 @@ def host_config(path: str, **offload):
 
 
 def test_two_hosts_train_as_one_host_does_and_resume_on_one_host_from_their_gathered_stores(tmp_path) -> None:
-    straight = run_ranks(2, train_span, host_config(str(tmp_path / "one")), 0, 5, 5, 3)
-    two = run_ranks(2, train_span, host_config(str(tmp_path / "node-{node}")), 0, 3, 5, nodes=2)
+    straight = run_ranks(2, train_span, host_config(str(tmp_path / "one")), 0, 5, 5, 3)  # after step 3: midway
+    per_host, at_2 = host_config(str(tmp_path / "node-{node}")), str(tmp_path / "node-{node}-at-2")
+    two = run_ranks(2, train_span, per_host, 0, 3, 5, 2, at_2, nodes=2)
     for rank in range(2):  # bit for bit as the same ranks on one host
         assert two[rank]["losses"] == straight[rank]["losses"][:3]
         assert all(torch.equal(v, straight[rank]["midway"][k]) for k, v in two[rank]["params"].items())
@@ -50,6 +57,21 @@ def test_two_hosts_train_as_one_host_does_and_resume_on_one_host_from_their_gath
         assert resumed[rank]["losses"] == straight[rank]["losses"][3:]
         assert all(torch.equal(resumed[rank]["params"][k], v) for k, v in straight[rank]["params"].items())
 
+    # Host 0 stopped before committing step 3; host 1 committed it, and stopped before it heard
+    # that host 0 had (so it still holds step 2): both go on from step 2.
+    shutil.rmtree(tmp_path / "node-0")
+    shutil.move(tmp_path / "node-0-at-2", tmp_path / "node-0")
+    ahead = tmp_path / "node-1-at-2"
+    shutil.rmtree(ahead / "gen-3")
+    shutil.copytree(tmp_path / "node-1" / "gen-3", ahead / "gen-3")
+    shutil.copy(tmp_path / "node-1" / "COMMITTED", ahead / "COMMITTED")
+    shutil.rmtree(tmp_path / "node-1")
+    shutil.move(ahead, tmp_path / "node-1")
+    again = run_ranks(2, train_span, per_host, 2, 3, 5, nodes=2)
+    for rank in range(2):
+        assert again[rank]["losses"] == straight[rank]["losses"][2:3]
+        assert all(torch.equal(v, straight[rank]["midway"][k]) for k, v in again[rank]["params"].items())
+
     shutil.rmtree(tmp_path / "node-1")
     with pytest.raises(FileNotFoundError, match=r"the store of host 1 \(.*node-1\) is missing"):
         gather(tmp_path / "again", [tmp_path / "node-0", tmp_path / "node-1"])
@@ -63,9 +85,10 @@ def chunk_files(store) -> set[str]:
     return {str(p.relative_to(root)) for p in root.glob("*/master/c/*")}
 
 
-def train_span(cfg, first: int, last: int, total: int, midway: int = 0) -> dict:
+def train_span(cfg, first: int, last: int, total: int, midway: int = 0, copy_to: str = "") -> dict:
     """Steps ``first`` to ``last`` of a ``total``-step run on this rank: afresh from step 0, or
-    resumed from the store at ``first``; the losses, the final parameters and those after step ``midway``."""
+    resumed from the store at ``first``; the losses, the final parameters and those after step
+    ``midway``, once committed, when each host also copies its store to ``copy_to`` if given."""
     model = tiny_gpt()
     eng = Engine.resume(model, cfg, total_steps=total) if first else Engine(model, cfg, total_steps=total)
     assert eng.global_step == first
@@ -80,6 +103,10 @@ def train_span(cfg, first: int, last: int, total: int, midway: int = 0) -> dict:
         losses.append(loss.item())
         if step + 1 == midway:
             midway_params = snapshot(eng)
+            eng.flush()  # every host commits the step
+            if copy_to and eng.io.leader:
+                shutil.copytree(eng.config.offload.nvme_path, copy_to.format(node=eng.comm.node))
+            eng.comm.barrier()
     params = snapshot(eng)
     eng.close()
     return {"losses": losses, "params": params, "midway": midway_params}
@@ -88,3 +115,27 @@ def train_span(cfg, first: int, last: int, total: int, midway: int = 0) -> dict:
 def snapshot(eng: Engine) -> dict[str, torch.Tensor]:
     with eng.gathered():
         return {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+
+
+def test_hosts_further_apart_than_a_crash_leaves_them_are_refused_naming_each() -> None:
+    def host(node: int, step: int, previous: int | None = None) -> HostStore:
+        return HostStore(node, f"host{node}", f"/nvme/node-{node}", step, previous, nodes=2, holds=node)
+
+    assert common_step([host(0, 4), host(1, 5, previous=4)], 2) == 4
+    with pytest.raises(ValueError, match=r"host 0 \(host0, /nvme/node-0\): step 3; host 1 .*: step 5"):
+        common_step([host(0, 3), host(1, 5, previous=4)], 2)
+    with pytest.raises(ValueError, match="no step in common"):  # one step ahead, but its step 4 is gone
+        common_step([host(0, 4), host(1, 5)], 2)
+    with pytest.raises(ValueError, match="holds the part of host 0"):
+        common_step([host(0, 4), dataclasses.replace(host(1, 4), holds=0)], 2)
+    with pytest.raises(ValueError, match="written by a run on 2 host"):
+        common_step([host(0, 4), host(1, 4), dataclasses.replace(host(1, 4), node=2)], 3)
+
+
+def test_a_store_rewritten_in_place_is_refused_on_several_hosts(tmp_path) -> None:
+    io = StoreIO(IORunner(threads=1), checksum=True, direct_io=False, barrier=lambda: None, hosts=2)
+    _, _, layout = model_units(tiny_gpt(), config(offload={"chunk_mb": 1}), 2)
+    with pytest.raises(ValueError, match='"in-place" keeps one generation'):
+        StoreOptimizerState(tmp_path / "s", layout, 0, io, buffer_bytes=1 << 24, mode="in-place")
+    assert not (tmp_path / "s").exists()
+    io.close()
