@@ -31,20 +31,28 @@ OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=64", "micro_batch=4",
              "checkpoint.interval=3", "optim.decay_steps=100000", "chunk_mb=1", "io_threads=2"]  # fmt: skip
 
 
-def launch(store: str, hosts: int, steps: int, metrics: Path, logs: Path) -> list[subprocess.Popen]:
+def train_args(store: str, steps: int, metrics: Path) -> list[str]:
+    """The arguments of ``python -m engine`` for the test's run."""
+    args = ["train", "--nvme_path", store, "--steps", str(steps), "--train.metrics", str(metrics)]
+    return args + [part for o in OVERRIDES for part in (f"--{o.split('=')[0]}", o.split("=")[1])]
+
+
+def launch(
+    store: str, hosts: int, steps: int, metrics: Path, logs: Path, share_cores: bool = True
+) -> list[subprocess.Popen]:
     """Two ranks of ``python -m engine train`` on ``hosts`` simulated hosts, each rank its own
     process group; rank 0's stderr is piped, the other's goes to a file in ``logs``."""
     port, per_host = free_port(), 2 // hosts  # the node is GROUP_RANK, as torchrun sets it
-    command = [sys.executable, "-m", "engine", "train", "--nvme_path", store, "--steps", str(steps)]
-    command += ["--train.metrics", str(metrics)] + [part for o in OVERRIDES for part in (f"--{o.split('=')[0]}", o.split("=")[1])]
+    command = [sys.executable, "-m", "engine", *train_args(store, steps, metrics)]
     procs = []
     for rank in range(2):
         env = os.environ | {
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
             "LOCAL_RANK": str(rank % per_host), "GROUP_RANK": str(rank // per_host), "OMP_NUM_THREADS": "1",
             # Both "hosts" share this machine's cores: each takes half, as the ranks of one host do,
-            # so the arithmetic (its thread count included) is the same however the ranks are spread.
-            "LOCAL_WORLD_SIZE": "2",
+            # so the arithmetic (its thread count included) is the same however the ranks are spread
+            # (``share_cores``; else each takes them all, as torchrun tells a rank alone on its host).
+            "LOCAL_WORLD_SIZE": "2" if share_cores else str(per_host),
         }  # fmt: skip
         err = subprocess.PIPE if rank == 0 else open(logs / f"rank-{rank}.log", "a")  # noqa: SIM115
         procs.append(subprocess.Popen(command, env=env, stderr=err, text=True, start_new_session=True))
