@@ -12,10 +12,11 @@
   [--top-k K] [--seed S]``: text sampled from the run's committed step (or ``--from-checkpoint
   TAG``), its model and tokenizer set up from the same config as ``train``; greedy at temperature 0.
 - ``inspect STORE [--verify]``: what a store holds; ``--verify`` checks every chunk's CRC-32C.
-- ``consolidate STORE OUT.safetensors``: full fp32 weights under the model's parameter names.
+- ``consolidate STORE... OUT.safetensors``: full fp32 weights under the model's parameter names
+  (of one store, or of the stores of every host of one run).
 - ``gather OUT STORE...``: the stores of a run's hosts (``offload.nvme_path`` with ``{node}``)
   made one store, which resumes on any number of hosts and which the other commands read.
-- ``export STORE OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``: a run started from
+- ``export STORE... OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``: a run started from
   ``--model.hf FOLDER`` as a Hugging Face folder (sharded safetensors, config, tokenizer) that
   ``from_pretrained`` loads; in the checkpoint's dtype unless ``--dtype`` says otherwise.
 
@@ -315,14 +316,14 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("store")
     inspect.add_argument("--verify", action="store_true", help="read every chunk and check its CRC-32C")
     consolidate = commands.add_parser("consolidate", help="full fp32 weights to a .safetensors file")
-    consolidate.add_argument("store")
+    consolidate.add_argument("store", nargs="+", help="the store, or every host's store of one run")
     consolidate.add_argument("out")
     consolidate.add_argument("--generation", type=int, help="default: the committed one")
     gather = commands.add_parser("gather", help="the stores of a run's hosts made one store")
     gather.add_argument("out", help="the new store's folder")
     gather.add_argument("stores", nargs="+", help="every host's store (offload.nvme_path with {node})")
     export = commands.add_parser("export", help="a Hugging Face folder that from_pretrained loads (runs of --model.hf)")
-    export.add_argument("store")
+    export.add_argument("store", nargs="+", help="the store, or every host's store of one run")
     export.add_argument("out_dir")
     export.add_argument("--max-shard-size", default="5GB", help="largest weights file, e.g. 5GB, 500MB (default 5GB)")
     export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: the checkpoint's")

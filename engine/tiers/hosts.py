@@ -89,12 +89,7 @@ def agree_on_resume(config: Config, comm: Comm, io: StoreIO, checkpoint: str | N
     store a run on several hosts wrote is refused on one host, naming ``GATHER``. Nothing is written."""
     path = Path(config.offload.nvme_path)
     if io.hosts == 1:
-        written_by = group_attrs(path).get(HOSTS_ATTR, {}).get("nodes", 1) if (path / "zarr.json").is_file() else 1
-        if written_by != 1:
-            raise ValueError(
-                f"store {path} holds one host's part of a run on {written_by} hosts: resume on {written_by} hosts, or "
-                f"make their stores one with `{GATHER} OUT STORE...` and resume from OUT"
-            )
+        check_whole(path, "resume on those hosts, or make their stores one")
         return None
     mine = survey(path, comm.node) if io.leader else None
     stores = sorted((s for s in comm.all_gather_object(mine) if s is not None), key=lambda s: s.node)
@@ -108,6 +103,17 @@ def agree_on_resume(config: Config, comm: Comm, io: StoreIO, checkpoint: str | N
             f"checkpoint is resumed on every host or none; pass a tag every host holds"
         )
     return None
+
+
+def check_whole(path: Path, way_out: str) -> None:
+    """Refuse the store at ``path`` if it holds only one host's part of a run (``way_out``: what
+    to do instead, before the ``GATHER`` command that makes the parts one)."""
+    recorded = group_attrs(path).get(HOSTS_ATTR, {}) if (path / "zarr.json").is_file() else {}
+    if recorded.get("nodes", 1) != 1:
+        raise ValueError(
+            f"store {path} holds host {recorded.get('node')}'s part of a run on {recorded['nodes']} hosts: "
+            f"{way_out} with `{GATHER} OUT STORE...`"
+        )
 
 
 def common_step(stores: list[HostStore], hosts: int, any_step: bool = False) -> int:

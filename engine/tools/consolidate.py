@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from engine.runtime.sizes import FP32
 from engine.tiers.frozen import frozen_array
+from engine.tools.gather import gathered
 from engine.tools.inspect import IO_THREADS, committed_record, generation_array, open_store, store_layout
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import ChunkReader, Generations, IORunner, ShardStore
@@ -85,23 +86,29 @@ def unit_array(generation: int, unit: UnitLayout) -> str:
     return generation_array(generation, unit.name, "master") if unit.trainable else frozen_array(unit)
 
 
+Stores = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+"""One store, or the stores of every host of one run (``offload.nvme_path`` with ``{node}``)."""
+
+
 @contextlib.contextmanager
-def open_masters(store_path: str | os.PathLike[str], generation: int | None = None) -> Iterator[Masters]:
-    """The masters of ``generation`` (default: the committed one) of the store at ``store_path``."""
-    with IORunner(threads=IO_THREADS) as runner:
-        store = open_store(Path(store_path), runner)
+def open_masters(stores: Stores, generation: int | None = None) -> Iterator[Masters]:
+    """The masters of ``generation`` (default: the committed one) of the store at ``stores``, or
+    of the stores of a run's hosts read as one (``engine.tools.gather.gathered``)."""
+    paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
+    with gathered(paths) as path, IORunner(threads=IO_THREADS) as runner:
+        store = open_store(Path(path), runner)
         layout = store_layout(store)
         generation, metadata = _choose_generation(store, generation)
+        metadata["source"] = ", ".join(map(str, paths))
         reader = ChunkReader(store, (unit_array(generation, u) for u in layout.all_units))
         yield Masters(layout, generation, metadata, reader)
 
 
-def consolidate(
-    store_path: str | os.PathLike[str], out_path: str | os.PathLike[str], generation: int | None = None
-) -> int:
+def consolidate(store_path: Stores, out_path: str | os.PathLike[str], generation: int | None = None) -> int:
     """Write the fp32 weights of ``generation`` (default: the committed one) of the store at
-    ``store_path`` to the safetensors file ``out_path``; return the number of tensors."""
-    store_path, out_path = Path(store_path), Path(out_path)
+    ``store_path`` (or of the stores of a run's hosts) to the safetensors file ``out_path``;
+    return the number of tensors."""
+    out_path = Path(out_path)
     if not out_path.parent.is_dir():
         raise FileNotFoundError(
             f"cannot write {out_path}: its folder {out_path.parent} does not exist; create it first"

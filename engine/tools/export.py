@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from engine.run.pretrained import INDEX_FILE, SINGLE_FILE, SOURCE_FOLDER, SOURCE_RECORD, WEIGHT_SUFFIXES
 from engine.runtime.sizes import GIB, MIB
-from engine.tools.consolidate import Masters, header_bytes, open_masters
+from engine.tools.consolidate import Masters, Stores, header_bytes, open_masters
 from engine.zero.partition import ModelLayout, ParamSlot
 
 logger = logging.getLogger(__name__)
@@ -174,28 +174,36 @@ def source_files(store_path: Path) -> tuple[Path, dict[str, str]]:
 
 
 def export(
-    store_path: str | os.PathLike[str],
+    store_path: Stores,
     out_dir: str | os.PathLike[str],
     *,
     max_shard_size: str | int = "5GB",
     dtype: str | None = None,
     generation: int | None = None,
 ) -> list[str]:
-    """Write the store's weights, config and tokenizer to ``out_dir`` as a Hugging Face folder;
-    return the names of the weight files written."""
-    store_path, out_dir = Path(store_path), Path(out_dir)
+    """Write the store's weights, config and tokenizer to ``out_dir`` as a Hugging Face folder
+    (of the stores of a run's hosts: host 0's holds the config and tokenizer); return the names
+    of the weight files written."""
+    out_dir = Path(out_dir)
     max_bytes = parse_size(max_shard_size)
-    source, record = source_files(store_path)
-    dtype = dtype or record.get("dtype", "fp32")
-    if dtype not in DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}: pass --dtype bf16, fp16 or fp32")
-    if out_dir.is_dir() and any(p.name.endswith(WEIGHT_SUFFIXES) or p.name == INDEX_FILE for p in out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} already holds model weights: export into a new or empty folder")
-    out_dir.mkdir(parents=True, exist_ok=True)
     with open_masters(store_path, generation) as masters:
+        source, record = source_files(masters.reader.store.path)
+        dtype = dtype or record.get("dtype", "fp32")
+        if dtype not in DTYPES:
+            raise ValueError(
+                f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}: pass --dtype bf16, fp16 or fp32"
+            )
+        weights = (
+            [p for p in out_dir.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) or p.name == INDEX_FILE]
+            if out_dir.is_dir()
+            else []
+        )
+        if weights:
+            raise FileExistsError(f"{out_dir} already holds model weights: export into a new or empty folder")
+        out_dir.mkdir(parents=True, exist_ok=True)
         shards = plan_shards(masters.layout, dtype, max_bytes, masters.metadata)
         _write_shards(masters, shards, DTYPES[dtype][1], out_dir)
-    _write_side_files(source, out_dir, shards, dtype)
+        _write_side_files(source, out_dir, shards, dtype)
     logger.info(
         "exported %.1fM %s weights of %s (generation %d) to %s in %d file(s)",
         (masters.layout.numel + masters.layout.frozen_numel) / 1e6,

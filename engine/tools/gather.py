@@ -12,13 +12,16 @@ are only read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from engine.tiers.hosts import common_step, survey
+from engine.tiers.hosts import check_whole, common_step, survey
 from engine.tiers.parameters import PARAM_STORE
 from engine.tiers.store_io import HOSTS_ATTR
 from offload import Generations, IORunner, ShardStore
@@ -32,8 +35,10 @@ SKIPPED = (LOCK_FILE, PARAM_STORE)
 resume derives again from the masters."""
 
 
-def gather(out: str | os.PathLike[str], stores: list[str | os.PathLike[str]]) -> int:
-    """Copy the stores of every host of one run into one new store at ``out``; the step it holds."""
+def gather(out: str | os.PathLike[str], stores: Sequence[str | os.PathLike[str]], link: bool = False) -> int:
+    """Copy the stores of every host of one run into one new store at ``out``; the step it holds.
+    With ``link`` the files are hard links where the filesystem allows (nothing is copied): for a
+    store only read, since a write into a linked chunk would change the host's store too."""
     out, paths = Path(out), [Path(p) for p in stores]
     if out.exists():
         raise FileExistsError(f"{out} exists: gather writes a new store; name a folder that does not exist yet")
@@ -50,7 +55,7 @@ def gather(out: str | os.PathLike[str], stores: list[str | os.PathLike[str]]) ->
     staging = out.with_name(f".{out.name}.gathering")
     shutil.rmtree(staging, ignore_errors=True)  # a gather that was interrupted
     for path in paths:
-        _copy_missing(path, staging)
+        _copy_missing(path, staging, link)
     with IORunner(threads=1) as runner:
         store = ShardStore.open(staging, runner=runner)
         generations = Generations(store)
@@ -64,9 +69,9 @@ def gather(out: str | os.PathLike[str], stores: list[str | os.PathLike[str]]) ->
     return step
 
 
-def _copy_missing(source: Path, target: Path) -> None:
-    """Copy every file of ``source`` that ``target`` lacks (the first store copies whole; the
-    others add their hosts' chunks), leaving out what ``SKIPPED`` names and leftovers."""
+def _copy_missing(source: Path, target: Path, link: bool) -> None:
+    """Copy (or ``link``) every file of ``source`` that ``target`` lacks (the first store copies
+    whole; the others add their hosts' chunks), leaving out what ``SKIPPED`` names and leftovers."""
     for folder, dirs, files in os.walk(source):
         relative = Path(folder).relative_to(source)
         if relative == Path("."):
@@ -75,4 +80,29 @@ def _copy_missing(source: Path, target: Path) -> None:
         (target / relative).mkdir(parents=True, exist_ok=True)
         for name in files:
             if not (target / relative / name).exists() and not name.endswith(".tmp"):
-                shutil.copy2(Path(folder) / name, target / relative / name)
+                _place(Path(folder) / name, target / relative / name, link)
+
+
+def _place(source: Path, target: Path, link: bool) -> None:
+    if link:
+        try:
+            os.link(source, target)
+            return
+        except OSError:  # another filesystem, or one without hard links: copied instead
+            pass
+    shutil.copy2(source, target)
+
+
+@contextlib.contextmanager
+def gathered(stores: Sequence[str | os.PathLike[str]]) -> Iterator[Path]:
+    """One store to read the stores of a run's hosts as (for ``consolidate`` and ``export``): the
+    store itself if one holding the whole run is given; else a gather beside the first, of hard
+    links where it can be, removed afterwards. A single host's part alone is refused."""
+    if len(stores) == 1:
+        check_whole(Path(stores[0]), "pass the stores of all its hosts, or make them one")
+        yield Path(stores[0])
+        return
+    with tempfile.TemporaryDirectory(dir=Path(stores[0]).parent, prefix=".gather-") as scratch:
+        out = Path(scratch) / "store"
+        gather(out, stores, link=True)
+        yield out

@@ -10,12 +10,14 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engine.build import model_units
 from engine.engine import Engine
 from engine.tiers.hosts import HostStore, common_step
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.store_io import StoreIO
+from engine.tools.consolidate import consolidate
 from engine.tools.gather import gather
 from engine.tools.inspect import format_report, inspect_store
 from offload import IORunner
@@ -52,6 +54,13 @@ def test_two_hosts_train_as_one_host_does_and_resume_on_one_host_from_their_gath
     assert sorted(p.name for p in (tmp_path / "node-0").iterdir()) == before
     gathered = tmp_path / "gathered"
     assert gather(gathered, [tmp_path / "node-1", tmp_path / "node-0"]) == 3  # in any order
+    consolidate([tmp_path / "node-0", tmp_path / "node-1"], tmp_path / "hosts.safetensors")
+    weights = load_file(tmp_path / "hosts.safetensors")
+    assert weights.keys() == two[0]["params"].keys()
+    assert all(torch.equal(weights[k], v) for k, v in two[0]["params"].items())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "its gather of links is gone"
+    with pytest.raises(ValueError, match="holds host 0's part of a run on 2 hosts: pass the stores of all"):
+        consolidate(tmp_path / "node-0", tmp_path / "part.safetensors")
     resumed = run_ranks(2, train_span, host_config(str(gathered)), 3, 5, 5)
     for rank in range(2):
         assert resumed[rank]["losses"] == straight[rank]["losses"][3:]
