@@ -108,7 +108,10 @@ def agree_on_resume(config: Config, comm: Comm, io: StoreIO, checkpoint: str | N
 def check_whole(path: Path, way_out: str) -> None:
     """Refuse the store at ``path`` if it holds only one host's part of a run (``way_out``: what
     to do instead, before the ``GATHER`` command that makes the parts one)."""
-    recorded = group_attrs(path).get(HOSTS_ATTR, {}) if (path / "zarr.json").is_file() else {}
+    try:
+        recorded = group_attrs(path).get(HOSTS_ATTR, {})
+    except (OSError, ValueError):  # no store, or a damaged one: opening it says so, naming the file
+        return
     if recorded.get("nodes", 1) != 1:
         raise ValueError(
             f"store {path} holds host {recorded.get('node')}'s part of a run on {recorded['nodes']} hosts: "
