@@ -13,7 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from engine.build import model_units
+from engine.config import ConfigError
 from engine.engine import Engine
+from engine.runtime.comm import node_of_env
 from engine.tiers.hosts import HostStore, common_step
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.store_io import StoreIO
@@ -148,3 +150,28 @@ def test_a_store_rewritten_in_place_is_refused_on_several_hosts(tmp_path) -> Non
         StoreOptimizerState(tmp_path / "s", layout, 0, io, buffer_bytes=1 << 24, mode="in-place")
     assert not (tmp_path / "s").exists()
     io.close()
+
+
+@pytest.mark.slow
+def test_two_hosts_of_two_ranks_train_as_one_host_of_four(tmp_path) -> None:
+    """Each host's second rank writes its shards into the store its first rank leads."""
+    one = run_ranks(4, train_span, host_config(str(tmp_path / "one")), 0, 2, 2)
+    two = run_ranks(4, train_span, host_config(str(tmp_path / "node-{node}")), 0, 2, 2, nodes=2)
+    for rank in range(4):
+        assert two[rank]["losses"] == one[rank]["losses"]
+        assert all(torch.equal(v, one[rank]["params"][k]) for k, v in two[rank]["params"].items())
+    assert chunk_files(tmp_path / "node-0") | chunk_files(tmp_path / "node-1") == chunk_files(tmp_path / "one")
+
+
+def test_the_node_of_a_rank_is_torchruns_group_rank_else_its_rank_over_the_ranks_per_host(monkeypatch) -> None:
+    for name in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert node_of_env() == 0
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert node_of_env() == 2
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert node_of_env() == 1
+    assert config(offload={"nvme_path": "/nvme/node-{node}/run"}).offload.on_node(3).nvme_path == "/nvme/node-3/run"
+    with pytest.raises(ConfigError, match=r"the only placeholder it may hold is \{node\}"):
+        config(offload={"nvme_path": "/nvme/{host}"}).validate()
