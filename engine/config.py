@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 Tier = Literal["device", "cpu", "nvme"]
 DType = Literal["fp32", "bf16", "fp16"]
+NODE = "{node}"
+"""The placeholder of ``offload.nvme_path`` for the index of the host a rank runs on."""
 
 
 class ConfigError(ValueError):
@@ -62,7 +64,10 @@ class OffloadConfig:
     param: Tier = "device"
     """Tier of the compute-dtype parameter shards (stage 3 only)."""
     nvme_path: str = "offload_store"
-    """Folder of the zarr store used by the ``nvme`` tier (created if missing)."""
+    """Folder of the zarr store used by the ``nvme`` tier (created if missing). A ``{node}`` in it
+    stands for the index of the host a rank runs on: each host then writes its own store on its
+    own disk (``/nvme/run/node-{node}``), and the hosts commit each step together. Without it,
+    every rank writes one folder (a single host, or a filesystem every host shares)."""
     buffer_mb: int | Literal["auto"] = "auto"
     """Host staging budget for the ``nvme`` tier in MiB: peak host memory for streamed state.
     ``auto``: twice the largest unit's optimizer state (one unit read while another is written),
@@ -85,6 +90,15 @@ class OffloadConfig:
     gradient (clipping, loss scaling): host memory then holds no gradient shard of the whole
     model. ``auto``: whenever the optimizer is on ``nvme`` and the update waits (stages 2 and 3;
     stage 1 reduces every gradient at the step)."""
+
+    @property
+    def node_local(self) -> bool:
+        """Whether each host has its own store (``nvme_path`` holds ``{node}``)."""
+        return NODE in self.nvme_path
+
+    def on_node(self, node: int) -> OffloadConfig:
+        """This section as host ``node`` sees it: ``{node}`` in ``nvme_path`` replaced by its index."""
+        return dataclasses.replace(self, nvme_path=self.nvme_path.replace(NODE, str(node)))
 
 
 @dataclass
@@ -361,7 +375,7 @@ class Config:
         )
 
     def _check_run(self) -> None:
-        """The model, data, loop and checkpoint sections."""
+        """The model, data, loop and checkpoint sections, and where the store is."""
         self._check_model()
         _check(self.data.seq_len >= 1, "data.seq_len", self.data.seq_len, "must be >= 1")
         _check(self.data.micro_batch >= 1, "data.micro_batch", self.data.micro_batch, "must be >= 1")
@@ -382,6 +396,13 @@ class Config:
             "train.tensorboard",
             self.train.tensorboard,
             "needs the tensorboard package: pip install tensorboard (or leave train.tensorboard empty)",
+        )
+        path = self.offload.nvme_path
+        _check(
+            not set("{}") & set(path.replace(NODE, "")),
+            "offload.nvme_path",
+            path,
+            f"the only placeholder it may hold is {NODE} (the host's index, for a store on each host)",
         )
         ckpt = self.checkpoint
         _check(ckpt.interval >= 0, "checkpoint.interval", ckpt.interval, "must be >= 0 (0: no periodic checkpoints)")

@@ -35,7 +35,7 @@ from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
-from engine.tiers import rng
+from engine.tiers import hosts, rng
 from engine.tiers.checkpoint import PendingCheckpoint
 from engine.tiers.optimizer import ShardState
 from engine.tiers.store_io import StoreIO, settle_for_ranks
@@ -70,7 +70,9 @@ class Engine:
         resume = resume or checkpoint is not None  # a checkpoint is only ever resumed from
         self.device = Device.detect()
         self.comm = Comm.from_env(self.device.backend, self.device.device)
-        self.config = config = settle_for_ranks(config, resume, self.comm)  # "auto" I/O settings made numbers
+        self.config = settle_for_ranks(config, resume, self.comm)  # this host's store, "auto" I/O settings made numbers
+        self.io = StoreIO.from_config(self.config.offload, self.comm, node_local=config.offload.node_local)
+        config = self.config  # every tier's I/O runner above, closed last
         self.dtype = compute_dtype(config.precision.compute_dtype)
         self.total_steps = total_steps or config.train.steps
         self.module = model
@@ -80,13 +82,12 @@ class Engine:
         opt_device = self.device.device if tier == "device" else torch.device("cpu")
         on_meta = build.check_start(config, model, resume, checkpoint, init_unit)
         build.place_model(model, self.device.device, on_meta)
-        self._store_lock: StoreLock | None = None
-        """The writer lock of the store at ``offload.nvme_path``, taken before its first write (rank 0's)."""
+        self._store_lock: StoreLock | None = None  # the store's writer lock, its leader's, taken before a write
         self._store_locked = False  # on every rank: taking the lock is collective
+        step = hosts.agree_on_resume(config, self.comm, self.io, checkpoint) if resume else None
         if tier == "nvme" or (config.zero.stage == 3 and config.offload.param == "nvme") or checkpoint is not None:
             self._lock_store(create=not resume)
-        self.io = StoreIO.from_config(config.offload, self.comm.barrier)
-        """The I/O settings and the one I/O runner every tier's store shares, closed last."""
+        hosts.roll_back(config.offload.nvme_path, step, self.comm, self.io)  # to the step all hosts hold
         self._build_tiers(opt_device, resume, checkpoint)
         build.build_units(
             self.layout,
@@ -224,13 +225,13 @@ class Engine:
         }
 
     def _lock_store(self, create: bool) -> None:
-        """Take the writer lock of the store at ``offload.nvme_path`` (rank 0 holds it for the
-        run), once, before anything writes there, making its folder if ``create``; every rank
-        hears if it is refused. A run that fails before writing leaves the folder as it found
-        it (see ``StoreLock``)."""
+        """Take the writer lock of the store at ``offload.nvme_path`` once, before anything writes
+        there (its leader holds it for the run: rank 0, or each host's first rank for node-local
+        stores), making its folder if ``create``; every rank hears if it is refused. A run that
+        fails before writing leaves the folder as it found it (see ``StoreLock``)."""
         if not self._store_locked:
             path = self.config.offload.nvme_path
-            self._store_lock = self.comm.on_leader(lambda: StoreLock.acquire(path, create=create))
+            self._store_lock = self.comm.on_leader(lambda: StoreLock.acquire(path, create=create), self.io.leader)
             self._store_locked = True
 
     @property
@@ -259,8 +260,7 @@ class Engine:
             raise
 
     def _between_steps(self) -> StepPhase:
-        """The phase with no step in progress: COMMIT_PENDING while the last step's commit is
-        deferred (its tier knows), else IDLE."""
+        """The phase with no step in progress: COMMIT_PENDING while the last step's commit is deferred, else IDLE."""
         return StepPhase.COMMIT_PENDING if self.optimizer_state.commit_pending else StepPhase.IDLE
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

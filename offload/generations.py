@@ -53,10 +53,13 @@ SUPERSEDED = "superseded"
 """Key of ``COMMITTED``: the previous generation, to be kept as ``{"tag", "retain", "record"}``."""
 SERIAL = "serial"
 """Key of ``COMMITTED``: how many commits the store has had, this one included."""
+PREVIOUS = "previous"
+"""Key of ``COMMITTED`` in a store committed together with other hosts' stores: the record it
+replaced, which ``roll_back`` restores."""
 DIRTY = "DIRTY"
 """The file marking the committed generation as being rewritten: ``{"generation", "step", "over"}``,
 ``over`` the serial of the commit it overwrites."""
-_BOOKKEEPING = (KEEP, SUPERSEDED, SERIAL)
+_BOOKKEEPING = (KEEP, SUPERSEDED, SERIAL, PREVIOUS)
 
 
 class CheckpointExistsError(FileExistsError):
@@ -190,10 +193,15 @@ class Generations:
         else:
             self.store.build(target, create)
 
-    def commit(self, generation: int, record: dict[str, Any]) -> None:
+    def commit(self, generation: int, record: dict[str, Any], together: bool = False) -> None:
         """Name ``generation`` as the committed one, atomically (after ``store.sync()``), with the
         next serial, which voids any dirty mark; the generation it supersedes, if asked to be
-        kept, is then kept as its checkpoint."""
+        kept, is then kept as its checkpoint.
+
+        ``together``: this store is one of several (one a host) that commit each step together.
+        The record replaced is kept in the new one (``PREVIOUS``), and the superseded generation
+        is left as it is, for ``keep_superseded`` or ``prepare`` once every store has committed:
+        until then a resume may have to ``roll_back`` to it."""
         reserved = [k for k in _BOOKKEEPING if k in record]
         if reserved:
             raise ValueError(
@@ -203,10 +211,34 @@ class Generations:
         request = previous.get(KEEP) if previous else None
         carried = {SUPERSEDED: {**request, "record": _own_record(previous)}} if previous and request else {}
         serial = (previous.get(SERIAL, 0) if previous else 0) + 1
+        if together and previous:
+            carried[PREVIOUS] = {k: v for k, v in previous.items() if k != PREVIOUS}
         commit(self.store.path, {**record, **carried, "generation": generation, SERIAL: serial})
         # The new serial already voids any dirty mark; removing the file only tidies up.
         (self.store.path / DIRTY).unlink(missing_ok=True)
-        self.keep_superseded()
+        if not together:
+            self.keep_superseded()
+
+    def previous(self) -> dict[str, Any] | None:
+        """The record the committed one replaced, if this store was committed ``together`` and
+        still holds that record's generation (it is recycled once every store has committed)."""
+        record = self.committed()
+        previous = record.get(PREVIOUS) if record else None
+        if not isinstance(previous, dict) or not _is_count(previous.get("generation")):
+            return None
+        held = (self.store.path / generation_prefix(previous["generation"]) / "zarr.json").is_file()
+        return previous if held else None
+
+    def roll_back(self) -> None:
+        """Make the previous record (``previous``) the committed one again, with the next serial:
+        for a store that committed a step the other stores of its run did not."""
+        record, previous = self.committed(), self.previous()
+        if record is None or previous is None:
+            raise ManifestError(
+                f"store {self.store.path} cannot go back to the step before its committed one: it no longer holds it"
+            )
+        commit(self.store.path, {**previous, SERIAL: record.get(SERIAL, 0) + 1})
+        logger.info("store %s went back from step %s to step %s", self.store.path, record["step"], previous["step"])
 
     def own_record(self) -> dict[str, Any]:
         """The committed record as a checkpoint of it keeps it (without the store's bookkeeping)."""

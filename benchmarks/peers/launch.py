@@ -112,17 +112,21 @@ def _start_ranks(
     cwd: Path,
     env: Mapping[str, str],
     log_dir: Path,
+    hosts: int = 1,
 ) -> None:
     """Start the ranks into `processes`, one by one, so that the caller can end those started
     if a later one fails to start. Rank 0 leads a new process group and the others join it:
     until it is reaped, even an exited leader keeps its group alive, so joining cannot race
-    rank 0's exit."""
+    rank 0's exit. With `hosts` the ranks are told, as torchrun would tell them, that they run
+    on that many hosts (`GROUP_RANK`); they still share this machine's cores as one host's do."""
     port = free_port()
+    per_host = world_size // hosts
     for rank in range(world_size):
         rank_env = {
             **env,
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank % per_host),
+            "GROUP_RANK": str(rank // per_host),
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
@@ -178,16 +182,18 @@ def run_ranks(
     timeout_s: float,
     log_dir: Path,
     watch: Path | None = None,
+    hosts: int = 1,
 ) -> GroupResult:
     """Run `argv` as ranks 0..world_size-1 of an env:// group in a new process group, each
-    rank's output in `log_dir/rank<r>.log`, sampling the disk usage of `watch` if given.
+    rank's output in `log_dir/rank<r>.log`, sampling the disk usage of `watch` if given,
+    the ranks spread over `hosts` simulated hosts.
 
     The ranks are not in the caller's process group, so a Ctrl-C does not reach them:
     whatever interrupts the caller ends them here.
     """
     processes: list[subprocess.Popen] = []
     try:
-        _start_ranks(processes, argv, world_size, cwd, env, log_dir)
+        _start_ranks(processes, argv, world_size, cwd, env, log_dir, hosts)
         return _watch(processes, timeout_s, watch)
     except BaseException:
         if processes:

@@ -13,8 +13,11 @@
   TAG``), its model and tokenizer set up from the same config as ``train``; greedy at temperature 0;
   each token one forward of its own position, with a key/value cache.
 - ``inspect STORE [--verify]``: what a store holds; ``--verify`` checks every chunk's CRC-32C.
-- ``consolidate STORE OUT.safetensors``: full fp32 weights under the model's parameter names.
-- ``export STORE OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``: a run started from
+- ``consolidate STORE... OUT.safetensors``: full fp32 weights under the model's parameter names
+  (of one store, or of the stores of every host of one run).
+- ``gather OUT STORE...``: the stores of a run's hosts (``offload.nvme_path`` with ``{node}``)
+  made one store, which resumes on any number of hosts and which the other commands read.
+- ``export STORE... OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``: a run started from
   ``--model.hf FOLDER`` as a Hugging Face folder (sharded safetensors, config, tokenizer) that
   ``from_pretrained`` loads; in the checkpoint's dtype unless ``--dtype`` says otherwise. A run
   with ``lora.r > 0`` exports its trained adapter alone, in peft's format (fp32 by default).
@@ -152,14 +155,12 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
     process group it was agreed in, for the engine to join and the caller to close."""
     from engine.run.train import resumable
     from engine.runtime.comm import Comm
-    from engine.runtime.device import Device
     from engine.tools.estimate import plan_of
 
     if resumable(config):  # the store's run continues as it was planned
         logger.info("--plan auto: resuming from %s keeps its plan (%s)", config.offload.nvme_path, plan_of(config))
         return config, None
-    device = Device.detect()
-    comm = Comm.from_env(device.backend, device.device)
+    comm = Comm.join()
     choice, error = None, None
     if comm.rank == 0:
         try:
@@ -183,6 +184,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     group = None
     if args.plan == "auto":
         config, group = _auto_plan(config)
+    elif config.offload.node_local and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from engine.runtime.comm import Comm
+
+        group = Comm.join()  # the hosts agree whether to resume before the engine joins it
     _set_threads()
     try:
         result = train(config, checkpoint=args.from_checkpoint)
@@ -255,6 +260,19 @@ def _consolidate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _gather(args: argparse.Namespace, extra: list[str]) -> int:
+    from engine.tools.gather import gather
+
+    step = gather(args.out, args.stores)
+    logger.info(
+        "%s holds step %d of the %d hosts' stores; resume from it on any number of hosts",
+        args.out,
+        step,
+        len(args.stores),
+    )
+    return 0
+
+
 def _export(args: argparse.Namespace, extra: list[str]) -> int:
     from engine.tools.export import export
 
@@ -316,11 +334,14 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("store")
     inspect.add_argument("--verify", action="store_true", help="read every chunk and check its CRC-32C")
     consolidate = commands.add_parser("consolidate", help="full fp32 weights to a .safetensors file")
-    consolidate.add_argument("store")
+    consolidate.add_argument("store", nargs="+", help="the store, or every host's store of one run")
     consolidate.add_argument("out")
     _step_arguments(consolidate)
+    gather = commands.add_parser("gather", help="the stores of a run's hosts made one store")
+    gather.add_argument("out", help="the new store's folder")
+    gather.add_argument("stores", nargs="+", help="every host's store (offload.nvme_path with {node})")
     export = commands.add_parser("export", help="a Hugging Face folder that from_pretrained loads (runs of --model.hf)")
-    export.add_argument("store")
+    export.add_argument("store", nargs="+", help="the store, or every host's store of one run")
     export.add_argument("out_dir")
     export.add_argument("--max-shard-size", default="5GB", help="largest weights file, e.g. 5GB, 500MB (default 5GB)")
     export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: the checkpoint's")
@@ -369,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": _generate,
         "inspect": _inspect,
         "consolidate": _consolidate,
+        "gather": _gather,
         "export": _export,
         "plot": _plot,
     }

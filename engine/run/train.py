@@ -39,7 +39,9 @@ from engine.run.lora import LoraInit, lora_model
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
 from engine.run.watch import Scalars, step_record
+from engine.runtime.comm import node_of_env
 from engine.runtime.sizes import GIB, MIB
+from engine.tiers import hosts
 from engine.tiers.store_checks import resume_point
 from offload import CheckpointExistsError, read_committed
 
@@ -83,7 +85,12 @@ def meta_model(config: Config, vocab_size: int) -> tuple[GPT, Callable[[dict[str
 def resumable(config: Config) -> bool:
     """A run continues where the store at ``offload.nvme_path`` last committed, if there is one
     (the memory tiers commit no steps there, only checkpoints, resumed from by tag)."""
-    return config.offload.optimizer == "nvme" and resume_point(Path(config.offload.nvme_path))[0]
+    return config.offload.optimizer == "nvme" and resume_point(own_store(config))[0]
+
+
+def own_store(config: Config) -> Path:
+    """The store of the host this process runs on (``offload.nvme_path`` with its ``{node}``)."""
+    return Path(config.offload.on_node(node_of_env()).nvme_path)
 
 
 def save_checkpoint(engine: Engine, tag: str) -> None:
@@ -133,7 +140,7 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
-        path = Path(config.offload.nvme_path)
+        path = own_store(config)
         try:
             record = read_committed(path)
         except ValueError:
@@ -153,7 +160,9 @@ def start_engine(
     its checkpoint ``checkpoint``."""
     resume = checkpoint is not None
     if checkpoint is None and config.offload.optimizer == "nvme":
-        resume, checkpoint = resume_point(Path(config.offload.nvme_path))
+        resume, checkpoint = resume_point(own_store(config))
+        if config.offload.node_local:  # one host's store missing is refused on resume, not started afresh
+            resume, checkpoint = hosts.any_resumes(resume, checkpoint)
         if checkpoint is not None:
             logger.warning(
                 '%s was stopped mid-step while rewritten in place (store.mode = "in-place"): resuming from its last '
@@ -326,7 +335,7 @@ def _run_steps(
     result.seconds_per_step = (time.perf_counter() - run_start) / max(1, len(result.losses))
     if result.stopped_early and rank == 0:
         how = (
-            f"run the same command again to resume from {config.offload.nvme_path}"
+            f"run the same command again to resume from {engine.config.offload.nvme_path}"
             if config.offload.optimizer == "nvme"
             else "the state was in memory: resume from a checkpoint with --from-checkpoint TAG, or set "
             'offload.optimizer = "nvme" to make every step resumable'

@@ -3,6 +3,9 @@
 One process without any group is a first-class case (world size 1): every collective
 then completes at once without touching ``torch.distributed``, so single-rank runs
 are exactly the arithmetic of plain PyTorch.
+
+Ranks may span several hosts (``torchrun --nnodes``). The host a rank is on, its node, is
+defined once here (``node_of_env``): node-local stores and their leaders follow from it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ class Work(Protocol):
     def wait(self) -> object: ...
 
 
+def node_of_env() -> int:
+    """The index of the host (node) this process runs on, as torchrun numbers them: its
+    ``GROUP_RANK``, else ``RANK // LOCAL_WORLD_SIZE`` (a launcher that sets only those), else 0."""
+    if "GROUP_RANK" in os.environ:
+        return int(os.environ["GROUP_RANK"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return int(os.environ.get("RANK", "0")) // local if local > 0 else 0
+
+
 class Done:
     """An already finished collective."""
 
@@ -37,7 +49,7 @@ class Done:
 
 
 class Comm:
-    """The ranks of this node and the flat-buffer collectives between them."""
+    """The ranks of the run, the hosts they are on, and the flat-buffer collectives between them."""
 
     def __init__(
         self,
@@ -46,22 +58,41 @@ class Comm:
         backend: str = "gloo",
         device: torch.device | None = None,
         owns_group: bool = False,
+        nodes: list[int] | None = None,
     ):
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = device or torch.device("cpu")  # where the backend wants tensors: CUDA for NCCL, CPU for gloo
         self._owns_group = owns_group
+        self.rank_nodes = nodes or [0] * world_size
+        """The node of each rank, by rank."""
+        self.node = self.rank_nodes[rank]
+        self.nodes = len(set(self.rank_nodes))
+        """How many hosts the ranks are on."""
+        self.node_leader = self.rank_nodes.index(self.node) == rank
+        """Whether this rank is the lowest on its node (the one that writes the node's store)."""
 
     @classmethod
     def from_env(cls, backend: str, device: torch.device, timeout_s: float = 1800.0) -> Comm:
         """Join the group torchrun describes (``env://``), or run alone when there is none."""
-        if dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size(), dist.get_backend(), device)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size == 1:
-            return cls(device=device)
-        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
-        logger.info("rank %d of %d joined the %s process group", dist.get_rank(), world_size, backend)
-        return cls(dist.get_rank(), world_size, backend, device, owns_group=True)
+        owns = not dist.is_initialized()
+        if owns:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            if world_size == 1:
+                return cls(device=device)
+            dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+            logger.info("rank %d of %d joined the %s process group", dist.get_rank(), world_size, backend)
+        comm = cls(dist.get_rank(), dist.get_world_size(), dist.get_backend(), device, owns_group=owns)
+        nodes = comm.all_gather_object(node_of_env())  # learnt from every rank: hosts may hold unequal numbers
+        return cls(comm.rank, comm.world_size, comm.backend, device, owns_group=owns, nodes=nodes)
+
+    @classmethod
+    def join(cls) -> Comm:
+        """``from_env`` on this rank's device: the group made before the engine (which then joins
+        it, as ``Engine`` does any existing group) where the ranks must agree on something first."""
+        from engine.runtime.device import Device
+
+        device = Device.detect()
+        return cls.from_env(device.backend, device.device)
 
     def shard_range(self, shard_numel: int) -> slice:
         return slice(self.rank * shard_numel, (self.rank + 1) * shard_numel)
@@ -109,16 +140,17 @@ class Comm:
         dist.all_gather_object(out, obj)
         return out
 
-    def on_leader(self, fn: Callable[[], T]) -> T | None:
-        """``fn()`` on rank 0 only (its result there, None elsewhere); its error is raised on
-        every rank, so that none waits in a later collective for a leader that failed."""
+    def on_leader(self, fn: Callable[[], T], leader: bool | None = None) -> T | None:
+        """``fn()`` on the leaders only (rank 0, or the ranks for which ``leader`` is true): its
+        result there, None elsewhere; the first leader's error is raised on every rank, so that
+        none waits in a later collective for a leader that failed."""
         result, error = None, None
-        if self.rank == 0:
+        if self.rank == 0 if leader is None else leader:
             try:
                 result = fn()
             except Exception as err:  # every rank must hear of it
                 error = err
-        leader_error = self.all_gather_object(error)[0]
+        leader_error = next((e for e in self.all_gather_object(error) if e is not None), None)
         if isinstance(leader_error, BaseException):
             raise leader_error
         return result

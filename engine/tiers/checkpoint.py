@@ -82,9 +82,9 @@ class MemoryCheckpoints:
         self._frozen_stored = not layout.frozen
         """This run's frozen values are in the store (none to store, written, or resumed from)."""
         self._barrier = io.barrier
-        self._leader = rank == 0
+        self._leader = io.leader
         if self._leader and create and not (path / "zarr.json").exists():
-            attrs = {"layout": layout.to_dict()}
+            attrs = {"layout": layout.to_dict(), **io.host_attrs()}
             ShardStore.create(  # beside the parameter tier's store, which offload.param = "nvme" puts there first
                 path,
                 attrs,

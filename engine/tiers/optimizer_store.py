@@ -86,11 +86,17 @@ class StoreOptimizerState:
     ):
         """``scratch_bytes``: the disk the run's spilled gradients take beside the store, all ranks
         (``engine.tiers.grad_spill``), checked with the store's own before a new store is made."""
+        if io.hosts > 1 and mode != GENERATIONS:
+            raise ValueError(
+                f'store.mode = "{mode}" keeps one generation, so hosts whose stores a crash left one step apart '
+                f'could not agree on a step to resume: use store.mode = "{GENERATIONS}" with a store on each host'
+            )
         self.mode = store_mode(mode)
+        self.hosts = io.hosts
         check_buffer(layout, buffer_bytes)
         self.layout, self.rank = layout, rank
         self.barrier = io.barrier
-        self.leader = rank == 0
+        self.leader = io.leader
         self.runner = io.runner
         self.pool = BufferPool(buffer_bytes)
         window = read_ahead_bytes(buffer_bytes)
@@ -100,7 +106,7 @@ class StoreOptimizerState:
         self._copy_bytes = window  # a checkpoint copy's buffer: room for it beside a read-ahead's window
         if self.leader and not resume:
             check_nvme_path(path, layout, mode, scratch_bytes)
-            attrs = {"layout": layout.to_dict(), MODE_ATTR: mode}
+            attrs = {"layout": layout.to_dict(), MODE_ATTR: mode, **io.host_attrs()}
             abandoned = check_new(path, self.runner)
             ShardStore.create(
                 path, attrs, runner=self.runner, checksum=io.checksum, direct_io=io.direct_io, overwrite=abandoned
@@ -331,10 +337,16 @@ class StoreOptimizerState:
             self.commit(record)
 
     def _commit(self, generation: int, record: dict) -> None:
+        """Every rank's writes durable, then the commit; with a store on each host
+        (``engine.tiers.hosts``) each host commits only once all are durable, and the
+        superseded generation goes only once all have committed."""
         self.store.sync()
         self.barrier()
         if self.leader:
-            self.generations.commit(generation, record)
+            self.generations.commit(generation, record, together=self.hosts > 1)
+        if self.hosts > 1:
+            self.barrier()
+        if self.leader:
             if not self._layout_adopted:
                 self._adopt_layout(generation)
             self.mode.after_commit(self, generation)

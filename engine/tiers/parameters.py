@@ -166,7 +166,7 @@ class StoreParamTier:
         self._rank, self._dtype, self._read_frozen = rank, dtype, read_frozen
         self.pool = BufferPool(param_pool_bytes(layout.all_units, dtype, buffer_bytes))
         self.runner = io.runner
-        if rank == 0:
+        if io.leader:
             # Derived data: whatever an earlier run left here is replaced, never resumed from.
             path.parent.mkdir(parents=True, exist_ok=True)
             store = ShardStore.create(

@@ -28,24 +28,44 @@ from offload import CHUNK_RANGE, CostAccount, IORunner, IOSettings, auto_setting
 
 logger = logging.getLogger(__name__)
 
+HOSTS_ATTR = "hosts"
+"""The store attribute of a node-local store: ``{"node", "nodes"}``, which host's part of the run it holds."""
+
 
 @dataclass(frozen=True)
 class StoreIO:
-    """How the tiers' stores move bytes: the shared runner, checksums, direct I/O, the
-    barrier that orders the ranks' work on a store, and the one cost account of every store's
-    I/O (``offload.costs``), which the step statistics take each step."""
+    """How the tiers' stores move bytes: the shared runner, checksums, direct I/O, the barrier
+    that orders the ranks' work on a store, which rank does a store's one-writer duties, and the
+    one cost account of every store's I/O (``offload.costs``), which the step statistics take
+    each step."""
 
     runner: IORunner
     checksum: bool
     direct_io: bool
     barrier: Callable[[], None]
+    leader: bool = True
+    """Whether this rank creates, commits and recycles its store's generations: global rank 0
+    of a store every rank shares, the lowest rank on each host of node-local stores."""
+    hosts: int = 1
+    """How many stores commit each step together: the hosts of node-local stores, else 1."""
+    node: int = 0
+    """The host this rank is on."""
     costs: CostAccount = field(default_factory=CostAccount)
 
     @classmethod
-    def from_config(cls, offload: OffloadConfig, barrier: Callable[[], None]) -> StoreIO:
+    def from_config(cls, offload: OffloadConfig, comm: Comm, node_local: bool) -> StoreIO:
+        """The settings of ``offload`` for this rank; ``node_local``: each host has its own store."""
         if offload.io_threads == "auto":
             raise ValueError('offload.io_threads = "auto" must be settled first (engine.tiers.store_io.settle_io)')
-        return cls(IORunner(threads=offload.io_threads), offload.checksum, offload.direct_io, barrier)
+        leader = comm.node_leader if node_local else comm.rank == 0
+        hosts = comm.nodes if node_local else 1
+        runner = IORunner(threads=offload.io_threads)
+        return cls(runner, offload.checksum, offload.direct_io, comm.barrier, leader, hosts, comm.node)
+
+    def host_attrs(self) -> dict[str, dict[str, int]]:
+        """What a new store records of the hosts it belongs with (``HOSTS_ATTR``): the node it is
+        on and how many stores hold the run between them; nothing for a store that holds it all."""
+        return {HOSTS_ATTR: {"node": self.node, "nodes": self.hosts}} if self.hosts > 1 else {}
 
     def close(self) -> None:
         """Finish the pending I/O and stop the threads (after every tier is closed)."""
@@ -95,11 +115,16 @@ def settle_io(config: Config, *, resume: bool, measure: bool = True) -> tuple[Co
 
 
 def settle_for_ranks(config: Config, resume: bool, comm: Comm) -> Config:
-    """``settle_io`` on rank 0 (the only one that may measure), its choice on every rank: the
-    layout's chunk size must be one on all of them. Logs the line saying why."""
+    """``config`` as this rank runs it: ``offload.nvme_path`` its host's store (``{node}``
+    replaced), and ``settle_io`` on rank 0 (the only one that may measure), its choice on every
+    rank: the layout's chunk size must be one on all of them. Logs the line saying why."""
+    config = dataclasses.replace(config, offload=config.offload.on_node(comm.node))
     settled = comm.all_gather_object(comm.on_leader(lambda: settle_io(config, resume=resume)))[0]
     assert settled is not None  # rank 0 always returns, or raises on every rank
-    config, why = settled
+    chosen, why = settled
     if comm.rank == 0:
         logger.info("%s", why)
-    return config
+    chunk_mb, io_threads = chosen.offload.chunk_mb, chosen.offload.io_threads
+    return dataclasses.replace(
+        config, offload=dataclasses.replace(config.offload, chunk_mb=chunk_mb, io_threads=io_threads)
+    )

@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -40,6 +40,7 @@ from tqdm import tqdm
 from engine.runtime.sizes import FP32
 from engine.tiers.frozen import frozen_array
 from engine.tiers.store_checks import naming_way_out
+from engine.tools.gather import gathered
 from engine.tools.inspect import IO_THREADS, committed_record, open_store, store_layout
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import ChunkReader, Generations, IORunner, ShardStore, array_name, generation_prefix
@@ -91,18 +92,22 @@ def unit_array(prefix: str, unit: UnitLayout) -> str:
     return array_name(prefix, unit.name, "master") if unit.trainable else frozen_array(unit)
 
 
+Stores = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+"""One store, or the stores of every host of one run (``offload.nvme_path`` with ``{node}``)."""
+
+
 @contextlib.contextmanager
-def open_masters(
-    store_path: str | os.PathLike[str], generation: int | None = None, checkpoint: str | None = None
-) -> Iterator[Masters]:
-    """The masters of the store at ``store_path``: of ``generation``, of the kept ``checkpoint``,
-    or by default of the committed generation, else (a store of the memory tiers, which commit
-    no live state) of the checkpoint kept last."""
-    with IORunner(threads=IO_THREADS) as runner:
-        store = open_store(Path(store_path), runner)
+def open_masters(stores: Stores, generation: int | None = None, checkpoint: str | None = None) -> Iterator[Masters]:
+    """The masters of the store at ``stores`` (or of the stores of a run's hosts read as one,
+    ``engine.tools.gather.gathered``): of ``generation``, of the kept ``checkpoint``, or by
+    default of the committed generation, else (a store of the memory tiers, which commit no live
+    state) of the checkpoint kept last."""
+    if generation is not None and checkpoint is not None:
+        raise ValueError("pass --generation N or --checkpoint TAG, not both: each names the step to read")
+    paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
+    with gathered(paths) as path, IORunner(threads=IO_THREADS) as runner:
+        store = open_store(Path(path), runner)
         layout = store_layout(store)
-        if generation is not None and checkpoint is not None:
-            raise ValueError("pass --generation N or --checkpoint TAG, not both: each names the step to read")
         if checkpoint is None and generation is None and committed_record(store) is None:
             checkpoint = Generations(store).latest_checkpoint()
             if checkpoint is not None:
@@ -115,20 +120,21 @@ def open_masters(
             prefix, what, metadata = _choose_checkpoint(store, checkpoint)
         else:
             prefix, what, metadata = _choose_generation(store, generation)
+        metadata["source"] = ", ".join(map(str, paths))
         reader = ChunkReader(store, (unit_array(prefix, u) for u in layout.all_units))
         yield Masters(layout, prefix, what, metadata, reader)
 
 
 def consolidate(
-    store_path: str | os.PathLike[str],
+    store_path: Stores,
     out_path: str | os.PathLike[str],
     generation: int | None = None,
     checkpoint: str | None = None,
 ) -> int:
     """Write the fp32 weights of ``generation`` or ``checkpoint`` (default: as ``open_masters``
-    chooses) of the store at ``store_path`` to the safetensors file ``out_path``; return the
-    number of tensors."""
-    store_path, out_path = Path(store_path), Path(out_path)
+    chooses) of the store at ``store_path`` (or of the stores of a run's hosts) to the
+    safetensors file ``out_path``; return the number of tensors."""
+    out_path = Path(out_path)
     if not out_path.parent.is_dir():
         raise FileNotFoundError(
             f"cannot write {out_path}: its folder {out_path.parent} does not exist; create it first"

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from engine.run.pretrained import INDEX_FILE, SINGLE_FILE, SOURCE_FOLDER, SOURCE_RECORD, WEIGHT_SUFFIXES
 from engine.runtime.sizes import GIB, MIB
-from engine.tools.consolidate import Masters, header_bytes, open_masters
+from engine.tools.consolidate import Masters, Stores, header_bytes, open_masters
 from engine.zero.partition import ModelLayout, ParamSlot
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def source_files(store_path: Path) -> tuple[Path, dict[str, str]]:
 
 
 def export(
-    store_path: str | os.PathLike[str],
+    store_path: Stores,
     out_dir: str | os.PathLike[str],
     *,
     max_shard_size: str | int = "5GB",
@@ -186,25 +186,30 @@ def export(
     generation: int | None = None,
     checkpoint: str | None = None,
 ) -> list[str]:
-    """Write the store's weights (of ``generation`` or ``checkpoint``, default: as
-    ``open_masters`` chooses), config and tokenizer to ``out_dir`` as a Hugging Face folder;
-    return the names of the weight files written."""
-    store_path, out_dir = Path(store_path), Path(out_dir)
+    """Write the store's weights (of ``generation`` or ``checkpoint``, default: as ``open_masters``
+    chooses), config and tokenizer to ``out_dir`` as a Hugging Face folder (of the stores of a
+    run's hosts: host 0's holds the config and tokenizer); return the names of the weight files
+    written."""
+    out_dir = Path(out_dir)
     max_bytes = parse_size(max_shard_size)
-    source, record = source_files(store_path)
-    adapter = "lora" in record
-    dtype = dtype or ("fp32" if adapter else record.get("dtype", "fp32"))
-    if dtype not in DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}: pass --dtype bf16, fp16 or fp32")
-    if out_dir.is_dir() and any(p.name.endswith(WEIGHT_SUFFIXES) or p.name == INDEX_FILE for p in out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} already holds model weights: export into a new or empty folder")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if adapter:
-        return export_adapter(store_path, out_dir, source, record, dtype, generation, checkpoint)
     with open_masters(store_path, generation, checkpoint) as masters:
+        source, record = source_files(masters.reader.store.path)
+        adapter = "lora" in record
+        dtype = dtype or ("fp32" if adapter else record.get("dtype", "fp32"))
+        if dtype not in DTYPES:
+            raise ValueError(
+                f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}: pass --dtype bf16, fp16 or fp32"
+            )
+        if out_dir.is_dir() and any(
+            p.name.endswith(WEIGHT_SUFFIXES) or p.name == INDEX_FILE for p in out_dir.iterdir()
+        ):
+            raise FileExistsError(f"{out_dir} already holds model weights: export into a new or empty folder")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if adapter:
+            return export_adapter(masters, out_dir, source, record, dtype)
         shards = plan_shards(masters.layout, dtype, max_bytes, masters.metadata)
         _write_shards(masters, shards, DTYPES[dtype][1], out_dir)
-    _write_side_files(source, out_dir, shards, dtype)
+        _write_side_files(source, out_dir, shards, dtype)
     logger.info(
         "exported %.1fM %s weights of %s (%s) to %s in %d file(s)",
         (masters.layout.numel + masters.layout.frozen_numel) / 1e6,
@@ -229,15 +234,7 @@ def trained_weights(masters: Masters) -> dict[str, torch.Tensor]:
     return weights
 
 
-def export_adapter(
-    store_path: Path,
-    out_dir: Path,
-    source: Path,
-    record: dict,
-    dtype: str,
-    generation: int | None,
-    checkpoint: str | None,
-) -> list[str]:
+def export_adapter(masters: Masters, out_dir: Path, source: Path, record: dict, dtype: str) -> list[str]:
     """A LoRA run's trained adapter, written by peft's ``save_pretrained`` (``adapter_config.json``
     naming the pretrained folder, ``adapter_model.safetensors``): ``PeftModel.from_pretrained(base,
     out_dir)`` loads it. Returns the weight files written."""
@@ -245,15 +242,15 @@ def export_adapter(
     from engine.run.lora import with_lora
     from engine.run.pretrained import meta_model
 
-    with open_masters(store_path, generation, checkpoint) as masters:
-        adapters = trained_weights(masters)
+    adapters = trained_weights(masters)
     model: Any = with_lora(meta_model(source), LoraConfig(**record["lora"]))  # a PeftModel
     model.peft_config["default"].base_model_name_or_path = record["folder"]  # not the store's copy of its config
     cast = {name: values.to(DTYPES[dtype][1]) for name, values in adapters.items()}
     unexpected = model.load_state_dict(cast, strict=False, assign=True).unexpected_keys
     if unexpected:
         raise ValueError(
-            f"store {store_path} holds {unexpected[0]!r}, which the LoRA model its {SOURCE_RECORD} describes has "
+            f"store {masters.metadata['source']} holds {unexpected[0]!r}, which the LoRA model its {SOURCE_RECORD} "
+            f"describes has "
             f"not: the store and its record do not match"
         )
     model.save_pretrained(out_dir)
@@ -261,7 +258,7 @@ def export_adapter(
         "exported the %.2fM-parameter %s LoRA adapter of %s to %s",
         masters.layout.numel / 1e6,
         dtype,
-        store_path,
+        masters.metadata["source"],
         out_dir,
     )
     return sorted(p.name for p in out_dir.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))

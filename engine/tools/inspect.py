@@ -33,7 +33,7 @@ from engine.tiers.store_checks import (
     check_clean,
     naming_way_out,
 )
-from engine.tiers.store_io import stored_chunk_mb
+from engine.tiers.store_io import HOSTS_ATTR, stored_chunk_mb
 from engine.zero.partition import ModelLayout
 from offload import (
     CHECKPOINTS,
@@ -144,7 +144,8 @@ def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[st
             "dirty": dirty_status(store),
             "writer": read_holder(path),
             "world_size": layout.world_size,
-            "attributes": {k: v for k, v in store.attrs.items() if k not in ("layout", MODE_ATTR)},
+            "attributes": {k: v for k, v in store.attrs.items() if k not in ("layout", MODE_ATTR, HOSTS_ATTR)},
+            "hosts": store.attrs.get(HOSTS_ATTR, {"node": 0, "nodes": 1}),
             "num_units": len(layout.units),
             "num_params": sum(len(u.params) for u in layout.units),
             "numel": layout.numel,
@@ -164,10 +165,8 @@ def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[st
             "generations": Generations(store).on_disk(),
             "checkpoints": _checkpoints(path),
             "disk_bytes": _disk_bytes(path),
-            "verify": None,
+            "verify": _verify(store, layout, generation, arrays | unit_arrays(store, FROZEN)) if verify else None,
         }
-        if verify:
-            report["verify"] = _verify(store, layout, generation, arrays | unit_arrays(store, FROZEN))
     return report
 
 
@@ -260,6 +259,16 @@ def _verify(
     return {"chunks": total, "failures": failures}
 
 
+def _hosts_lines(hosts: dict[str, int]) -> list[str]:
+    """Which hosts a node-local store belongs with (none for a store holding the whole run)."""
+    if hosts["nodes"] == 1:
+        return []
+    return [
+        f"hosts:       host {hosts['node']} of {hosts['nodes']}: its ranks' shards only; each other host's store "
+        f"holds its own (`python -m engine gather OUT STORE...` makes them one)"
+    ]
+
+
 def _size(n: int) -> str:
     value, unit = float(n), "B"
     for larger in ("KiB", "MiB", "GiB", "TiB"):
@@ -293,6 +302,7 @@ def format_report(report: dict[str, Any]) -> str:
     writer = report["writer"]
     lines.append(f"writer:      {describe_holder(writer) if writer is not None else 'none (no run holds its lock)'}")
     lines.append(f"world size:  {report['world_size']}")
+    lines += _hosts_lines(report["hosts"])
     lines += [f"{key + ':':<12} {value}" for key, value in report["attributes"].items()]
     lines.append(
         f"model:       {report['num_units']} units, {report['num_params']} parameters, {report['numel']:,} elements"

@@ -160,7 +160,7 @@ def test_a_store_whose_first_commit_never_happened_is_replaced_by_the_next_run(t
 
     cfg = one_unit(tmp_path / "run")
     with monkeypatch.context() as patch:
-        patch.setattr(Generations, "commit", lambda *args: (_ for _ in ()).throw(InjectedCrash("before the first commit")))
+        patch.setattr(Generations, "commit", lambda *args, **kwargs: (_ for _ in ()).throw(InjectedCrash("before the first commit")))
         with pytest.raises(InjectedCrash):
             Engine(tiny_gpt(), cfg, total_steps=4)
     gc.collect()  # the failed engine, and with it its lock, is gone as with a dead process

@@ -158,3 +158,27 @@ def test_a_pending_keep_is_withdrawn_and_the_latest_checkpoint_found(tmp_path) -
     assert gens.latest_checkpoint() == "a-newer", "by the order they were kept, not by name"
     assert "serial" not in gens.checkpoints()["a-newer"]
     runner.close()
+
+
+def test_a_store_committed_together_with_others_can_go_back_one_commit(tmp_path) -> None:
+    """One of several hosts' stores: a commit keeps the record it replaces, and leaves the
+    superseded generation (and its pending keep) until every host has committed, so a store
+    that committed a step the others did not goes back to the step they hold."""
+    store, gens, _, runner = make(tmp_path)
+    create = make_creator(store, [])
+    gens.prepare(0, create)
+    gens.commit(0, {"step": 0}, together=True)
+    assert gens.previous() is None, "the first commit replaces nothing"
+    gens.prepare(1, create)
+    gens.keep("step-0", retain=0)
+    gens.commit(1, {"step": 1}, together=True)
+    assert gens.on_disk() == [0, 1] and not gens.checkpoints(), "gen-0 stays until every host has committed"
+    assert gens.previous() == {"generation": 0, "step": 0, "serial": 1, KEEP: {"tag": "step-0", "retain": 0}}
+    gens.roll_back()
+    assert gens.committed() == {"generation": 0, "step": 0, "serial": 3, KEEP: {"tag": "step-0", "retain": 0}}
+    gens.commit(1, {"step": 1}, together=True)  # the step taken again
+    gens.prepare(2, create)  # every host has committed: the superseded generation is kept, then a fresh one made
+    assert list(gens.checkpoints()) == ["step-0"] and gens.previous() is None
+    with pytest.raises(ValueError, match="no longer holds it"):
+        gens.roll_back()
+    runner.close()
