@@ -250,11 +250,17 @@ def trained_weights(masters: Masters) -> dict[str, torch.Tensor]:
     the frozen units, which come after them, are not read."""
     weights: dict[str, torch.Tensor] = {}
     for unit in masters.layout.units:
-        flat = torch.empty(unit.numel, dtype=torch.float32)
-        for _, offset, values in masters.pieces([unit]):
-            flat[offset : offset + values.numel()] = values
+        flat = unit_values(masters, unit)
         weights |= {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in unit.params}
     return weights
+
+
+def unit_values(masters: Masters, unit: UnitLayout) -> torch.Tensor:
+    """One unit's weights whole, in fp32 (its master, or a frozen unit's values)."""
+    flat = torch.empty(unit.numel, dtype=torch.float32)
+    for _, offset, values in masters.pieces([unit]):
+        flat[offset : offset + values.numel()] = values
+    return flat
 
 
 def export_adapter(masters: Masters, out_dir: Path, source: Path, record: dict, dtype: str) -> list[str]:

@@ -23,6 +23,7 @@ from engine.config import LoraConfig
 from engine.run.lora import merges, with_lora_named
 from engine.run.pretrained import SOURCE_RECORD, meta_model
 from engine.tools.consolidate import Masters
+from engine.tools.export import unit_values
 from engine.zero.partition import ModelLayout, UnitLayout
 
 
@@ -49,9 +50,7 @@ def merged_pieces(
 
     def pieces() -> Iterator[tuple[UnitLayout, int, torch.Tensor]]:
         for unit, out in zip(masters.layout.frozen, renamed, strict=True):
-            values = torch.empty(unit.numel, dtype=torch.float32)
-            for _, offset, piece in masters.pieces([unit]):
-                values[offset : offset + piece.numel()] = piece
+            values = unit_values(masters, unit)
             for slot in unit.params:
                 if slot.name in plan:
                     values[slot.offset : slot.offset + slot.numel].view(slot.shape).add_(
