@@ -17,10 +17,11 @@
   (of one store, or of the stores of every host of one run).
 - ``gather OUT STORE...``: the stores of a run's hosts (``offload.nvme_path`` with ``{node}``)
   made one store, which resumes on any number of hosts and which the other commands read.
-- ``export STORE... OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32]``: a run started from
+- ``export STORE... OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32] [--merged]``: a run started from
   ``--model.hf FOLDER`` as a Hugging Face folder (sharded safetensors, config, tokenizer) that
   ``from_pretrained`` loads; in the checkpoint's dtype unless ``--dtype`` says otherwise. A run
-  with ``lora.r > 0`` exports its trained adapter alone, in peft's format (fp32 by default).
+  with ``lora.r > 0`` exports its trained adapter alone, in peft's format (fp32 by default), or
+  with ``--merged`` the base with the adapters merged in, as a plain folder (the checkpoint's dtype).
   Both read the committed step, else (the memory tiers' store) the last checkpoint; ``--checkpoint
   TAG`` or ``--generation N`` names another.
 - ``plot METRICS.jsonl [--out PNG]``: the loss (and validation loss), seconds per step and
@@ -283,6 +284,7 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
         dtype=args.dtype,
         generation=args.generation,
         checkpoint=args.checkpoint,
+        merged=args.merged,
     )
     logger.info("wrote %d weight file(s) to %s", len(files), args.out_dir)
     return 0
@@ -346,6 +348,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="5GB", help="largest weights file, e.g. 5GB, 500MB (default 5GB)")
     export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: the checkpoint's")
     _step_arguments(export)
+    export.add_argument("--merged", action="store_true", help="a LoRA run: the base with its adapters merged in")
     plot = commands.add_parser("plot", help="a train.metrics file's loss and speed against the step, as a PNG")
     plot.add_argument("metrics", help="the JSON-lines file train.metrics names")
     plot.add_argument("--out", help="the PNG to write (default: the metrics file's name with .png)")

@@ -9,13 +9,15 @@ initialises its adapters as peft does (``lora_A`` Kaiming-uniform, ``lora_B`` ze
 first forward is the pretrained model's), each from a generator of ``(train.seed, name)``: the
 same seed gives the same adapters on any tier and at any world size.
 
-``python -m engine export`` writes the trained adapter alone, in peft's format
-(``engine.tools.export``).
+``python -m engine export`` writes the trained adapter alone, in peft's format, or with
+``--merged`` the base with its adapters merged in (``merges``), as a plain model
+(``engine.tools.export``, ``engine.tools.merge``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -103,10 +105,50 @@ class LoraInit:
         return self.pretrained.dtype
 
 
+def with_lora_named(model: nn.Module, lora: LoraConfig) -> tuple[nn.Module, dict[str, str]]:
+    """``with_lora(model, lora)`` and the base model's name of each of its base parameters
+    (peft keeps them, under names of its own)."""
+    first_names = {id(p): n for n, p in model.named_parameters()}
+    wrapped = with_lora(model, lora)
+    return wrapped, {n: first_names[id(p)] for n, p in wrapped.named_parameters() if id(p) in first_names}
+
+
 def lora_model(model: nn.Module, pretrained: Pretrained, lora: LoraConfig, seed: int) -> tuple[nn.Module, LoraInit]:
     """``model`` (meta, checked against its checkpoint by ``pretrained``) with LoRA adapters, and
     the ``init_unit`` that fills it."""
-    first_names = {id(p): n for n, p in model.named_parameters()}
-    wrapped = with_lora(model, lora)
-    base_names = {n: first_names[id(p)] for n, p in wrapped.named_parameters() if id(p) in first_names}
+    wrapped, base_names = with_lora_named(model, lora)
     return wrapped, LoraInit(pretrained, base_names, seed)
+
+
+@dataclass(frozen=True)
+class Merge:
+    """How one adapted linear layer's weight merges with its adapters, as peft's
+    ``merge_and_unload`` computes it: ``weight + transpose(B @ A) * scaling``, the transpose
+    for layers that store ``fan_in_fan_out`` (GPT-2's ``Conv1D``)."""
+
+    lora_a: str
+    lora_b: str
+    scaling: float
+    fan_in_fan_out: bool
+
+    def delta(self, adapters: dict[str, torch.Tensor]) -> torch.Tensor:
+        """peft's ``get_delta_weight`` in the same order of operations (fp32 adapters)."""
+        delta = adapters[self.lora_b] @ adapters[self.lora_a]
+        return (delta.T if self.fan_in_fan_out else delta) * self.scaling
+
+
+def merges(wrapped: nn.Module) -> dict[str, Merge]:
+    """Each adapted layer's base weight (by its name in ``wrapped``, a peft model) and its ``Merge``."""
+    layer_type = _peft().tuners.lora.LoraLayer
+    names = {id(p): n for n, p in wrapped.named_parameters()}
+    out = {}
+    for module in wrapped.modules():
+        if isinstance(module, layer_type):
+            (adapter,) = module.lora_A.keys()  # with_lora adds one
+            out[names[id(module.get_base_layer().weight)]] = Merge(
+                names[id(module.lora_A[adapter].weight)],
+                names[id(module.lora_B[adapter].weight)],
+                module.scaling[adapter],
+                module.fan_in_fan_out,
+            )
+    return out

@@ -15,7 +15,8 @@ last: an export cut short leaves no folder that loads.
 
 A run that trained LoRA adapters (``lora.r > 0``) exports its adapter alone, as peft's
 ``save_pretrained`` writes it (``export_adapter``): the adapters are small, read whole; the
-frozen base is not read at all.
+frozen base is not read at all. With ``merged`` it exports the base with the adapters merged
+in (``engine.tools.merge``), streamed as any other export, a folder that needs no peft.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -35,7 +37,7 @@ from tqdm import tqdm
 from engine.run.pretrained import INDEX_FILE, SINGLE_FILE, SOURCE_FOLDER, SOURCE_RECORD, WEIGHT_SUFFIXES
 from engine.runtime.sizes import GIB, MIB
 from engine.tools.consolidate import Masters, Stores, header_bytes, open_masters
-from engine.zero.partition import ModelLayout, ParamSlot
+from engine.zero.partition import ModelLayout, ParamSlot, UnitLayout
 
 logger = logging.getLogger(__name__)
 
@@ -139,18 +141,24 @@ class _ShardWriter:
             self._temporary(self.shards[self.current]).unlink(missing_ok=True)
 
 
-def _write_shards(masters: Masters, shards: list[Shard], dtype: torch.dtype, folder: Path) -> None:
-    """Stream the masters into the shards, cast to ``dtype``, a chunk at a time."""
+def _write_shards(
+    layout: ModelLayout,
+    pieces: Iterable[tuple[UnitLayout, int, torch.Tensor]],
+    shards: list[Shard],
+    dtype: torch.dtype,
+    folder: Path,
+) -> None:
+    """Stream the ``pieces`` of ``layout``'s units (``Masters.pieces``) into the shards, cast to ``dtype``."""
     shard_of = {slot.name: index for index, shard in enumerate(shards) for slot in shard.slots}
     segments = {
         unit.name: [(slot.offset, slot.offset + slot.numel, shard_of[slot.name]) for slot in unit.params]
-        for unit in masters.layout.all_units
+        for unit in layout.all_units
     }
     writer = _ShardWriter(folder, shards)
     total = sum(shard.nbytes for shard in shards)
     try:
         with tqdm(total=total, desc="export", unit="B", unit_scale=True, disable=None) as bar:
-            for unit, offset, values in masters.pieces():
+            for unit, offset, values in pieces:
                 end = offset + values.numel()
                 for start, stop, shard in segments[unit.name]:
                     low, high = max(start, offset), min(stop, end)
@@ -185,17 +193,23 @@ def export(
     dtype: str | None = None,
     generation: int | None = None,
     checkpoint: str | None = None,
+    merged: bool = False,
 ) -> list[str]:
     """Write the store's weights (of ``generation`` or ``checkpoint``, default: as ``open_masters``
     chooses), config and tokenizer to ``out_dir`` as a Hugging Face folder (of the stores of a
-    run's hosts: host 0's holds the config and tokenizer); return the names of the weight files
-    written."""
+    run's hosts: host 0's holds the config and tokenizer); a LoRA run's adapter, or with
+    ``merged`` its merged model. Returns the names of the weight files written."""
     out_dir = Path(out_dir)
     max_bytes = parse_size(max_shard_size)
     with open_masters(store_path, generation, checkpoint) as masters:
         source, record = source_files(masters.reader.store.path)
         adapter = "lora" in record
-        dtype = dtype or ("fp32" if adapter else record.get("dtype", "fp32"))
+        if merged and not adapter:
+            raise ValueError(
+                f"store {masters.metadata['source']} trained no LoRA adapters, so there is nothing to merge: "
+                f"export it without --merged"
+            )
+        dtype = dtype or ("fp32" if adapter and not merged else record.get("dtype", "fp32"))
         if dtype not in DTYPES:
             raise ValueError(
                 f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}: pass --dtype bf16, fp16 or fp32"
@@ -205,14 +219,15 @@ def export(
         ):
             raise FileExistsError(f"{out_dir} already holds model weights: export into a new or empty folder")
         out_dir.mkdir(parents=True, exist_ok=True)
-        if adapter:
+        if adapter and not merged:
             return export_adapter(masters, out_dir, source, record, dtype)
-        shards = plan_shards(masters.layout, dtype, max_bytes, masters.metadata)
-        _write_shards(masters, shards, DTYPES[dtype][1], out_dir)
+        layout, pieces = _merged(masters, source, record) if merged else (masters.layout, masters.pieces())
+        shards = plan_shards(layout, dtype, max_bytes, masters.metadata)
+        _write_shards(layout, pieces, shards, DTYPES[dtype][1], out_dir)
         _write_side_files(source, out_dir, shards, dtype)
     logger.info(
         "exported %.1fM %s weights of %s (%s) to %s in %d file(s)",
-        (masters.layout.numel + masters.layout.frozen_numel) / 1e6,
+        (layout.numel + layout.frozen_numel) / 1e6,
         dtype,
         store_path,
         masters.what,
@@ -222,16 +237,30 @@ def export(
     return [shard.name for shard in shards]
 
 
+def _merged(
+    masters: Masters, source: Path, record: dict
+) -> tuple[ModelLayout, Iterator[tuple[UnitLayout, int, torch.Tensor]]]:
+    from engine.tools.merge import merged_pieces
+
+    return merged_pieces(masters, trained_weights(masters), source, record)
+
+
 def trained_weights(masters: Masters) -> dict[str, torch.Tensor]:
     """The trainable parameters' masters by name (a LoRA run's adapters: small, held whole);
     the frozen units, which come after them, are not read."""
     weights: dict[str, torch.Tensor] = {}
     for unit in masters.layout.units:
-        flat = torch.empty(unit.numel, dtype=torch.float32)
-        for _, offset, values in masters.pieces([unit]):
-            flat[offset : offset + values.numel()] = values
+        flat = unit_values(masters, unit)
         weights |= {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in unit.params}
     return weights
+
+
+def unit_values(masters: Masters, unit: UnitLayout) -> torch.Tensor:
+    """One unit's weights whole, in fp32 (its master, or a frozen unit's values)."""
+    flat = torch.empty(unit.numel, dtype=torch.float32)
+    for _, offset, values in masters.pieces([unit]):
+        flat[offset : offset + values.numel()] = values
+    return flat
 
 
 def export_adapter(masters: Masters, out_dir: Path, source: Path, record: dict, dtype: str) -> list[str]:

@@ -96,9 +96,15 @@ def test_pretrained_quick(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from benchmarks import pretrained
 
-    pretrained.main(["--quick", "--out", str(tmp_path), "--dir", str(tmp_path)])
+    pretrained.main(["--quick", "--out", str(tmp_path), "--dir", str(tmp_path)])  # a 3-step fine-tune
     record = load_record(tmp_path, "pretrained")
-    assert [row["phase"] for row in record["rows"]] == ["import", "export"]
+    assert [row["phase"] for row in record["rows"]] == ["import", "finetune", "export"]
     for row in record["rows"]:
         assert row["read GB"] > 0 and row["written GB"] > 0 and row["GB/s"] > 0 and row["peak RSS GiB"] > 0
+    tuned = record["finetune"]
+    assert tuned["steps_done"] == 3 and tuned["resumed_the_import"] and len(tuned["seconds_per_step"]) == 3
+    assert len(tuned["val_loss"]) == 3 and tuned["val_loss_last"] < tuned["val_loss_first"] and tuned["val_loss_fell"]
+    assert tuned["peak_rss_bytes"] > 0 and tuned["bytes_read"] > 0 and tuned["bytes_written"] > 0
+    reload = record["reload"]
+    assert reload["config"] == "llama" and reload["equals_store"] and reload["changed"] and reload["from_pretrained"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-pretrained-")] == []

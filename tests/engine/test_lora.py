@@ -143,6 +143,33 @@ def cli_lora_run(tmp_path) -> tuple[Path, Path, list[str]]:
     return folder, tmp_path / "corpus.txt", [*args, *LORA]
 
 
+def peft_reference(folder: Path, corpus: Path, args: list[str]) -> tuple[torch.nn.Module, list[float]]:
+    """What the train command ``args`` computes, by peft and ``torch.optim.AdamW`` on the whole
+    model in memory: the trained peft model and its losses."""
+    cfg = cli._load_config(None, args[1:])
+    ref = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folder), peft_config(cfg.lora))
+    adapters = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    init_adapters_(adapters, cfg.train.seed)
+    o, steps = cfg.optim, cfg.train.steps
+    opt = torch.optim.AdamW(
+        adapters.values(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, steps))
+    tokens, _ = load_tokens(str(corpus), pretrained=str(folder))
+    data = TokenBatches(tokens, seq_len=16, micro_batch=2, seed=cfg.data.seed)
+    losses = []
+    for _ in range(steps):
+        x, y = data.next()
+        loss = F.cross_entropy(ref(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(adapters.values(), o.grad_clip)
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return ref, losses
+
+
 def test_cli_lora_equals_peft_and_adamw_and_exports_the_adapter_in_peft_format(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder, corpus, args = cli_lora_run(tmp_path)
@@ -153,28 +180,8 @@ def test_cli_lora_equals_peft_and_adamw_and_exports_the_adapter_in_peft_format(t
         "adapter_model.safetensors",
     ]
     ours = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-
     cfg = cli._load_config(None, args[1:])
-    ref = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folder), peft_config(cfg.lora))
-    adapters = {n: p for n, p in ref.named_parameters() if p.requires_grad}
-    init_adapters_(adapters, cfg.train.seed)
-    o = cfg.optim
-    opt = torch.optim.AdamW(
-        adapters.values(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, STEPS))
-    tokens, _ = load_tokens(str(corpus), pretrained=str(folder))
-    data = TokenBatches(tokens, seq_len=16, micro_batch=2, seed=cfg.data.seed)
-    theirs = []
-    for _ in range(STEPS):
-        x, y = data.next()
-        loss = F.cross_entropy(ref(input_ids=x).logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(adapters.values(), o.grad_clip)
-        opt.step()
-        schedule.step()
-        opt.zero_grad(set_to_none=True)
-        theirs.append(loss.item())
+    ref, theirs = peft_reference(folder, corpus, args)
     assert ours == theirs and ours[-1] < ours[0]
 
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

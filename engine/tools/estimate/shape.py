@@ -205,14 +205,19 @@ def run_shape(
     config: Config, world_size: int, gpt: GPTConfig | None = None, *, model: nn.Module | None = None
 ) -> RunShape:
     """The engine's layout on ``world_size`` ranks of ``model``, of the built-in GPT ``gpt``, or
-    (neither given) of the config's model: ``model.hf``'s or the built-in GPT. Each is built on
-    the meta device (no memory, any size) unless ``model`` comes built."""
+    (neither given) of the config's model: ``model.hf``'s (with its ``[lora]`` adapters, which
+    alone train) or the built-in GPT. Each is built on the meta device (no memory, any size)
+    unless ``model`` comes built."""
     if world_size < 1:
         raise ConfigError(f"world size = {world_size}: must be >= 1 (the number of ranks on this node)")
     if model is None and gpt is None and config.model.hf:
         from engine.run.pretrained import meta_model
 
         model = meta_model(config.model.hf)
+        if config.lora.r:  # the adapters train, the base is frozen: as ``train`` builds it
+            from engine.run.lora import with_lora
+
+            model = with_lora(model, config.lora)
     if model is None:
         gpt = gpt or gpt_of(config)
         with torch.device("meta"):
