@@ -30,6 +30,7 @@ from typing import Any
 from benchmarks.bandwidth import raw_disk_gbps
 from benchmarks.report import base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import disk_usage
+from engine.runtime.rss import peak_rss_bytes
 from engine.runtime.sizes import GIB, MIB
 
 VOCAB = 32_000
@@ -171,15 +172,6 @@ def export_phase(store: Path, out: Path, checkpoint: Path) -> dict[str, Any]:
     export(store, out, dtype="bf16", max_shard_size="2GB")
     timing = {"seconds": time.perf_counter() - start, "peak_rss_bytes": peak_rss_bytes()}
     return timing | {"reload": reload_check(checkpoint, store, out)}
-
-
-def peak_rss_bytes() -> int:
-    """This process's own resident high-water mark. Not ``ru_maxrss``, which ``execve`` keeps
-    from the parent (here the process that built the whole checkpoint model)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def in_process(phase: str, *paths: Path, options: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -17,7 +17,6 @@ import errno
 import functools
 import logging
 import math
-import resource
 import signal
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
 from engine.run.watch import Scalars, step_record
 from engine.runtime.comm import node_of_env
+from engine.runtime.rss import peak_rss_bytes
 from engine.runtime.sizes import GIB, MIB
 from engine.tiers import hosts
 from engine.tiers.store_checks import resume_point
@@ -101,11 +101,6 @@ def save_checkpoint(engine: Engine, tag: str) -> None:
         engine.save(tag)
     except CheckpointExistsError as err:
         logger.warning("%s; this run does not keep it again", err)
-
-
-def peak_rss_bytes() -> int:
-    """High-water mark of this process's resident memory (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class StopFlag:

@@ -8,7 +8,6 @@ This module imports only the engine (not pytest), so the process holds what a ru
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.train import meta_model
 from engine.runtime.heap import return_freed_buffers
+from engine.runtime.rss import peak_rss_bytes
 
 VOCAB = 256
 SETTINGS = {"model": {"params": 40e6}, "data": {"seq_len": 64, "micro_batch": 2}, "train": {"steps": 2}}
@@ -51,7 +51,7 @@ def main(tiers: dict) -> int:
         eng.backward(eng(x[:, :-1], x[:, 1:]))
         eng.step()
     eng.close()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_rss_bytes()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ reset once the model is built on the meta device, so the peak is the import's al
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -19,11 +18,8 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.pretrained import pretrained_model
 from engine.runtime.heap import return_freed_buffers
+from engine.runtime.rss import peak_rss_bytes
 from engine.tiers.sizing import optimizer_buffer_bytes, param_pool_bytes, param_window_bytes
-
-
-def high_water_bytes() -> int:
-    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
 
 
 def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
@@ -42,7 +38,7 @@ def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
     window = param_window_bytes(eng.config.zero, 1)
     eng.close()
     return {
-        "added_peak": high_water_bytes() - before,
+        "added_peak": peak_rss_bytes() - before,
         "largest_unit": max(u.padded_numel for u in layout.all_units) * 4,
         "buffers": optimizer_buffer_bytes(offload, layout.units)
         + param_pool_bytes(layout.all_units, torch.float32, window),

@@ -7,7 +7,6 @@ The peak is the kernel's high-water mark (VmHWM), reset just before the engine s
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -17,10 +16,7 @@ import torch
 from engine.config import Config
 from engine.engine import Engine
 from engine.run.models.gpt import GPT, GPTConfig
-
-
-def high_water_bytes() -> int:
-    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+from engine.runtime.rss import peak_rss_bytes
 
 
 def main(n_layer: int, tier: str, budget_mb: int, store: str) -> dict:
@@ -43,7 +39,7 @@ def main(n_layer: int, tier: str, budget_mb: int, store: str) -> dict:
     held = eng.memory_report()
     return {
         "params": sum(p.numel() for p in model.parameters()),
-        "added_peak": high_water_bytes() - before,
+        "added_peak": peak_rss_bytes() - before,
         "held_device": held["device"],
         "held_cpu": held["cpu"],
         # With clipping every fp32 gradient shard exists at once before the update, which

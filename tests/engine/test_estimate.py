@@ -60,12 +60,13 @@ RUNS = {
     "stage 2, optimizer cpu": ["--stage", "2", "--offload.optimizer", "cpu"],
     "stage 3, optimizer cpu, param device": ["--stage", "3", "--offload.optimizer", "cpu", "--offload.param", "device"],
 }
-# Trains through the CLI, then prints the process's high-water resident set in bytes.
+# Trains through the CLI, then prints the process's own high-water resident set in bytes.
 PEAK_RSS_PROBE = """
-import resource, sys
+import sys
 from engine.run.cli import main
+from engine.runtime.rss import peak_rss_bytes
 code = main(["train", *sys.argv[1:]])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(peak_rss_bytes())
 sys.exit(code)
 """
 

@@ -30,22 +30,12 @@ from engine.tools.estimate import (  # noqa: E402
     recommend,
     run_shape,
 )
-from tests.engine.test_estimate import TOLERANCE, env, machine, room_for  # noqa: E402
+from tests.engine.test_estimate import PEAK_RSS_PROBE, TOLERANCE, env, machine, room_for  # noqa: E402
 from tests.engine.test_estimate_models import config_folder, hf_config  # noqa: E402
 from tests.engine.test_lora import LORA  # noqa: E402
 from tests.engine.test_pretrained import TEXT, llama, save_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
-# Trains through the CLI, then prints the process's own high-water resident set (VmHWM: not
-# ru_maxrss, which a child keeps from the parent it was forked from).
-PEAK_RSS_PROBE = """
-import re, sys
-from pathlib import Path
-from engine.run.cli import main
-code = main(["train", *sys.argv[1:]])
-print(int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024)
-sys.exit(code)
-"""
 
 
 def test_a_lora_run_is_laid_out_as_the_engine_lays_out_the_peft_model(tmp_path) -> None:
