@@ -305,3 +305,20 @@ def build_units(
             elapsed = time.perf_counter() - started
             logger.info("built %d of %d units, %.0fM params, in %.0f s", index, len(units), built / 1e6, elapsed)
     params.flush()  # the initial shards are stored before anything reads them
+
+
+def log_start(config: Config, layout: ModelLayout, comm: Comm) -> None:
+    """One line of what was built, for the run's log."""
+    logger.info(
+        "engine: stage %d, %d units, %.1fM trained params, %.1fM frozen, compute %s, optimizer on %s, "
+        "parameters on %s, rank %d of %d",
+        config.zero.stage,
+        len(layout.all_units),
+        layout.numel / 1e6,
+        layout.frozen_numel / 1e6,
+        config.precision.compute_dtype,
+        config.offload.optimizer,
+        config.offload.param,
+        comm.rank,
+        comm.world_size,
+    )

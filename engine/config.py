@@ -10,25 +10,20 @@ the key name is unique across sections.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import json
 import math
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from engine.config_parse import ConfigError, build_section, parse_override
 
 Tier = Literal["device", "cpu", "nvme"]
 DType = Literal["fp32", "bf16", "fp16"]
 NODE = "{node}"
 """The placeholder of ``offload.nvme_path`` for the index of the host a rank runs on."""
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot run; the message names the key and the fix."""
 
 
 @dataclass
@@ -275,9 +270,9 @@ class Config:
             k: v for k, v in raw.items() if not isinstance(v, dict)
         }
         for item in overrides or []:
-            section, key, value = _parse_override(item)
+            section, key, value = parse_override(item, cls)
             raw.setdefault(section, {})[key] = value
-        config = _build(cls, raw, "")
+        config = build_section(cls, raw, "")
         config.validate()
         return config
 
@@ -447,95 +442,3 @@ class Config:
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         raise ConfigError(f"{key} = {value!r}: {why}")
-
-
-def _sections() -> dict[str, type]:
-    return _hints(Config)
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, globalns=globals())
-
-
-def _did_you_mean(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
-
-
-def _parse_override(item: str) -> tuple[str, str, Any]:
-    """``section.key=value`` or ``key=value`` (key unique across sections) -> (section, key, value).
-
-    The value is parsed as TOML when it can be (numbers, booleans, arrays), else kept as a string.
-    """
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like key=value (e.g. optim.lr=1e-3)")
-    dotted, text = item.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text
-    sections = _sections()
-    if "." in dotted:
-        section, key = dotted.split(".", 1)
-        if section not in sections:
-            raise ConfigError(
-                f"unknown config section {section!r} in {item!r}" + _did_you_mean(section, list(sections))
-            )
-        return section, key, value
-    owners = [s for s, cls in sections.items() if dotted in _hints(cls)]
-    if len(owners) == 1:
-        return owners[0], dotted, value
-    if owners:
-        raise ConfigError(f"key {dotted!r} is ambiguous: write one of {', '.join(f'{s}.{dotted}' for s in owners)}")
-    every_key = [k for cls in sections.values() for k in _hints(cls)]
-    raise ConfigError(f"unknown config key {dotted!r}" + _did_you_mean(dotted, every_key))
-
-
-def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
-    hints = _hints(cls)
-    unknown = [k for k in raw if k not in hints]
-    if unknown:
-        where = f"section [{prefix}]" if prefix else "the top level"
-        raise ConfigError(f"unknown key {unknown[0]!r} in {where}" + _did_you_mean(unknown[0], list(hints)))
-    values = {}
-    for name, value in raw.items():
-        key = f"{prefix}.{name}" if prefix else name
-        hint = hints[name]
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{key} must be a section (a table of keys), got {value!r}")
-            values[name] = _build(hint, value, key)
-        else:
-            values[name] = _coerce(value, hint, key)
-    return cls(**values)
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check ``value`` against a field's type; ints are accepted where floats are expected."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(repr(a) for a in args)}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for arg in args:
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key} = {value!r}: expected {hint}")
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key} = {value!r}: expected a list of {len(args)} values")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key} = {value!r}: expected a list")
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is type(None) and value is None:
-        return value
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ConfigError(f"{key} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
-    return value

@@ -108,15 +108,8 @@ class Engine:
         self.params.check_fits({u.name: bucket_bytes(u) * u.trainable for u in self.layout.all_units}, MAX_IN_FLIGHT)
         self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, model, opt_device, spill)
         self.scaler = LossScaler(config.precision)
-        self._start_counting()
-        if resume:
-            assert self.optimizer_state.resumed_from is not None  # a resumed tier holds its record
-            self._restore(self.optimizer_state.resumed_from)
-        else:
-            self.optimizer_state.commit({"step": 0})  # the added units: a store is a checkpoint from here on
-        self.params.take_io_bytes()  # what building wrote is not the first step's traffic
-        self.io.costs.take()
-        self._log_start()
+        self._begin(resume)
+        build.log_start(config, self.layout, self.comm)
 
     def _build_tiers(self, opt_device: torch.device, resume: bool, checkpoint: str | None) -> None:
         """The optimizer tier (restored on resume) and the parameters on theirs, as configured."""
@@ -140,6 +133,19 @@ class Engine:
             config, self.layout, self.comm, self.device, self.dtype, self.budget, self.io, frozen
         )
         checkpoints.frozen = self.params.frozen_shards  # a checkpoint stores the frozen values they hold
+
+    def _begin(self, resume: bool) -> None:
+        """Counting starts: the saved step restored on resume, else step 0 committed (the added
+        units: a store is a checkpoint from here on). What building wrote is not the first step's
+        traffic."""
+        self._start_counting()
+        if resume:
+            assert self.optimizer_state.resumed_from is not None  # a resumed tier holds its record
+            self._restore(self.optimizer_state.resumed_from)
+        else:
+            self.optimizer_state.commit({"step": 0})
+        self.params.take_io_bytes()
+        self.io.costs.take()
 
     def _start_counting(self) -> None:
         """The counters and per-step records of a run that has taken no step yet."""
@@ -165,22 +171,6 @@ class Engine:
         """The last step's global gradient norm before clipping (None with loss scaling and no
         clipping: nothing takes it there)."""
         return self.math.last_grad_norm
-
-    def _log_start(self) -> None:
-        config = self.config
-        logger.info(
-            "engine: stage %d, %d units, %.1fM trained params, %.1fM frozen, compute %s, optimizer on %s, "
-            "parameters on %s, rank %d of %d",
-            config.zero.stage,
-            len(self.layout.all_units),
-            self.layout.numel / 1e6,
-            self.layout.frozen_numel / 1e6,
-            config.precision.compute_dtype,
-            config.offload.optimizer,
-            config.offload.param,
-            self.comm.rank,
-            self.comm.world_size,
-        )
 
     @classmethod
     def resume(

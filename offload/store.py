@@ -127,13 +127,12 @@ class ShardStore(NodeOps):
     ) -> ShardStore:
         """Create an empty store at `path` with group attributes `attrs`.
 
-        `checksum` is the default for `create_array`. With `overwrite`, an
-        existing store (or empty directory) at `path` is replaced; anything
-        else there is left alone and refused. The entries named in `beside`
-        (another store nested in the folder) are neither the store's nor in its way.
-        Its I/O is accounted in `costs` (as `open`'s).
-        A `scratch` store's chunk writes are never fsynced: what it holds is rewritten
-        before it is read again, and a crash loses nothing that matters.
+        `checksum` is the default for `create_array`. With `overwrite`, an existing store (or
+        empty directory) at `path` is replaced; anything else there is left alone and refused.
+        The entries named in `beside` (another store nested in the folder) are neither the
+        store's nor in its way. Its I/O is accounted in `costs` (as `open`'s). A `scratch`
+        store's chunk writes are never fsynced: what it holds is rewritten before it is read
+        again, and a crash loses nothing that matters.
         """
         root = Path(path)
         if FORMAT_KEY in attrs:

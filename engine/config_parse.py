@@ -1,0 +1,107 @@
+"""Reading a config file's tables into the typed dataclasses of ``engine.config``: unknown keys
+refused with the closest known one, every value checked against its field's type (an int where
+a float is expected is accepted), ``key=value`` overrides parsed as TOML values."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot run; the message names the key and the fix."""
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _did_you_mean(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
+
+
+def parse_override(item: str, root: type) -> tuple[str, str, Any]:
+    """``section.key=value`` or ``key=value`` (key unique across the sections of ``root``) ->
+    (section, key, value).
+
+    The value is parsed as TOML when it can be (numbers, booleans, arrays), else kept as a string.
+    """
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. optim.lr=1e-3)")
+    dotted, text = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    sections = _hints(root)
+    if "." in dotted:
+        section, key = dotted.split(".", 1)
+        if section not in sections:
+            raise ConfigError(
+                f"unknown config section {section!r} in {item!r}" + _did_you_mean(section, list(sections))
+            )
+        return section, key, value
+    owners = [s for s, cls in sections.items() if dotted in _hints(cls)]
+    if len(owners) == 1:
+        return owners[0], dotted, value
+    if owners:
+        raise ConfigError(f"key {dotted!r} is ambiguous: write one of {', '.join(f'{s}.{dotted}' for s in owners)}")
+    every_key = [k for cls in sections.values() for k in _hints(cls)]
+    raise ConfigError(f"unknown config key {dotted!r}" + _did_you_mean(dotted, every_key))
+
+
+def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    """``cls`` (a config dataclass) from its table ``raw``, every key known and every value of its
+    field's type; ``prefix`` names the table in messages."""
+    hints = _hints(cls)
+    unknown = [k for k in raw if k not in hints]
+    if unknown:
+        where = f"section [{prefix}]" if prefix else "the top level"
+        raise ConfigError(f"unknown key {unknown[0]!r} in {where}" + _did_you_mean(unknown[0], list(hints)))
+    values = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}" if prefix else name
+        hint = hints[name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} must be a section (a table of keys), got {value!r}")
+            values[name] = build_section(hint, value, key)
+        else:
+            values[name] = _coerce(value, hint, key)
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check ``value`` against a field's type; ints are accepted where floats are expected."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(repr(a) for a in args)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} = {value!r}: expected {hint}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key} = {value!r}: expected a list of {len(args)} values")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} = {value!r}: expected a list")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is type(None) and value is None:
+        return value
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
