@@ -9,13 +9,15 @@ and write them back behind the update, so the step's code is the same on every t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from engine.zero.moments import FP32_STATE, StateForm
 from engine.zero.partition import UnitLayout
+from offload import ShardStore, create_arrays
 
 if TYPE_CHECKING:
     from engine.tiers.checkpoint import MemoryCheckpoints, PendingCheckpoint
@@ -23,7 +25,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class ShardState:
-    """One unit's optimizer state on this rank (fp32, ``shard_numel`` elements each)."""
+    """One unit's optimizer state on this rank (``shard_numel`` elements each: an fp32 master,
+    moments of the run's ``StateForm``)."""
 
     master: torch.Tensor
     exp_avg: torch.Tensor
@@ -39,6 +42,12 @@ class ShardState:
 
 STATE_KINDS = tuple(field.name for field in dataclasses.fields(ShardState))
 """The kinds of optimizer state a unit has, by name: the names of its arrays in a store."""
+
+
+def create_state_arrays(store: ShardStore, prefix: str, units: Iterable[UnitLayout], form: StateForm) -> None:
+    """Every unit's optimizer state arrays under ``prefix``, each kind in its ``form`` dtype."""
+    for kind, dtype in zip(STATE_KINDS, form.dtypes(), strict=True):
+        create_arrays(store, prefix, units, (kind,), dtype)
 
 
 class OptimizerState(Protocol):
@@ -125,9 +134,13 @@ class MemoryOptimizerState:
     durable = False  # a failed step may have updated part of the state it holds
 
     def __init__(
-        self, device: torch.device, checkpoints: Callable[[bool], MemoryCheckpoints], pin_memory: bool = False
+        self,
+        device: torch.device,
+        checkpoints: Callable[[bool], MemoryCheckpoints],
+        pin_memory: bool = False,
+        form: StateForm = FP32_STATE,
     ):
-        self._device, self._pin = device, pin_memory
+        self._device, self._pin, self._form = device, pin_memory, form
         self._checkpoints = checkpoints
         """Opens the store of checkpoints (creating it if asked), on first use."""
         self._units: list[UnitLayout] = []
@@ -139,8 +152,8 @@ class MemoryOptimizerState:
     def _new_state(self, unit: UnitLayout) -> ShardState:
         """A unit's zeroed state, held on this tier."""
         zeros = (
-            torch.zeros(unit.shard_numel, dtype=torch.float32, device=self._device, pin_memory=self._pin)
-            for _ in range(3)
+            torch.zeros(unit.shard_numel, dtype=dtype, device=self._device, pin_memory=self._pin)
+            for dtype in self._form.dtypes()
         )
         state = ShardState(*zeros)
         self._units.append(unit)

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-from engine.runtime.sizes import FP32
 from engine.tiers.frozen import create_frozen, read_frozen, write_frozen
-from engine.tiers.optimizer import STATE_KINDS, ShardState
+from engine.tiers.optimizer import STATE_KINDS, ShardState, create_state_arrays
 from engine.tiers.sizing import read_ahead_bytes
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import (
@@ -41,11 +40,11 @@ from engine.tiers.store_checks import (
     check_nvme_path,
     first_difference,
     naming_way_out,
-    unit_state_bytes,
     way_out,
 )
 from engine.tiers.store_io import StoreIO
 from engine.tiers.store_modes import store_mode
+from engine.zero.moments import FP32_STATE, STATE_DTYPE_ATTR, StateForm, stored_form
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import (
     BufferPool,
@@ -57,7 +56,6 @@ from offload import (
     ShardStore,
     array_in_layout,
     array_name,
-    create_arrays,
     generation_prefix,
     read_shard,
     write_shard,
@@ -82,9 +80,11 @@ class StoreOptimizerState:
         resume: bool = False,
         checkpoint: str | None = None,
         mode: str = GENERATIONS,
+        form: StateForm = FP32_STATE,
     ):
         self.mode = store_mode(mode)
-        check_buffer(layout, buffer_bytes)
+        self.form = form
+        check_buffer(layout, buffer_bytes, form)
         self.layout, self.rank = layout, rank
         self.barrier = io.barrier
         self.leader = rank == 0
@@ -96,8 +96,8 @@ class StoreOptimizerState:
         self._held: dict[str, HostBuffer] = {}
         self._copy_bytes = window  # a checkpoint copy's buffer: room for it beside a read-ahead's window
         if self.leader and not resume:
-            check_nvme_path(path, layout, mode)
-            attrs = {"layout": layout.to_dict(), MODE_ATTR: mode}
+            check_nvme_path(path, layout, mode, form)
+            attrs = {"layout": layout.to_dict(), MODE_ATTR: mode, STATE_DTYPE_ATTR: form.name}
             abandoned = check_new(path, self.runner)
             ShardStore.create(
                 path, attrs, runner=self.runner, checksum=io.checksum, direct_io=io.direct_io, overwrite=abandoned
@@ -140,6 +140,7 @@ class StoreOptimizerState:
         self.generations.checkpoints()  # every kept record is checked before retention or a fallback relies on it
         stored = ModelLayout.from_dict(self.store.attrs["layout"])
         first_difference(stored, layout, path)
+        self.form.check_stored(stored_form(self.store.attrs), path)
         if checkpoint is None:
             check_clean(self.generations)
         elif self.generations.dirty():
@@ -209,7 +210,7 @@ class StoreOptimizerState:
                 self.store.delete(generation_prefix(generation))
 
     def create_arrays(self, prefix: str) -> None:
-        create_arrays(self.store, prefix, self.layout.units, STATE_KINDS, torch.float32)
+        create_state_arrays(self.store, prefix, self.layout.units, self.form)
 
     def keep_by_copy(self, tag: str, record: dict, retain: int) -> None:
         """Copy the committed generation to a fresh one, each rank its share of the chunks
@@ -243,7 +244,7 @@ class StoreOptimizerState:
                 self.generations.prepare(0, self.create_arrays)
             self.barrier()
             self._generation_zero_ready = True
-        with self.pool.acquire(unit_state_bytes(unit)) as buf:
+        with self.pool.acquire(self.form.unit_bytes(unit)) as buf:
             state = self._views(unit, buf)
             state.master.copy_(master)
             state.exp_avg.zero_()
@@ -260,7 +261,8 @@ class StoreOptimizerState:
 
     def _views(self, unit: UnitLayout, buf: HostBuffer) -> ShardState:
         n = unit.shard_numel
-        return ShardState(*(buf.view(torch.float32, n, i * n * FP32) for i in range(len(STATE_KINDS))))
+        dtypes, offsets = self.form.dtypes(), self.form.offsets(n)
+        return ShardState(*(buf.view(dtype, n, offset) for dtype, offset in zip(dtypes, offsets, strict=True)))
 
     def _load(self, unit: UnitLayout, buf: HostBuffer) -> None:
         with naming_way_out(self.generations):
@@ -274,7 +276,10 @@ class StoreOptimizerState:
         """Each unit's committed master shard, read ahead, then each frozen unit's values (to
         rebuild parameters on resume)."""
         for unit, buf in self.pipeline.read_ahead(
-            self.layout.units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"master of unit {u.name}"
+            self.layout.units,
+            nbytes=self.form.unit_bytes,
+            load=self._load,
+            describe=lambda u: f"master of unit {u.name}",
         ):
             try:
                 yield unit, self._views(unit, buf).master
@@ -291,7 +296,7 @@ class StoreOptimizerState:
         such as ``benchmarks.optimizer`` relies on this)."""
         self.flush()
         reads = self.pipeline.read_ahead(
-            units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"optimizer state of unit {u.name}"
+            units, nbytes=self.form.unit_bytes, load=self._load, describe=lambda u: f"optimizer state of unit {u.name}"
         )
         return self._hand_over(reads)
 
@@ -393,7 +398,7 @@ class StoreOptimizerState:
 
     def nbytes(self) -> int:
         """This rank's share of the store's live generations on disk (checkpoints aside)."""
-        return self.mode.live_generations * sum(unit_state_bytes(u) for u in self.layout.units)
+        return self.mode.live_generations * sum(self.form.unit_bytes(u) for u in self.layout.units)
 
     def close(self) -> None:
         """Commit a deferred step (the shared I/O runner is the engine's to close)."""

@@ -16,7 +16,8 @@ from engine.runtime.comm import Comm
 from engine.tiers.optimizer import ShardState
 from engine.zero.divergence import nonfinite_units
 from engine.zero.grads import GradientShards
-from engine.zero.optim import ShardAdamW, clip_grads_, grad_norm
+from engine.zero.moments import CompactAdamW
+from engine.zero.optim import clip_grads_, grad_norm
 from engine.zero.params import ReplicatedParams, ShardedParams
 from engine.zero.partition import ModelLayout, UnitLayout, param_views
 from engine.zero.update import overlaps_backward
@@ -39,7 +40,7 @@ class StepMath:
         self._grads, self._params = grads, params
         self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
         """The model's own parameter order, which torch's gradient norm follows."""
-        self.adam = ShardAdamW(config.optim)
+        self.adam = CompactAdamW(config.optim)
         self._counters = {u.name: self.adam.new_step_counter(opt_device) for u in layout.units}
         self.overlap = overlaps_backward(config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""

@@ -1,0 +1,108 @@
+"""The optimizer state's forms (``optim.state_dtype``): AdamW's moments in fewer bytes.
+
+``fp32`` holds the master and both moments in fp32 (12 B/param), bit-exact with torch.
+``bf16`` holds the moments in bfloat16 (8 B/param, a third less to store and move each
+step on the ``nvme`` tier). The master stays fp32 in every form, so the parameters' own
+precision is untouched; the update upcasts the moments to fp32, runs the same AdamW
+kernel, and rounds them back.
+
+Rounding is stochastic: a moment is an exponential average whose per-step change,
+``(1 - beta2) * g**2`` against ``v``, is often below half a bfloat16 ulp (2**-9 relative),
+so rounding to nearest would freeze it; stochastic rounding keeps it unbiased. Its random
+bits come from a generator seeded by the step count, so a resumed run draws the same ones
+and stays bit-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.zero.optim import ShardAdamW
+from offload import array_bytes, shard_bytes
+from offload.shards import ShardedUnit
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""Each ``optim.state_dtype``'s moment dtype."""
+
+STATE_DTYPE_ATTR = "state_dtype"
+"""The store attribute recording the form its optimizer state was written in (absent: fp32,
+a store written before the option existed)."""
+
+
+@dataclass(frozen=True)
+class StateForm:
+    """How one unit's optimizer state (master, exp_avg, exp_avg_sq) is held and stored."""
+
+    name: str = "fp32"
+
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """Each kind's dtype, in ``STATE_KINDS`` order."""
+        moment = STATE_DTYPES[self.name]
+        return torch.float32, moment, moment
+
+    def unit_bytes(self, unit: ShardedUnit) -> int:
+        """Host bytes of one rank's shard of one unit's whole state."""
+        return sum(shard_bytes(unit, dtype) for dtype in self.dtypes())
+
+    def array_bytes(self, unit: ShardedUnit) -> int:
+        """Disk bytes of one unit's whole state, all ranks (padding included)."""
+        return sum(array_bytes(unit, dtype) for dtype in self.dtypes())
+
+    def offsets(self, numel: int) -> list[int]:
+        """Each kind's byte offset in one buffer holding a ``numel``-element shard of every kind
+        (largest dtypes first, so every view is aligned)."""
+        sizes = [numel * dtype.itemsize for dtype in self.dtypes()]
+        return [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def check_stored(self, stored: str, path: Path | str) -> None:
+        """Refuse resuming a store whose state is in another form: its arrays hold other dtypes."""
+        if stored != self.name:
+            raise ValueError(
+                f"store {path} holds its optimizer state with optim.state_dtype = {stored!r}, this run asks for "
+                f"{self.name!r}: set optim.state_dtype = {stored!r} to resume it (or start a new store)"
+            )
+
+
+FP32_STATE = StateForm()
+
+
+def stored_form(attrs: dict) -> str:
+    """The form a store's attributes record (fp32 for a store written before the option)."""
+    return str(attrs.get(STATE_DTYPE_ATTR, "fp32"))
+
+
+def round_stochastic_(out: torch.Tensor, value: torch.Tensor, seed: int) -> None:
+    """``out`` (bfloat16) = ``value`` (fp32, scratch: overwritten) rounded stochastically:
+    uniform 16-bit noise added to the bits below bfloat16's mantissa, then those bits dropped,
+    so the result is exact and rounds up with probability equal to the dropped fraction."""
+    generator = torch.Generator(device=value.device).manual_seed(seed)
+    noise = torch.randint(0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
+    bits = value.view(torch.int32)
+    bits.add_(noise).bitwise_and_(-(1 << 16))
+    out.copy_(value)
+
+
+class CompactAdamW(ShardAdamW):
+    """``ShardAdamW`` on moments of any form: fp32 ones go straight to torch's kernel (bit-exact
+    as before); bf16 ones are upcast for it and rounded back."""
+
+    def update(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: torch.Tensor,
+        lr: float,
+    ) -> None:
+        if exp_avg.dtype == torch.float32:
+            super().update(master, grad, exp_avg, exp_avg_sq, step, lr)
+            return
+        wide = [exp_avg.float(), exp_avg_sq.float()]
+        super().update(master, grad, wide[0], wide[1], step, lr)
+        seed = 2 * int(step.item())  # a distinct stream per step and per moment
+        for i, (held, value) in enumerate(zip((exp_avg, exp_avg_sq), wide, strict=True)):
+            round_stochastic_(held, value, seed + i)
