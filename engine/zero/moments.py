@@ -43,6 +43,12 @@ class StateForm:
         moment = STATE_DTYPES[self.name]
         return torch.float32, moment, moment
 
+    @property
+    def bytes_per_param(self) -> int:
+        """Bytes of state per trainable parameter: held on its tier, and on the ``nvme`` tier
+        read and written once each step."""
+        return sum(dtype.itemsize for dtype in self.dtypes())
+
     def unit_bytes(self, unit: ShardedUnit) -> int:
         """Host bytes of one rank's shard of one unit's whole state."""
         return sum(shard_bytes(unit, dtype) for dtype in self.dtypes())

@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engine.engine import Engine
+from engine.tools.consolidate import consolidate
+from engine.tools.estimate import plan_of, run_shape, store_bytes
+from engine.tools.inspect import format_report, inspect_store
 from engine.zero.moments import round_stochastic_
 from tests.engine.test_crafted_stores import snapshot
 from tests.engine.test_resume import nvme, params, run
@@ -65,10 +69,13 @@ def state_bytes(store: Path) -> int:
 def test_bf16_store_holds_two_thirds_of_the_bytes(tmp_path) -> None:
     sizes = {}
     for state_dtype in ("fp32", "bf16"):
-        eng = Engine(tiny_gpt(), nvme(tmp_path / state_dtype, optim={"state_dtype": state_dtype}), total_steps=2)
+        cfg = nvme(tmp_path / state_dtype, optim={"state_dtype": state_dtype})
+        eng = Engine(tiny_gpt(), cfg, total_steps=2)
         run(eng, 2)
         eng.close()
         sizes[state_dtype] = state_bytes(tmp_path / state_dtype / "store")
+        predicted = store_bytes(run_shape(cfg, 1, model=tiny_gpt()), plan_of(cfg))
+        assert predicted <= sizes[state_dtype] <= 1.01 * predicted  # what `estimate` says, CRCs aside
     # 4 + 2 + 2 bytes per element against 4 + 4 + 4 (chunk checksums aside)
     assert sizes["bf16"] / sizes["fp32"] == pytest.approx(8 / 12, rel=0.01)
 
@@ -100,3 +107,18 @@ def test_resume_in_another_form_is_refused_untouched(tmp_path) -> None:
         Engine.resume(tiny_gpt(), nvme(tmp_path), total_steps=2)
     assert "\n" not in str(refused.value)
     assert snapshot(tmp_path) == before
+
+
+def test_inspect_names_the_form_and_consolidate_reads_the_masters(tmp_path) -> None:
+    eng = Engine(tiny_gpt(), nvme(tmp_path, optim={"state_dtype": "bf16"}), total_steps=2)
+    run(eng, 2)
+    trained = params(eng)
+    eng.close()
+    report = inspect_store(tmp_path / "store")
+    assert report["state_dtype"] == "bf16"
+    sizes = report["bytes_per_kind"]
+    assert sizes["exp_avg"] == sizes["exp_avg_sq"] == sizes["master"] // 2
+    assert "optim.state_dtype = 'bf16'" in format_report(report)
+    assert consolidate(tmp_path / "store", tmp_path / "model.safetensors") == len(trained)
+    weights = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(weights[name], trained[name]) for name in trained)
