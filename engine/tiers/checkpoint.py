@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.tiers.frozen import create_frozen, read_frozen, write_frozen
-from engine.tiers.optimizer import ShardState, create_state_arrays
+from engine.tiers.optimizer import ShardState, create_state_arrays, state_groups
 from engine.tiers.parameters import PARAM_STORE
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import first_difference, naming_way_out
@@ -116,8 +116,9 @@ class MemoryCheckpoints:
 
         def shards() -> Iterator[tuple[UnitLayout, ShardState]]:
             for unit in self.layout.units:
-                state = ShardState(*(torch.empty(unit.shard_numel, dtype=dtype) for dtype in self._form.dtypes()))
-                read_shard(self.store, prefix, unit, self.rank, state.views())
+                state = ShardState(*self._form.empty(unit))
+                for geometry, views in state_groups(self._form, unit, state):
+                    read_shard(self.store, prefix, geometry, self.rank, views)
                 yield unit, state
 
         return record, shards()
@@ -157,7 +158,9 @@ class MemoryCheckpoints:
         writes = {}
         for unit, state in states:
             host = ShardState(*(t.cpu() for t in state.tensors()))  # a copy only from an accelerator
-            writes[unit.name] = (host, write_shard_async(self.store, prefix, unit, self.rank, host.views()))
+            groups = state_groups(self._form, unit, host)
+            futures = [f for g, views in groups for f in write_shard_async(self.store, prefix, g, self.rank, views)]
+            writes[unit.name] = (host, futures)
 
         def keep_it() -> None:
             self.store.sync()

@@ -17,7 +17,9 @@ import torch
 
 from engine.zero.moments import FP32_STATE, StateForm
 from engine.zero.partition import UnitLayout
-from offload import ShardStore, create_arrays
+from offload import ShardedUnit, ShardStore, create_arrays
+
+Views = list[tuple[str, torch.Tensor]]
 
 if TYPE_CHECKING:
     from engine.tiers.checkpoint import MemoryCheckpoints, PendingCheckpoint
@@ -45,9 +47,19 @@ STATE_KINDS = tuple(field.name for field in dataclasses.fields(ShardState))
 
 
 def create_state_arrays(store: ShardStore, prefix: str, units: Iterable[UnitLayout], form: StateForm) -> None:
-    """Every unit's optimizer state arrays under ``prefix``, each kind in its ``form`` dtype."""
-    for kind, dtype in zip(STATE_KINDS, form.dtypes(), strict=True):
-        create_arrays(store, prefix, units, (kind,), dtype)
+    """Every unit's optimizer state arrays under ``prefix``, each kind in its ``form`` dtype and geometry."""
+    for unit in units:
+        for kind, geometry, dtype in zip(STATE_KINDS, form.geometries(unit), form.dtypes(), strict=True):
+            create_arrays(store, prefix, (geometry,), (kind,), dtype)
+
+
+def state_groups(form: StateForm, unit: UnitLayout, state: ShardState) -> list[tuple[ShardedUnit, Views]]:
+    """The state's ``(kind, tensor)`` views grouped by array geometry (one group but for int8
+    moments), each to read or write in one call of ``offload``'s shard functions."""
+    groups: dict[ShardedUnit, Views] = {}
+    for geometry, view in zip(form.geometries(unit), state.views(), strict=True):
+        groups.setdefault(geometry, []).append(view)
+    return list(groups.items())
 
 
 class OptimizerState(Protocol):
@@ -151,11 +163,9 @@ class MemoryOptimizerState:
 
     def _new_state(self, unit: UnitLayout) -> ShardState:
         """A unit's zeroed state, held on this tier."""
-        zeros = (
-            torch.zeros(unit.shard_numel, dtype=dtype, device=self._device, pin_memory=self._pin)
-            for dtype in self._form.dtypes()
-        )
-        state = ShardState(*zeros)
+        state = ShardState(*self._form.empty(unit, device=self._device, pin_memory=self._pin))
+        for tensor in state.tensors():
+            tensor.zero_()
         self._units.append(unit)
         self._states[unit.name] = state
         return state

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.tiers.frozen import create_frozen, read_frozen, write_frozen
-from engine.tiers.optimizer import STATE_KINDS, ShardState, create_state_arrays
+from engine.tiers.optimizer import STATE_KINDS, ShardState, create_state_arrays, state_groups
 from engine.tiers.sizing import read_ahead_bytes
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import (
@@ -196,9 +196,9 @@ class StoreOptimizerState:
     def in_layout(self, prefix: str) -> bool:
         """Whether every array of the generation at ``prefix`` is cut for this layout."""
         return all(
-            array_in_layout(self.store, array_name(prefix, unit.name, kind), unit)
+            array_in_layout(self.store, array_name(prefix, unit.name, kind), geometry)
             for unit in self.layout.units
-            for kind in STATE_KINDS
+            for kind, geometry in zip(STATE_KINDS, self.form.geometries(unit), strict=True)
         )
 
     def drop_other_layouts(self, committed: int) -> None:
@@ -260,17 +260,19 @@ class StoreOptimizerState:
         write_frozen(self.store, unit, self.rank, values)  # durable with generation 0's commit
 
     def _views(self, unit: UnitLayout, buf: HostBuffer) -> ShardState:
-        n = unit.shard_numel
-        dtypes, offsets = self.form.dtypes(), self.form.offsets(n)
-        return ShardState(*(buf.view(dtype, n, offset) for dtype, offset in zip(dtypes, offsets, strict=True)))
+        form = self.form
+        layout = zip(form.geometries(unit), form.dtypes(), form.offsets(unit), strict=True)
+        return ShardState(*(buf.view(dtype, geometry.shard_numel, offset) for geometry, dtype, offset in layout))
 
     def _load(self, unit: UnitLayout, buf: HostBuffer) -> None:
         with naming_way_out(self.generations):
-            read_shard(self.store, self._read_prefix, unit, self.rank, self._views(unit, buf).views())
+            for geometry, views in state_groups(self.form, unit, self._views(unit, buf)):
+                read_shard(self.store, self._read_prefix, geometry, self.rank, views)
 
     def _save(self, unit: UnitLayout, buf: HostBuffer) -> None:
         prefix = generation_prefix(self.target_generation)
-        write_shard(self.store, prefix, unit, self.rank, self._views(unit, buf).views())
+        for geometry, views in state_groups(self.form, unit, self._views(unit, buf)):
+            write_shard(self.store, prefix, geometry, self.rank, views)
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """Each unit's committed master shard, read ahead, then each frozen unit's values (to

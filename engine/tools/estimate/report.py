@@ -58,8 +58,8 @@ def state_line(run: RunShape) -> str:
     """The optimizer state's form, its bytes per parameter, and what the ``nvme`` tier moves each step."""
     moved = optimizer_state_bytes(run)
     return (
-        f"optimizer state: optim.state_dtype = {run.form.name!r}, {run.form.bytes_per_param} B/param "
-        f"(fp32 master, {run.form.dtypes()[1].itemsize} B per moment); on the nvme tier each step reads "
+        f"optimizer state: optim.state_dtype = {run.form.name!r}, {run.form.bytes_per_param:g} B/param "
+        f"(fp32 master and two moments); on the nvme tier each step reads "
         f"{gib(moved)} GiB and writes {gib(moved)} GiB per rank"
     )
 
