@@ -10,7 +10,7 @@ kernel, and rounds them back.
 Rounding is stochastic: a moment is an exponential average whose per-step change,
 ``(1 - beta2) * g**2`` against ``v``, is often below half a bfloat16 ulp (2**-9 relative),
 so rounding to nearest would freeze it; stochastic rounding keeps it unbiased. Its random
-bits come from a generator seeded by the step count, so a resumed run draws the same ones
+bits are seeded by the step count (``engine.zero.quantize.add_noise_``), so a resumed run draws the same ones
 and stays bit-identical to an uninterrupted run.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engine.zero.optim import ShardAdamW
-from engine.zero.quantize import BLOCK, PACKED, dequantize, packed_bytes, quantize_
+from engine.zero.quantize import BLOCK, PACKED, add_noise_, dequantize, packed_bytes, quantize_
 from offload import array_bytes, shard_bytes
 from offload.shards import ShardedUnit
 
@@ -133,10 +133,9 @@ def round_stochastic_(out: torch.Tensor, value: torch.Tensor, seed: int) -> None
     """``out`` (bfloat16) = ``value`` (fp32, scratch: overwritten) rounded stochastically:
     uniform 16-bit noise added to the bits below bfloat16's mantissa, then those bits dropped,
     so the result is exact and rounds up with probability equal to the dropped fraction."""
-    generator = torch.Generator(device=value.device).manual_seed(seed)
-    noise = torch.randint(0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
     bits = value.view(torch.int32)
-    bits.add_(noise).bitwise_and_(-(1 << 16))
+    add_noise_(bits, seed)
+    bits.bitwise_and_(-(1 << 16))
     out.copy_(value)
 
 
