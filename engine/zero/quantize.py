@@ -68,7 +68,7 @@ def dequantize(packed: torch.Tensor, signed: bool) -> torch.Tensor:
     levels = _LEVELS[signed]
     values = (codes.view(torch.int8) if signed else codes).float()
     if signed:
-        values.mul_(values.abs()).mul_(scales / levels**2)  # sign * code**2
+        values.square_().copysign_(codes.view(torch.int8)).mul_(scales / levels**2)  # sign * code**2
     else:
         values.square_().square_().mul_(scales / levels**4)
     return values.view(-1)
@@ -80,10 +80,11 @@ def quantize_(packed: torch.Tensor, values: torch.Tensor, signed: bool, seed: in
     rows = values.view(-1, BLOCK)
     codes, scales = _blocks(packed)
     levels = _LEVELS[signed]
-    absmax = rows.abs().amax(dim=1, keepdim=True) if signed else rows.amax(dim=1, keepdim=True)
+    magnitude = rows.abs() if signed else rows
+    absmax = magnitude.amax(dim=1, keepdim=True)
     scales.copy_(absmax)
     factor = torch.where(absmax > 0, levels ** _POWER[signed] / absmax, 0.0)
-    companded = (rows.abs() if signed else rows).mul_(factor).sqrt_()  # code = levels * (x / absmax) ** (1/p)
+    companded = magnitude.mul_(factor).sqrt_()  # code = levels * (x / absmax) ** (1/p)
     if not signed:
         companded.sqrt_()
     add_noise_(companded.view(-1), seed)
