@@ -40,7 +40,7 @@ def change_error(got: dict, expected: dict, initial: dict) -> float:
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 def test_compact_moments_track_torch_adamw(tmp_path, stage: int, tier: str, state_dtype: str) -> None:
     offload = {"optimizer": tier, "nvme_path": str(tmp_path / "store")}
@@ -151,3 +151,15 @@ def test_inspect_names_the_form_and_consolidate_reads_the_masters(
     assert consolidate(tmp_path / "store", tmp_path / "model.safetensors") == len(trained)
     weights = load_file(tmp_path / "model.safetensors")
     assert all(torch.equal(weights[name], trained[name]) for name in trained)
+
+
+def test_a_memory_tier_checkpoint_in_another_form_is_refused_untouched(tmp_path) -> None:
+    cpu = {"optimizer": "cpu", "nvme_path": str(tmp_path / "store")}
+    eng = Engine(tiny_gpt(), config(offload=cpu, optim={"state_dtype": "int8"}), total_steps=2)
+    run(eng, 1)
+    eng.save("a")
+    eng.close()
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=r"state_dtype = 'int8', this run asks for 'bf16'"):
+        Engine.resume(tiny_gpt(), config(offload=cpu, optim={"state_dtype": "bf16"}), total_steps=2, checkpoint="a")
+    assert snapshot(tmp_path) == before
