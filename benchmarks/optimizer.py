@@ -37,7 +37,8 @@ to reach the disk's steady rates while the section stays near a minute and a hal
 With `--state-dtype bf16` or `int8` (`optim.state_dtype`) the host memory section adds the
 engine's update on moments of that form (`CompactAdamW`), and the nvme tier section runs its
 step on a store of that form; its row gives the bytes per parameter stored and moved (read
-plus written) per step, as measured from the store's pipeline.
+plus written) per step, as measured from the store's pipeline. With `int8`, the 8-bit AdamW of
+bitsandbytes and of torchao join the host memory section where they import.
 
 Each section returns its own table, so more can follow.
 """
@@ -46,6 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import importlib
 import mmap
 import statistics
 import tempfile
@@ -165,17 +168,16 @@ def shard_adamw_step(sizes: list[int], kernel: str, state_dtype: str = "fp32") -
     return step
 
 
-def torch_adamw_step(sizes: list[int], **flags: bool) -> Step:
-    """One `torch.optim.AdamW` step over separate tensors, with the engine's hyperparameters."""
+def torch_adamw_step(sizes: list[int], optimizer: type = torch.optim.AdamW, **flags: bool) -> Step:
+    """One `torch.optim.AdamW` step (or another AdamW class's) over separate tensors, with the
+    engine's hyperparameters."""
     params = []
     for p, g in _params_and_grads(sizes):
         param = torch.nn.Parameter(p)
         param.grad = g
         params.append(param)
     config = OptimConfig()
-    opt = torch.optim.AdamW(
-        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, **flags
-    )
+    opt = optimizer(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, **flags)
     return opt.step
 
 
@@ -196,14 +198,28 @@ def _on_threads(step: Step, threads: int) -> Step:
     return run
 
 
+def library_8bit() -> dict[str, type]:
+    """The 8-bit AdamW of bitsandbytes and of torchao, those that import here: what the
+    engine's own 8-bit moments are measured against."""
+    found = {}
+    for name, module in (("bitsandbytes", "bitsandbytes.optim"), ("torchao", "torchao.optim")):
+        with contextlib.suppress(Exception):  # absent, or built for another torch
+            found[f"{name} AdamW8bit"] = importlib.import_module(module).AdamW8bit
+    return found
+
+
 def optimizers(state_dtype: str) -> dict[str, Callable[[list[int]], Step]]:
-    """``OPTIMIZERS``, and the engine's update on compact moments of ``state_dtype``."""
+    """``OPTIMIZERS``, and the engine's update on compact moments of ``state_dtype`` (for
+    ``int8``, beside the libraries' 8-bit AdamW that import here)."""
     if state_dtype == "fp32":
         return OPTIMIZERS
-    return {
-        **OPTIMIZERS,
-        f"CompactAdamW fused {state_dtype}": lambda sizes: shard_adamw_step(sizes, "fused", state_dtype),
+    found: dict[str, Callable[[list[int]], Step]] = {
+        f"CompactAdamW fused {state_dtype}": lambda sizes: shard_adamw_step(sizes, "fused", state_dtype)
     }
+    if state_dtype == "int8":
+        for name, cls in library_8bit().items():
+            found[name] = functools.partial(torch_adamw_step, optimizer=cls)
+    return {**OPTIMIZERS, **found}
 
 
 def host_memory_section(setup: Setup) -> Section:
