@@ -10,8 +10,8 @@ kernel, and rounds them back.
 Rounding is stochastic: a moment is an exponential average whose per-step change,
 ``(1 - beta2) * g**2`` against ``v``, is often below half a bfloat16 ulp (2**-9 relative),
 so rounding to nearest would freeze it; stochastic rounding keeps it unbiased. Its random
-bits are seeded by the step count (``engine.zero.quantize.add_noise_``), so a resumed run draws the same ones
-and stays bit-identical to an uninterrupted run.
+bits are seeded by the step count (``engine.zero.quantize.add_noise_``), so a resumed run
+draws the same ones and stays bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
