@@ -1,6 +1,6 @@
 """AdamW step throughput: in memory against torch's AdamW and memory bandwidth, on NVMe against the disk.
 
-    python -m benchmarks.optimizer [--quick] [--params N] [--nvme-params N] [--dir PATH]
+    python -m benchmarks.optimizer [--quick] [--params N] [--nvme-params N] [--dir PATH] [--state-dtype D]
 
 The engine updates flat fp32 shards one unit at a time with `ShardAdamW`; the
 "host memory" section measures that (both kernels) against `torch.optim.AdamW`
@@ -34,6 +34,12 @@ shards held in memory, so that the two can be compared. The default 200M
 parameters move 4.8 GB through the disk per step (about 4-5 s here), enough
 to reach the disk's steady rates while the section stays near a minute and a half.
 
+With `--state-dtype bf16` or `int8` (`optim.state_dtype`) the host memory section adds the
+engine's update on moments of that form (`CompactAdamW`), and the nvme tier section runs its
+step on a store of that form; its row gives the bytes per parameter stored and moved (read
+plus written) per step, as measured from the store's pipeline. With `int8`, the 8-bit AdamW of
+bitsandbytes and of torchao join the host memory section where they import.
+
 Each section returns its own table, so more can follow.
 """
 
@@ -41,6 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import importlib
 import mmap
 import statistics
 import tempfile
@@ -66,9 +74,8 @@ from engine.config import OffloadConfig, OptimConfig
 from engine.runtime.sizes import MIB
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB, optimizer_buffer_bytes
-from engine.tiers.store_checks import unit_state_bytes
 from engine.tiers.store_io import StoreIO
-from engine.zero.optim import ShardAdamW
+from engine.zero.moments import CompactAdamW, StateForm
 from engine.zero.partition import ModelLayout, build_layout, max_chunk_numel
 from offload import CHUNK_RANGE, IORunner, PipelineStats, auto_settings
 
@@ -101,6 +108,7 @@ class Setup:
     reps: int
     memcpy_gbps: float
     nvme: NvmeSetup
+    state_dtype: str = "fp32"
 
     @property
     def bound_mparams(self) -> float:
@@ -142,14 +150,16 @@ def _params_and_grads(sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor
     return [(torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3) for n in sizes]
 
 
-def shard_adamw_step(sizes: list[int], kernel: str) -> Step:
-    """One engine optimizer step: `ShardAdamW.update` on each flat shard in turn."""
-    config = OptimConfig(kernel=kernel)
-    opt = ShardAdamW(config)
-    shards = [
-        (p, g, torch.zeros_like(p), torch.zeros_like(p), opt.new_step_counter(p.device))
-        for p, g in _params_and_grads(sizes)
-    ]
+def shard_adamw_step(sizes: list[int], kernel: str, state_dtype: str = "fp32") -> Step:
+    """One engine optimizer step: `CompactAdamW.update` (`ShardAdamW`'s, for fp32 moments) on
+    each flat shard in turn, its moments in ``state_dtype``."""
+    config = OptimConfig(kernel=kernel, state_dtype=state_dtype)
+    opt, form = CompactAdamW(config), StateForm(state_dtype)
+    units = synthetic_layout(sizes, CHUNK_RANGE[1]).units
+    shards = []
+    for unit, (p, g) in zip(units, _params_and_grads([u.shard_numel for u in units]), strict=True):
+        _, exp_avg, exp_avg_sq = (t.zero_() for t in form.empty(unit))
+        shards.append((p, g, exp_avg, exp_avg_sq, opt.new_step_counter(p.device)))
 
     def step() -> None:
         for shard in shards:
@@ -158,17 +168,16 @@ def shard_adamw_step(sizes: list[int], kernel: str) -> Step:
     return step
 
 
-def torch_adamw_step(sizes: list[int], **flags: bool) -> Step:
-    """One `torch.optim.AdamW` step over separate tensors, with the engine's hyperparameters."""
+def torch_adamw_step(sizes: list[int], optimizer: type = torch.optim.AdamW, **flags: bool) -> Step:
+    """One `torch.optim.AdamW` step (or another AdamW class's) over separate tensors, with the
+    engine's hyperparameters."""
     params = []
     for p, g in _params_and_grads(sizes):
         param = torch.nn.Parameter(p)
         param.grad = g
         params.append(param)
     config = OptimConfig()
-    opt = torch.optim.AdamW(
-        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, **flags
-    )
+    opt = optimizer(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, **flags)
     return opt.step
 
 
@@ -189,6 +198,30 @@ def _on_threads(step: Step, threads: int) -> Step:
     return run
 
 
+def library_8bit() -> dict[str, type]:
+    """The 8-bit AdamW of bitsandbytes and of torchao, those that import here: what the
+    engine's own 8-bit moments are measured against."""
+    found = {}
+    for name, module in (("bitsandbytes", "bitsandbytes.optim"), ("torchao", "torchao.optim")):
+        with contextlib.suppress(Exception):  # absent, or built for another torch
+            found[f"{name} AdamW8bit"] = importlib.import_module(module).AdamW8bit
+    return found
+
+
+def optimizers(state_dtype: str) -> dict[str, Callable[[list[int]], Step]]:
+    """``OPTIMIZERS``, and the engine's update on compact moments of ``state_dtype`` (for
+    ``int8``, beside the libraries' 8-bit AdamW that import here)."""
+    if state_dtype == "fp32":
+        return OPTIMIZERS
+    found: dict[str, Callable[[list[int]], Step]] = {
+        f"CompactAdamW fused {state_dtype}": lambda sizes: shard_adamw_step(sizes, "fused", state_dtype)
+    }
+    if state_dtype == "int8":
+        for name, cls in library_8bit().items():
+            found[name] = functools.partial(torch_adamw_step, optimizer=cls)
+    return {**OPTIMIZERS, **found}
+
+
 def host_memory_section(setup: Setup) -> Section:
     """Every optimizer with its state in host memory: the compute side of a step.
 
@@ -196,7 +229,8 @@ def host_memory_section(setup: Setup) -> Section:
     that their steps can interleave, round after round.
     """
     sizes = setup.shard_sizes()
-    steps = {name: build(sizes) for name, build in tqdm(OPTIMIZERS.items(), desc="building", unit="optimizer")}
+    built = optimizers(setup.state_dtype).items()
+    steps = {name: build(sizes) for name, build in tqdm(built, desc="building", unit="optimizer")}
     runs = {(name, t): _on_threads(step, t) for name, step in steps.items() for t in setup.threads}
     with threads_restored():
         seconds = interleaved_medians(runs, setup.reps, desc="steps")
@@ -241,15 +275,15 @@ class NvmeOptimizer:
     memory, where the engine keeps its gradient shards too.
     """
 
-    def __init__(self, path: Path, layout: ModelLayout, nvme: NvmeSetup):
+    def __init__(self, path: Path, layout: ModelLayout, nvme: NvmeSetup, state_dtype: str = "fp32"):
         offload = OffloadConfig()
         self.layout = layout
-        self.config = OptimConfig()
-        self.opt = ShardAdamW(self.config)
+        self.config = OptimConfig(state_dtype=state_dtype)
+        self.opt = CompactAdamW(self.config)
         self.io = StoreIO(IORunner(threads=nvme.io_threads), offload.checksum, offload.direct_io, lambda: None)
-        self.state = StoreOptimizerState(
-            path, layout, 0, self.io, buffer_bytes=optimizer_buffer_bytes(nvme, layout.units)
-        )
+        form = StateForm(state_dtype)
+        buffer_bytes = optimizer_buffer_bytes(nvme, layout.units, form)
+        self.state = StoreOptimizerState(path, layout, 0, self.io, buffer_bytes=buffer_bytes, form=form)
         sizes = [unit.shard_numel for unit in layout.units]
         self.grads: dict[str, torch.Tensor] = {}
         for unit, (master, grad) in zip(layout.units, _params_and_grads(sizes), strict=True):
@@ -292,7 +326,9 @@ class NvmeRound:
     cold: bool
 
 
-def measure_nvme(nvme: NvmeSetup, layout: ModelLayout, raw_bytes: int, reps: int) -> list[NvmeRound]:
+def measure_nvme(
+    nvme: NvmeSetup, layout: ModelLayout, raw_bytes: int, reps: int, state_dtype: str = "fp32"
+) -> list[NvmeRound]:
     """`reps` timed rounds after an untimed one (warm-up), in a temporary directory under `nvme.directory`.
 
     Each round measures the raw disk, the compute-only step and, after
@@ -301,11 +337,11 @@ def measure_nvme(nvme: NvmeSetup, layout: ModelLayout, raw_bytes: int, reps: int
     """
     raw_buffer = page_aligned(raw_bytes)
     raw_buffer.fill_(0x5A)  # first touch outside the timed region
-    compute = shard_adamw_step([unit.shard_numel for unit in layout.units], OptimConfig().kernel)
+    compute = shard_adamw_step([unit.shard_numel for unit in layout.units], OptimConfig().kernel, state_dtype)
     rounds: list[NvmeRound] = []
     nvme.directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-optimizer-", dir=nvme.directory) as work:
-        optimizer = NvmeOptimizer(Path(work) / "store", layout, nvme)
+        optimizer = NvmeOptimizer(Path(work) / "store", layout, nvme, state_dtype)
         try:
             for round_ in tqdm(range(reps + 1), desc="nvme tier", unit="round"):
                 raw = raw_disk_gbps(work, raw_bytes, nvme.io_threads, reps=1, buffer=raw_buffer)
@@ -330,9 +366,9 @@ def nvme_tier_section(setup: Setup) -> Section:
     """
     nvme = setup.nvme
     layout = synthetic_layout(setup.shard_sizes(nvme.params), nvme.chunk_mb)
-    state_bytes = sum(unit_state_bytes(unit) for unit in layout.units)
+    state_bytes = sum(StateForm(setup.state_dtype).unit_bytes(unit) for unit in layout.units)
     raw_bytes = max(mmap.PAGESIZE, min(RAW_MAX_BYTES, state_bytes) // mmap.PAGESIZE * mmap.PAGESIZE)
-    rounds = measure_nvme(nvme, layout, raw_bytes, setup.reps)
+    rounds = measure_nvme(nvme, layout, raw_bytes, setup.reps, setup.state_dtype)
 
     def median(value: Callable[[NvmeRound], float]) -> float:
         return statistics.median(value(r) for r in rounds)
@@ -353,6 +389,8 @@ def nvme_tier_section(setup: Setup) -> Section:
         "hidden I/O s": median(lambda r: r.stats.hidden_s),
         "finish s": median(lambda r: r.finish_s),
         "GB/s": (bytes_read + bytes_written) / step_s / 1e9,
+        "B/param stored": state_bytes / layout.numel,
+        "B/param moved": (bytes_read + bytes_written) / layout.numel,
     }
     direct, cold = all(bool(r.raw["direct"]) for r in rounds), all(r.cold for r in rounds)
     details = {
@@ -368,7 +406,7 @@ def nvme_tier_section(setup: Setup) -> Section:
     }
     reads = "cold (page cache dropped before each step)" if cold else "WARM (page cache not dropped)"
     title = (
-        f"{nvme.params / 1e6:g}M fp32 params in {len(layout.units)} units, buffer {nvme.buffer_mb} MiB, "
+        f"{nvme.params / 1e6:g}M params ({setup.state_dtype} moments) in {len(layout.units)} units, buffer {nvme.buffer_mb} MiB, "
         f"{nvme.chunk_mb} MiB chunks, {nvme.io_threads} I/O threads, {torch.get_num_threads()} torch threads; "
         f"median of {setup.reps} steps, reads {reads}"
     )
@@ -422,6 +460,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nvme_group.add_argument(
             f"--{name.replace('_', '-')}", type=_int_or_auto, default=default, help=f"{help_} (default {default})"
         )
+    parser.add_argument(
+        "--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32", help="optim.state_dtype (default fp32)"
+    )
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     buffer_mb = AUTO_BUFFER_FLOOR_MB if args.buffer_mb == "auto" else args.buffer_mb
@@ -434,7 +475,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     memcpy = memcpy_gbps(STATE_BYTES_PER_PARAM // 2 * params)  # source and destination
     nvme = NvmeSetup(args.dir, nvme_params, args.buffer_mb, args.chunk_mb, args.io_threads)
-    setup = Setup(params, args.shard_params, tuple(args.threads), reps, memcpy, nvme)
+    setup = Setup(params, args.shard_params, tuple(args.threads), reps, memcpy, nvme, args.state_dtype)
     sections = {name: run(setup) for name, run in SECTIONS.items()}
 
     for name, section in sections.items():
@@ -444,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     memory_rows = sections["host memory"].rows
     bar_chart(
         args.out / "optimizer.png",
-        list(OPTIMIZERS),
+        list(optimizers(args.state_dtype)),
         {f"{t} thread{'s' * (t > 1)}": [r["Mparam/s"] for r in memory_rows if r["threads"] == t] for t in args.threads},
         ylabel="Mparam/s",
         title=f"AdamW step, {params / 1e6:g}M fp32 params",
@@ -456,6 +497,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shard_params": setup.shard_params,
         "reps": reps,
         "bytes_per_param": BYTES_PER_PARAM,
+        "state_dtype": args.state_dtype,
         "memcpy_gbps": memcpy,
         "bound_mparam_per_s": setup.bound_mparams,
         "nvme": {**dataclasses.asdict(nvme), "directory": str(nvme.directory.resolve())},

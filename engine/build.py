@@ -31,6 +31,7 @@ from engine.tiers.store_checks import check_buffer_memory
 from engine.tiers.store_io import StoreIO
 from engine.zero.buffers import materialize_buffers_
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
+from engine.zero.moments import StateForm
 from engine.zero.params import ReplicatedParams, ShardedParams
 from engine.zero.partition import (
     ROOT_UNIT,
@@ -123,13 +124,14 @@ class CheckpointStore:
             lock,
         )
         self.frozen: FrozenShards = lambda: iter(())
+        self._form = StateForm(config.optim.state_dtype)
         self._opened: MemoryCheckpoints | None = None
 
     def __call__(self, create: bool) -> MemoryCheckpoints:
         if self._opened is None:
             self._lock(create)
             self._opened = MemoryCheckpoints(
-                self._path, self._layout, self._rank, self._io, create=create, frozen=self.frozen
+                self._path, self._layout, self._rank, self._io, create=create, frozen=self.frozen, form=self._form
             )
         return self._opened
 
@@ -147,19 +149,18 @@ def optimizer_state(
     checkpoint: str | None,
 ) -> OptimizerState:
     """The optimizer tier the configuration asks for: empty, or restored on resume."""
-    offload = config.offload
+    offload, form = config.offload, StateForm(config.optim.state_dtype)
     if offload.optimizer != "nvme":
         frozen_on_disk = config.zero.stage == 3 and offload.param == "nvme"
-        state = MemoryOptimizerState(
-            device, checkpoints, pin_memory=device.type == "cpu" and pin_memory, store_frozen=frozen_on_disk
-        )
+        pin = device.type == "cpu" and pin_memory
+        state = MemoryOptimizerState(device, checkpoints, pin_memory=pin, store_frozen=frozen_on_disk, form=form)
         if resume:
             assert checkpoint is not None  # the engine refuses resuming a memory tier without one
             state.restore(checkpoint)
         return state
-    buffer_bytes = optimizer_buffer_bytes(offload, layout.units)
+    buffer_bytes = optimizer_buffer_bytes(offload, layout.units, form)
     if offload.buffer_mb == "auto":
-        check_buffer_memory(layout, buffer_bytes, psutil.virtual_memory().available)
+        check_buffer_memory(layout, buffer_bytes, psutil.virtual_memory().available, form)
     return StoreOptimizerState(
         Path(offload.nvme_path),
         layout,
@@ -170,6 +171,7 @@ def optimizer_state(
         checkpoint=checkpoint,
         mode=config.store.mode,
         scratch_bytes=FP32 * sum(u.padded_numel for u in layout.units) if spills_gradients(config) else 0,
+        form=form,
     )
 
 

@@ -146,6 +146,10 @@ class OptimConfig:
     """Without clipping (``grad_clip = 0``), update each unit as soon as its gradient shard is
     reduced on the last micro-batch, overlapped with the rest of backward; the result is
     bit-identical either way. With clipping every gradient must be reduced first."""
+    state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """How AdamW's moments are held and stored: ``fp32`` (bit-exact with torch), ``bf16`` (a
+    third fewer optimizer bytes) or ``int8`` (8-bit blocks, half), rounded stochastically
+    (``engine.zero.moments``). The master is fp32 in every form. A store resumes only in the form it was written in."""
     warmup_steps: int = 0
     schedule: Literal["cosine", "constant"] = "cosine"
     decay_steps: int = 0

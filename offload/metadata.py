@@ -36,6 +36,7 @@ ZARR_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "uint16",
     torch.int64: "int64",
     torch.uint16: "uint16",
+    torch.uint8: "uint8",  # packed bytes (8-bit optimizer moments with their block scales)
 }
 _TORCH_BY_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in ZARR_DTYPES}
 
@@ -154,7 +155,9 @@ def parse_array_meta(name: str, meta_path: Path, meta: dict[str, Any]) -> ArrayI
         raise unsupported(f"chunk key encoding {keys}")
     codecs = [c.get("name") for c in meta.get("codecs", [])]
     endian = meta.get("codecs", [{}])[0].get("configuration", {}).get("endian")
-    if codecs not in (["bytes"], ["bytes", "crc32c"]) or endian != "little":
+    # zarr names no byte order for one-byte data
+    byte_order_ok = endian == "little" or (endian is None and meta.get("data_type") == "uint8")
+    if codecs not in (["bytes"], ["bytes", "crc32c"]) or not byte_order_ok:
         raise unsupported(f"codecs {meta.get('codecs')}")
     stored = meta.get("data_type")
     torch_name = meta.get("attributes", {}).get(TORCH_DTYPE_ATTR)

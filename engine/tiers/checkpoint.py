@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 
 from engine.tiers.frozen import FrozenAdder, read_frozen
-from engine.tiers.optimizer import STATE_KINDS, ShardState
+from engine.tiers.optimizer import ShardState, create_state_arrays, state_groups
 from engine.tiers.parameters import PARAM_STORE
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import first_difference, naming_way_out
 from engine.tiers.store_io import StoreIO
+from engine.zero.moments import FP32_STATE, STATE_DTYPE_ATTR, StateForm, stored_form
 from engine.zero.partition import ModelLayout, UnitLayout
-from offload import Generations, ShardStore, create_arrays, generation_prefix, read_shard, write_shard_async
+from offload import Generations, ShardStore, generation_prefix, read_shard, write_shard_async
 
 logger = logging.getLogger(__name__)
 
@@ -75,16 +76,17 @@ class MemoryCheckpoints:
         *,
         create: bool,
         frozen: FrozenShards = lambda: iter(()),
+        form: StateForm = FP32_STATE,
     ):
         self.layout, self.rank = layout, rank
-        self._frozen = frozen
-        self._adder = FrozenAdder(lambda: self.store, layout.frozen, rank, io.barrier)
+        self._frozen, self._form = frozen, form
+        self._adder = FrozenAdder(lambda: self.store, layout.frozen, rank, io)
         self._frozen_stored = not layout.frozen
         """This run's frozen values are in the store (none to store, written, or resumed from)."""
         self._barrier = io.barrier
         self._leader = io.leader
         if self._leader and create and not (path / "zarr.json").exists():
-            attrs = {"layout": layout.to_dict(), **io.host_attrs()}
+            attrs = {"layout": layout.to_dict(), STATE_DTYPE_ATTR: form.name, **io.host_attrs()}
             ShardStore.create(  # beside the parameter tier's store, which offload.param = "nvme" puts there first
                 path,
                 attrs,
@@ -97,6 +99,7 @@ class MemoryCheckpoints:
         io.barrier()
         self.store = ShardStore.open(path, runner=io.runner, direct_io=io.direct_io, costs=io.costs)
         first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)
+        form.check_stored(stored_form(self.store.attrs), path)  # its checkpoints are of one form
         self.generations = Generations(self.store)
         if self._leader:  # a checkpoint a crash left pending in a live store is kept before it is looked for
             self.generations.tidy()
@@ -114,8 +117,9 @@ class MemoryCheckpoints:
 
         def shards() -> Iterator[tuple[UnitLayout, ShardState]]:
             for unit in self.layout.units:
-                state = ShardState(*(torch.empty(unit.shard_numel, dtype=torch.float32) for _ in STATE_KINDS))
-                read_shard(self.store, prefix, unit, self.rank, state.views())
+                state = ShardState(*self._form.empty(unit))
+                for geometry, views in state_groups(self._form, unit, state):
+                    read_shard(self.store, prefix, geometry, self.rank, views)
                 yield unit, state
 
         return record, shards()
@@ -150,13 +154,15 @@ class MemoryCheckpoints:
             self.generations.drop_uncommitted()
             self.store.build(
                 prefix,
-                lambda staging: create_arrays(self.store, staging, self.layout.units, STATE_KINDS, torch.float32),
+                lambda staging: create_state_arrays(self.store, staging, self.layout.units, self._form),
             )
         self._barrier()
         writes = {}
         for unit, state in states:
             host = ShardState(*(t.cpu() for t in state.tensors()))  # a copy only from an accelerator
-            writes[unit.name] = (host, write_shard_async(self.store, prefix, unit, self.rank, host.views()))
+            groups = state_groups(self._form, unit, host)
+            futures = [f for g, views in groups for f in write_shard_async(self.store, prefix, g, self.rank, views)]
+            writes[unit.name] = (host, futures)
 
         def keep_it() -> None:
             self.store.sync()

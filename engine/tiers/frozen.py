@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from engine.tiers.parameters import PARAM_KIND
+from engine.tiers.store_io import StoreIO
 from engine.zero.partition import UnitLayout
 from offload import (
     ShardStore,
@@ -84,19 +85,19 @@ def read_frozen(store: ShardStore, units: Iterable[UnitLayout], rank: int) -> It
 
 class FrozenAdder:
     """Writes each frozen unit's values as a new run adds its units, the arrays made (by the
-    leader, all ranks waiting) before the first; ``store`` opens the store on first use."""
+    store's leader (``StoreIO.leader``: of each host's store, on several), all ranks waiting)
+    before the first; ``store`` opens the store on first use."""
 
-    def __init__(
-        self, store: Callable[[], ShardStore], units: Iterable[UnitLayout], rank: int, barrier: Callable[[], None]
-    ):
-        self._store, self._units, self._rank, self._barrier = store, tuple(units), rank, barrier
+    def __init__(self, store: Callable[[], ShardStore], units: Iterable[UnitLayout], rank: int, io: StoreIO):
+        self._store, self._units, self._rank = store, tuple(units), rank
+        self._leader, self._barrier = io.leader, io.barrier
         self._ready = False  # the arrays exist (made with the first unit added)
 
     def add(self, unit: UnitLayout, values: torch.Tensor) -> None:
         """Store the unit's values on this rank (durable at the store's next sync)."""
         store = self._store()
         if not self._ready:
-            if self._rank == 0:
+            if self._leader:
                 create_frozen(store, self._units, values.dtype)
             self._barrier()
             self._ready = True

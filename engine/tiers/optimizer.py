@@ -9,14 +9,17 @@ and write them back behind the update, so the step's code is the same on every t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from engine.zero.moments import FP32_STATE, StateForm
 from engine.zero.partition import UnitLayout
-from offload import ShardStore
+from offload import ShardedUnit, ShardStore, create_arrays
+
+Views = list[tuple[str, torch.Tensor]]
 
 if TYPE_CHECKING:
     from engine.tiers.checkpoint import MemoryCheckpoints, PendingCheckpoint
@@ -24,7 +27,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class ShardState:
-    """One unit's optimizer state on this rank (fp32, ``shard_numel`` elements each)."""
+    """One unit's optimizer state on this rank (``shard_numel`` elements each: an fp32 master,
+    moments of the run's ``StateForm``)."""
 
     master: torch.Tensor
     exp_avg: torch.Tensor
@@ -40,6 +44,22 @@ class ShardState:
 
 STATE_KINDS = tuple(field.name for field in dataclasses.fields(ShardState))
 """The kinds of optimizer state a unit has, by name: the names of its arrays in a store."""
+
+
+def create_state_arrays(store: ShardStore, prefix: str, units: Iterable[UnitLayout], form: StateForm) -> None:
+    """Every unit's optimizer state arrays under ``prefix``, each kind in its ``form`` dtype and geometry."""
+    for unit in units:
+        for kind, geometry, dtype in zip(STATE_KINDS, form.geometries(unit), form.dtypes(), strict=True):
+            create_arrays(store, prefix, (geometry,), (kind,), dtype)
+
+
+def state_groups(form: StateForm, unit: UnitLayout, state: ShardState) -> list[tuple[ShardedUnit, Views]]:
+    """The state's ``(kind, tensor)`` views grouped by array geometry (one group but for int8
+    moments), each to read or write in one call of ``offload``'s shard functions."""
+    groups: dict[ShardedUnit, Views] = {}
+    for geometry, view in zip(form.geometries(unit), state.views(), strict=True):
+        groups.setdefault(geometry, []).append(view)
+    return list(groups.items())
 
 
 class OptimizerState(Protocol):
@@ -136,8 +156,9 @@ class MemoryOptimizerState:
         checkpoints: Callable[[bool], MemoryCheckpoints],
         pin_memory: bool = False,
         store_frozen: bool = False,
+        form: StateForm = FP32_STATE,
     ):
-        self._device, self._pin = device, pin_memory
+        self._device, self._pin, self._form = device, pin_memory, form
         self._checkpoints = checkpoints
         """Opens the store of checkpoints (creating it if asked), on first use."""
         self._store_frozen = store_frozen
@@ -151,11 +172,9 @@ class MemoryOptimizerState:
 
     def _new_state(self, unit: UnitLayout) -> ShardState:
         """A unit's zeroed state, held on this tier."""
-        zeros = (
-            torch.zeros(unit.shard_numel, dtype=torch.float32, device=self._device, pin_memory=self._pin)
-            for _ in range(3)
-        )
-        state = ShardState(*zeros)
+        state = ShardState(*self._form.empty(unit, device=self._device, pin_memory=self._pin))
+        for tensor in state.tensors():
+            tensor.zero_()
         self._units.append(unit)
         self._states[unit.name] = state
         return state

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-from engine.runtime.sizes import FP32
 from engine.tiers.frozen import FrozenAdder, read_frozen
-from engine.tiers.optimizer import STATE_KINDS, ShardState
+from engine.tiers.optimizer import STATE_KINDS, ShardState, create_state_arrays, state_groups
 from engine.tiers.sizing import read_ahead_bytes
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import (
@@ -41,11 +40,11 @@ from engine.tiers.store_checks import (
     check_nvme_path,
     first_difference,
     naming_way_out,
-    unit_state_bytes,
     way_out,
 )
 from engine.tiers.store_io import StoreIO
 from engine.tiers.store_modes import store_mode
+from engine.zero.moments import FP32_STATE, STATE_DTYPE_ATTR, StateForm, stored_form
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import (
     BufferPool,
@@ -57,7 +56,6 @@ from offload import (
     ShardStore,
     array_in_layout,
     array_name,
-    create_arrays,
     generation_prefix,
     read_shard,
     write_shard,
@@ -83,9 +81,11 @@ class StoreOptimizerState:
         checkpoint: str | None = None,
         mode: str = GENERATIONS,
         scratch_bytes: int = 0,
+        form: StateForm = FP32_STATE,
     ):
         """``scratch_bytes``: the disk the run's spilled gradients take beside the store, all ranks
-        (``engine.tiers.grad_spill``), checked with the store's own before a new store is made."""
+        (``engine.tiers.grad_spill``), checked with the store's own before a new store is made;
+        ``form``: the optimizer state's (``optim.state_dtype``)."""
         if io.hosts > 1 and mode != GENERATIONS:
             raise ValueError(
                 f'store.mode = "{mode}" keeps one generation, so hosts whose stores a crash left one step apart '
@@ -93,11 +93,10 @@ class StoreOptimizerState:
             )
         self.mode = store_mode(mode)
         self.hosts = io.hosts
-        check_buffer(layout, buffer_bytes)
+        self.form = form
+        check_buffer(layout, buffer_bytes, form)
         self.layout, self.rank = layout, rank
-        self.barrier = io.barrier
-        self.leader = io.leader
-        self.runner = io.runner
+        self.barrier, self.leader, self.runner = io.barrier, io.leader, io.runner
         self.pool = BufferPool(buffer_bytes)
         window = read_ahead_bytes(buffer_bytes)
         self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, window_bytes=window)
@@ -105,8 +104,8 @@ class StoreOptimizerState:
         self._held: dict[str, HostBuffer] = {}
         self._copy_bytes = window  # a checkpoint copy's buffer: room for it beside a read-ahead's window
         if self.leader and not resume:
-            check_nvme_path(path, layout, mode, scratch_bytes)
-            attrs = {"layout": layout.to_dict(), MODE_ATTR: mode, **io.host_attrs()}
+            check_nvme_path(path, layout, mode, scratch_bytes, form)
+            attrs = {"layout": layout.to_dict(), MODE_ATTR: mode, STATE_DTYPE_ATTR: form.name, **io.host_attrs()}
             abandoned = check_new(path, self.runner)
             ShardStore.create(
                 path, attrs, runner=self.runner, checksum=io.checksum, direct_io=io.direct_io, overwrite=abandoned
@@ -121,7 +120,7 @@ class StoreOptimizerState:
         self.target_generation = 0  # the generation the next step writes (the mode's choice)
         self._read_prefix = generation_prefix(0)  # where the next step reads: it, or a checkpoint
         self._generation_zero_ready = False
-        self._frozen = FrozenAdder(lambda: self.store, layout.frozen, rank, io.barrier)
+        self._frozen = FrozenAdder(lambda: self.store, layout.frozen, rank, io)
         self._layout_adopted = True  # the store's attributes and committed arrays are this layout
         self._deferred: dict | None = None  # the record of a step whose commit waits for ``flush``
         self._bytes_read = self._bytes_written = 0  # by the steps since ``take_io_bytes``
@@ -149,6 +148,7 @@ class StoreOptimizerState:
         self.generations.checkpoints()  # every kept record is checked before retention or a fallback relies on it
         stored = ModelLayout.from_dict(self.store.attrs["layout"])
         first_difference(stored, layout, path)
+        self.form.check_stored(stored_form(self.store.attrs), path)
         if checkpoint is None:
             check_clean(self.generations)
         elif self.generations.dirty():
@@ -204,9 +204,9 @@ class StoreOptimizerState:
     def in_layout(self, prefix: str) -> bool:
         """Whether every array of the generation at ``prefix`` is cut for this layout."""
         return all(
-            array_in_layout(self.store, array_name(prefix, unit.name, kind), unit)
+            array_in_layout(self.store, array_name(prefix, unit.name, kind), geometry)
             for unit in self.layout.units
-            for kind in STATE_KINDS
+            for kind, geometry in zip(STATE_KINDS, self.form.geometries(unit), strict=True)
         )
 
     def drop_other_layouts(self, committed: int) -> None:
@@ -218,7 +218,7 @@ class StoreOptimizerState:
                 self.store.delete(generation_prefix(generation))
 
     def create_arrays(self, prefix: str) -> None:
-        create_arrays(self.store, prefix, self.layout.units, STATE_KINDS, torch.float32)
+        create_state_arrays(self.store, prefix, self.layout.units, self.form)
 
     def keep_by_copy(self, tag: str, record: dict, retain: int) -> None:
         """Copy the committed generation to a fresh one, each rank its share of the chunks
@@ -252,7 +252,7 @@ class StoreOptimizerState:
                 self.generations.prepare(0, self.create_arrays)
             self.barrier()
             self._generation_zero_ready = True
-        with self.pool.acquire(unit_state_bytes(unit)) as buf:
+        with self.pool.acquire(self.form.unit_bytes(unit)) as buf:
             state = self._views(unit, buf)
             state.master.copy_(master)
             state.exp_avg.zero_()
@@ -260,22 +260,28 @@ class StoreOptimizerState:
             self._save(unit, buf)
 
     def _views(self, unit: UnitLayout, buf: HostBuffer) -> ShardState:
-        n = unit.shard_numel
-        return ShardState(*(buf.view(torch.float32, n, i * n * FP32) for i in range(len(STATE_KINDS))))
+        form = self.form
+        layout = zip(form.geometries(unit), form.dtypes(), form.offsets(unit), strict=True)
+        return ShardState(*(buf.view(dtype, geometry.shard_numel, offset) for geometry, dtype, offset in layout))
 
     def _load(self, unit: UnitLayout, buf: HostBuffer) -> None:
         with naming_way_out(self.generations):
-            read_shard(self.store, self._read_prefix, unit, self.rank, self._views(unit, buf).views())
+            for geometry, views in state_groups(self.form, unit, self._views(unit, buf)):
+                read_shard(self.store, self._read_prefix, geometry, self.rank, views)
 
     def _save(self, unit: UnitLayout, buf: HostBuffer) -> None:
         prefix = generation_prefix(self.target_generation)
-        write_shard(self.store, prefix, unit, self.rank, self._views(unit, buf).views())
+        for geometry, views in state_groups(self.form, unit, self._views(unit, buf)):
+            write_shard(self.store, prefix, geometry, self.rank, views)
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """Each unit's committed master shard, read ahead, then each frozen unit's values (to
         rebuild parameters on resume)."""
         for unit, buf in self.pipeline.read_ahead(
-            self.layout.units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"master of unit {u.name}"
+            self.layout.units,
+            nbytes=self.form.unit_bytes,
+            load=self._load,
+            describe=lambda u: f"master of unit {u.name}",
         ):
             try:
                 yield unit, self._views(unit, buf).master
@@ -295,7 +301,7 @@ class StoreOptimizerState:
         such as ``benchmarks.optimizer`` relies on this)."""
         self.flush()
         reads = self.pipeline.read_ahead(
-            units, nbytes=unit_state_bytes, load=self._load, describe=lambda u: f"optimizer state of unit {u.name}"
+            units, nbytes=self.form.unit_bytes, load=self._load, describe=lambda u: f"optimizer state of unit {u.name}"
         )
         return self._hand_over(reads)
 
@@ -403,7 +409,7 @@ class StoreOptimizerState:
 
     def nbytes(self) -> int:
         """This rank's share of the store's live generations on disk (checkpoints aside)."""
-        return self.mode.live_generations * sum(unit_state_bytes(u) for u in self.layout.units)
+        return self.mode.live_generations * sum(self.form.unit_bytes(u) for u in self.layout.units)
 
     def close(self) -> None:
         """Commit a deferred step (the shared I/O runner is the engine's to close)."""

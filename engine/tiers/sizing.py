@@ -14,7 +14,8 @@ import torch
 from engine.config import OffloadConfig, ZeroConfig
 from engine.runtime.sizes import MIB
 from engine.tiers.optimizer import STATE_KINDS
-from engine.tiers.store_checks import IN_PLACE, store_bytes, unit_state_bytes
+from engine.tiers.store_checks import IN_PLACE, store_bytes
+from engine.zero.moments import FP32_STATE, StateForm
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import shard_bytes
 
@@ -41,14 +42,14 @@ AUTO_BUFFER_FLOOR_MB = 256
 to read several small units ahead."""
 
 
-def optimizer_buffer_bytes(offload: OffloadConfig, units: Iterable[UnitLayout]) -> int:
+def optimizer_buffer_bytes(offload: OffloadConfig, units: Iterable[UnitLayout], form: StateForm = FP32_STATE) -> int:
     """The ``nvme`` optimizer tier's host pool budget: ``offload.buffer_mb``, or for ``"auto"``
     the least pool that reads one unit's state while another's is written (twice the largest
     unit's, ``store_checks.check_buffer``'s minimum) rounded up to whole MiB, and at least
     ``AUTO_BUFFER_FLOOR_MB``."""
     if offload.buffer_mb != "auto":
         return offload.buffer_mb * MIB
-    need_mb = -(-2 * max(unit_state_bytes(u) for u in units) // MIB)
+    need_mb = -(-2 * max(form.unit_bytes(u) for u in units) // MIB)
     return max(need_mb, AUTO_BUFFER_FLOOR_MB) * MIB
 
 
@@ -70,7 +71,7 @@ def spill_buffer_bytes(offload: OffloadConfig, units: Iterable[UnitLayout]) -> i
     return max(optimizer_buffer_bytes(offload, units) // len(STATE_KINDS), 2 * largest)
 
 
-def checkpoint_bytes(layout: ModelLayout) -> int:
+def checkpoint_bytes(layout: ModelLayout, form: StateForm = FP32_STATE) -> int:
     """Disk of one kept checkpoint, all ranks: one generation of optimizer state (what the
     in-place mode keeps live), whichever tier wrote it."""
-    return store_bytes(layout, IN_PLACE)
+    return store_bytes(layout, IN_PLACE, form)

@@ -18,12 +18,10 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from engine.runtime.sizes import GIB, MIB
-from engine.tiers.optimizer import STATE_KINDS
+from engine.zero.moments import FP32_STATE, StateForm
 from engine.zero.partition import ModelLayout, UnitLayout
-from offload import ChecksumError, Generations, IORunner, ManifestError, ShardStore, array_bytes, shard_bytes
+from offload import ChecksumError, Generations, IORunner, ManifestError, ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +39,14 @@ class DirtyStoreError(ValueError):
     """A store whose committed generation was being rewritten in place when its run stopped."""
 
 
-def unit_state_bytes(unit: UnitLayout) -> int:
+def unit_state_bytes(unit: UnitLayout, form: StateForm = FP32_STATE) -> int:
     """Host bytes to stage one unit's optimizer state on one rank."""
-    return len(STATE_KINDS) * shard_bytes(unit, torch.float32)
+    return form.unit_bytes(unit)
 
 
-def store_bytes(layout: ModelLayout, mode: str = GENERATIONS) -> int:
+def store_bytes(layout: ModelLayout, mode: str = GENERATIONS, form: StateForm = FP32_STATE) -> int:
     """Disk the optimizer state takes for all ranks, in the live generations of ``mode``."""
-    return LIVE_GENERATIONS[mode] * len(STATE_KINDS) * sum(array_bytes(u, torch.float32) for u in layout.units)
+    return LIVE_GENERATIONS[mode] * sum(form.array_bytes(u) for u in layout.units)
 
 
 def check_mode(mode: str) -> None:
@@ -57,36 +55,40 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"store.mode = {mode!r}: use one of {', '.join(map(repr, MODES))}")
 
 
-def check_buffer(layout: ModelLayout, buffer_bytes: int) -> None:
+def check_buffer(layout: ModelLayout, buffer_bytes: int, form: StateForm = FP32_STATE) -> None:
     """Refuse a host buffer that cannot read one unit's state while writing another's."""
-    largest = max(layout.units, key=unit_state_bytes)
-    if buffer_bytes < 2 * unit_state_bytes(largest):
-        need_mb = -(-2 * unit_state_bytes(largest) // MIB)
+    largest = max(layout.units, key=form.unit_bytes)
+    if buffer_bytes < 2 * form.unit_bytes(largest):
+        need_mb = -(-2 * form.unit_bytes(largest) // MIB)
         raise ValueError(
             f"offload.buffer_mb = {buffer_bytes // MIB}: unit {largest.name!r} needs "
-            f"{unit_state_bytes(largest) / MIB:.1f} MiB of host buffer to stage its optimizer state, "
+            f"{form.unit_bytes(largest) / MIB:.1f} MiB of host buffer to stage its optimizer state, "
             f"twice that to read one unit while writing another; set offload.buffer_mb >= {need_mb} "
             f'(or "auto", the default, which sizes it so)'
         )
 
 
-def check_buffer_memory(layout: ModelLayout, buffer_bytes: int, available_bytes: int) -> None:
+def check_buffer_memory(
+    layout: ModelLayout, buffer_bytes: int, available_bytes: int, form: StateForm = FP32_STATE
+) -> None:
     """Refuse a host buffer sized by ``offload.buffer_mb = "auto"`` that this machine's memory
     cannot hold (the pool grows to the buffer or to the rank's whole state, if smaller)."""
-    largest = max(layout.units, key=unit_state_bytes)
-    need = min(buffer_bytes, sum(unit_state_bytes(u) for u in layout.units))
+    largest = max(layout.units, key=form.unit_bytes)
+    need = min(buffer_bytes, sum(form.unit_bytes(u) for u in layout.units))
     if need > available_bytes:
         raise ValueError(
             f'offload.buffer_mb = "auto": the nvme tier\'s host buffer needs {need / MIB:.0f} MiB (unit '
-            f"{largest.name!r} stages {unit_state_bytes(largest) / MIB:.1f} MiB of optimizer state, twice that to "
+            f"{largest.name!r} stages {form.unit_bytes(largest) / MIB:.1f} MiB of optimizer state, twice that to "
             f"read one unit while writing another) but only {available_bytes / MIB:.0f} MiB of memory are "
             f"available: free memory, use more ranks, or split the largest unit with zero.unit_classes"
         )
 
 
-def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS, scratch_bytes: int = 0) -> None:
-    """Refuse, before any work, a path that cannot hold the store and the run's spilled gradients
-    (``scratch_bytes``) (missing rights or space)."""
+def check_nvme_path(
+    path: Path, layout: ModelLayout, mode: str = GENERATIONS, scratch_bytes: int = 0, form: StateForm = FP32_STATE
+) -> None:
+    """Refuse, before any work, a path that cannot hold the store of optimizer state in ``form``
+    and the run's spilled gradients (``scratch_bytes``) (missing rights or space)."""
     parent = path if path.exists() else path.parent
     if not parent.exists():
         raise FileNotFoundError(
@@ -94,9 +96,9 @@ def check_nvme_path(path: Path, layout: ModelLayout, mode: str = GENERATIONS, sc
         )
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"offload.nvme_path = {str(path)!r}: {parent} is not writable; choose a writable folder")
-    need, free = store_bytes(layout, mode) + scratch_bytes, shutil.disk_usage(parent).free
+    need, free = store_bytes(layout, mode, form) + scratch_bytes, shutil.disk_usage(parent).free
     if need > free:
-        in_place = store_bytes(layout, IN_PLACE) + scratch_bytes
+        in_place = store_bytes(layout, IN_PLACE, form) + scratch_bytes
         hint = (
             f'; store.mode = "in-place" needs {in_place / GIB:.2f} GiB (one generation rewritten each step; '
             f"after a crash mid-step only an explicit checkpoint resumes)"

@@ -23,7 +23,8 @@ from engine.tiers.grad_spill import GradSpill
 from engine.tiers.optimizer import ShardState
 from engine.zero.divergence import nonfinite_units
 from engine.zero.grads import GradientShards
-from engine.zero.optim import ShardAdamW, clip_grads_, global_norm, grad_norm, norm_of_norms, piece_norms
+from engine.zero.moments import CompactAdamW
+from engine.zero.optim import clip_grads_, global_norm, grad_norm, norm_of_norms, piece_norms
 from engine.zero.params import ReplicatedParams, ShardedParams
 from engine.zero.partition import ModelLayout, UnitLayout, param_views
 from engine.zero.precision import LossScaler
@@ -52,7 +53,7 @@ class StepMath:
         """The loss scaler of the step being spilled, which unscales each shard as it is made."""
         self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
         """The model's own parameter order, which torch's gradient norm follows."""
-        self.adam = ShardAdamW(config.optim)
+        self.adam = CompactAdamW(config.optim)
         self._counters = {u.name: self.adam.new_step_counter(opt_device) for u in layout.units}
         self.overlap = overlaps_backward(config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""

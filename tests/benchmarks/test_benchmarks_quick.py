@@ -51,17 +51,18 @@ def test_tiers_moves_one_unit_as_the_tier_does(tmp_path: Path) -> None:
     assert list(disk.iterdir()) == []
 
 
-def test_optimizer_quick(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("state_dtype", "state_bytes"), [("fp32", 3 * 4), ("int8", 4 + 2 * 260 / 256)])
+def test_optimizer_quick(tmp_path: Path, state_dtype: str, state_bytes: float) -> None:
     disk = tmp_path / "disk"
     host = ["--params", "200000", "--shard-params", "64000", "--reps", "1"]
     nvme_tier = ["--nvme-params", "320000", "--dir", str(disk), "--buffer-mb", "4"]
-    optimizer.main(["--quick", "--out", str(tmp_path), *host, *nvme_tier])
+    optimizer.main(["--quick", "--out", str(tmp_path), *host, *nvme_tier, "--state-dtype", state_dtype])
     record = load_record(tmp_path, "optimizer")
     assert record["params"] == 200_000
     assert record["memcpy_gbps"] > 0 and record["bound_mparam_per_s"] > 0
     rows = record["sections"]["host memory"]["rows"]
     assert {(row["optimizer"], row["threads"]) for row in rows} == {
-        (name, threads) for name in optimizer.OPTIMIZERS for threads in (1, 2)
+        (name, threads) for name in optimizer.optimizers(state_dtype) for threads in (1, 2)
     }
     for row in rows:
         assert row["Mparam/s"] > 0 and row["of bound"] > 0
@@ -73,7 +74,8 @@ def test_optimizer_quick(tmp_path: Path) -> None:
         assert row[key] > 0, key
     details = nvme["details"]
     # 5 units of 64000 params, each padded to 65536: master, exp_avg and exp_avg_sq, read and written once
-    assert details["bytes_read"] == details["bytes_written"] == 5 * 65536 * 3 * 4
+    assert details["bytes_read"] == details["bytes_written"] == 5 * 65536 * state_bytes
+    assert row["B/param moved"] == 2 * row["B/param stored"] == 2 * 5 * 65536 * state_bytes / 320_000
     assert details["raw_read_gbps"] > 0 and details["raw_write_gbps"] > 0
     assert list(disk.iterdir()) == []  # the store and the raw benchmark file were removed
 

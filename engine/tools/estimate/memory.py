@@ -13,7 +13,7 @@ import torch
 
 from engine.config import Tier
 from engine.tiers.sizing import optimizer_buffer_bytes
-from engine.tiers.store_checks import check_buffer, unit_state_bytes
+from engine.tiers.store_checks import check_buffer
 from engine.tools.estimate.shape import Plan, RunShape, all_plans
 from engine.tools.estimate.terms import (
     HEAP_BUFFER_LIMIT,
@@ -94,7 +94,7 @@ def _construction_end(run: RunShape, plan: Plan) -> dict[str, Footprint]:
     built = _held_state(run, plan)
     built.pop("gradient spill staging", None)  # nothing spilled yet
     if plan.optimizer == "nvme":
-        built["optimizer staging"] = Footprint(host=max(unit_state_bytes(u) for u in run.layout.units))
+        built["optimizer staging"] = Footprint(host=max(run.form.unit_bytes(u) for u in run.layout.units))
     return built
 
 
@@ -157,7 +157,7 @@ def refusal(run: RunShape, plan: Plan) -> str:
     """The engine's own refusal of ``plan`` for ``run`` whatever the machine, or ""."""
     if plan.optimizer == "nvme":
         try:
-            check_buffer(run.layout, optimizer_buffer_bytes(run.config.offload, run.layout.units))
+            check_buffer(run.layout, optimizer_buffer_bytes(run.config.offload, run.layout.units, run.form), run.form)
         except ValueError as err:
             return str(err)
     return ""

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from engine.tools.estimate.machine import HEADROOM, Machine, gib, why_none_fits
 from engine.tools.estimate.memory import PlanEstimate
 from engine.tools.estimate.shape import RunShape
+from engine.tools.estimate.terms import optimizer_state_bytes
 
 
 def format_table(
@@ -26,6 +27,7 @@ def format_table(
         f"machine: {gib(machine.ram_bytes)} GiB RAM available, {gib(machine.disk_free_bytes)} GiB free disk, "
         + (f"{gib(machine.device_bytes)} GiB per device" if machine.device_bytes else "device memory is host memory"),
         run.io,
+        state_line(run),
         "GiB; device, host and RSS per rank; node RAM for all ranks; disk for the store; I/O read plus written per "
         "step and rank for the optimizer (state on nvme, spilled gradients)",
         "",
@@ -54,6 +56,16 @@ def format_table(
     return "\n".join(lines)
 
 
+def state_line(run: RunShape) -> str:
+    """The optimizer state's form, its bytes per parameter, and what the ``nvme`` tier moves each step."""
+    moved = optimizer_state_bytes(run)
+    return (
+        f"optimizer state: optim.state_dtype = {run.form.name!r}, {run.form.bytes_per_param:g} B/param "
+        f"(fp32 master and two moments); on the nvme tier each step reads "
+        f"{gib(moved)} GiB and writes {gib(moved)} GiB per rank"
+    )
+
+
 def report_json(run: RunShape, estimates: Sequence[PlanEstimate], machine: Machine, choice: PlanEstimate | None) -> str:
     """The same as ``format_table``, as JSON."""
     return json.dumps(
@@ -68,6 +80,11 @@ def report_json(run: RunShape, estimates: Sequence[PlanEstimate], machine: Machi
             "world_size": run.layout.world_size,
             "machine": machine.to_dict(),
             "io": run.io,
+            "optimizer_state": {
+                "state_dtype": run.form.name,
+                "bytes_per_param": run.form.bytes_per_param,
+                "nvme_bytes_per_step": {"read": optimizer_state_bytes(run), "written": optimizer_state_bytes(run)},
+            },
             "headroom": HEADROOM,
             "plans": [e.to_dict() | {"fits": machine.fits(e)} for e in estimates],
             "recommended": dataclasses.asdict(choice.plan) if choice else None,

@@ -20,7 +20,12 @@ from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
 from engine.tiers.store_io import settle_io
-from engine.zero.partition import ROOT_UNIT, ModelLayout, find_units
+from engine.zero.moments import StateForm
+from engine.zero.partition import (
+    ROOT_UNIT,
+    ModelLayout,
+    find_units,
+)
 from engine.zero.precision import compute_dtype
 
 TIER_ORDER: tuple[tuple[Tier, Tier], ...] = (
@@ -139,6 +144,11 @@ class RunShape:
     def dtype(self) -> torch.dtype:
         """The compute dtype: of the parameters, gathered units and activations."""
         return compute_dtype(self.config.precision.compute_dtype)
+
+    @property
+    def form(self) -> StateForm:
+        """The optimizer state's form (``optim.state_dtype``)."""
+        return StateForm(self.config.optim.state_dtype)
 
     @property
     def itemsize(self) -> int:

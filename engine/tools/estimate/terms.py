@@ -17,7 +17,6 @@ from engine.tiers.sizing import (
     spill_buffer_bytes,
 )
 from engine.tiers.store_checks import store_bytes as optimizer_store_bytes
-from engine.tiers.store_checks import unit_state_bytes
 from engine.tools.estimate.shape import Plan, RunShape
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
@@ -26,7 +25,7 @@ from engine.zero.update import overlaps_backward, spills_gradients
 from offload import array_bytes, shard_bytes
 
 ADAM_KINDS = len(STATE_KINDS)
-"""fp32 tensors per parameter the optimizer tier holds: master, exp_avg, exp_avg_sq."""
+"""Tensors per parameter the optimizer tier holds: master, exp_avg, exp_avg_sq."""
 HEAP_RETENTION = 0.8
 """Fraction of the unit-sized host buffers a step frees and makes again (gradient shards and
 buckets, gathered units) that glibc's heap keeps resident besides the live ones. Once its
@@ -97,14 +96,16 @@ def param_staging_bytes(run: RunShape) -> int:
 
 
 def optimizer_state_bytes(run: RunShape) -> int:
-    """``device`` and ``cpu`` optimizer tiers: fp32 master, exp_avg and exp_avg_sq of the rank's shards."""
-    return sum(unit_state_bytes(u) for u in run.layout.units)
+    """``device`` and ``cpu`` optimizer tiers: fp32 master, exp_avg and exp_avg_sq (in
+    ``optim.state_dtype``) of the rank's shards; on the ``nvme`` tier, what a step reads and
+    writes."""
+    return sum(run.form.unit_bytes(u) for u in run.layout.units)
 
 
 def optimizer_staging_bytes(run: RunShape) -> int:
     """``nvme`` optimizer tier: its buffer pool, which grows up to ``offload.buffer_mb`` (or
     to all of the rank's state, if that is smaller) and keeps what it allocated."""
-    return min(optimizer_buffer_bytes(run.config.offload, run.layout.units), optimizer_state_bytes(run))
+    return min(optimizer_buffer_bytes(run.config.offload, run.layout.units, run.form), optimizer_state_bytes(run))
 
 
 def grad_shard_bytes(run: RunShape) -> int:
@@ -202,10 +203,10 @@ def store_bytes(run: RunShape, plan: Plan) -> int:
     units' values, once, when the store keeps a step or the parameters are on disk
     (``engine.tiers.frozen``), and the spilled gradients' scratch stores."""
     config, layout = run.config, run.layout
-    live = optimizer_store_bytes(layout, config.store.mode) if plan.optimizer == "nvme" else 0
+    live = optimizer_store_bytes(layout, config.store.mode, run.form) if plan.optimizer == "nvme" else 0
     on_disk = plan.param == "nvme"
     params = sum(array_bytes(u, run.dtype) for u in layout.units) if on_disk else 0
     ckpt = config.checkpoint
     kept = ckpt.keep if ckpt.keep else (config.train.steps // ckpt.interval if ckpt.interval else 0)
     frozen = sum(array_bytes(u, run.dtype) for u in layout.frozen) if live or kept or on_disk else 0
-    return live + kept * checkpoint_bytes(layout) + params + frozen + scratch_bytes(run, plan)
+    return live + kept * checkpoint_bytes(layout, run.form) + params + frozen + scratch_bytes(run, plan)

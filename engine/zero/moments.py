@@ -1,0 +1,169 @@
+"""The optimizer state's forms (``optim.state_dtype``): AdamW's moments in fewer bytes.
+
+``fp32`` holds the master and both moments in fp32 (12 B/param), bit-exact with torch.
+``bf16`` holds the moments in bfloat16 (8 B/param, a third less to store and move each
+step on the ``nvme`` tier); ``int8`` in 8-bit blocks (about 6 B/param, half;
+``engine.zero.quantize``). The master stays fp32 in every form, so the parameters' own
+precision is untouched; the update upcasts the moments to fp32, runs the same AdamW
+kernel, and rounds them back.
+
+Rounding is stochastic: a moment is an exponential average whose per-step change,
+``(1 - beta2) * g**2`` against ``v``, is often below half a bfloat16 ulp (2**-9 relative),
+so rounding to nearest would freeze it; stochastic rounding keeps it unbiased. Its random
+bits are seeded by the step count (``engine.zero.quantize.add_noise_``), so a resumed run
+draws the same ones and stays bit-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.zero.optim import ShardAdamW
+from engine.zero.quantize import BLOCK, PACKED, add_noise_, dequantize, packed_bytes, quantize_
+from offload import array_bytes, shard_bytes
+from offload.shards import ShardedUnit
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+"""Each ``optim.state_dtype``'s moment dtype as stored (int8: packed blocks, ``engine.zero.quantize``)."""
+
+STATE_DTYPE_ATTR = "state_dtype"
+"""The store attribute recording the form its optimizer state was written in (absent: fp32,
+a store written before the option existed)."""
+
+
+@dataclass(frozen=True)
+class PackedUnit:
+    """A unit's geometry in bytes of packed 8-bit blocks (``engine.zero.quantize``): every size
+    a multiple of ``BLOCK`` elements (shards and chunks are, see ``ALIGN_ELEMS``) scaled to
+    ``PACKED`` bytes per block, so rank ``r``'s shard is still ``shard_slice(r)``."""
+
+    unit: ShardedUnit
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
+
+    @property
+    def numel(self) -> int:
+        return packed_bytes(-(-self.unit.numel // BLOCK) * BLOCK)
+
+    @property
+    def padded_numel(self) -> int:
+        return packed_bytes(self.unit.padded_numel)
+
+    @property
+    def chunk_numel(self) -> int:
+        return packed_bytes(self.unit.chunk_numel)
+
+    @property
+    def shard_numel(self) -> int:
+        return packed_bytes(self.unit.shard_numel)
+
+    def shard_slice(self, rank: int) -> slice:
+        return slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+
+
+@dataclass(frozen=True)
+class StateForm:
+    """How one unit's optimizer state (master, exp_avg, exp_avg_sq) is held and stored."""
+
+    name: str = "fp32"
+
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """Each kind's dtype, in ``STATE_KINDS`` order."""
+        moment = STATE_DTYPES[self.name]
+        return torch.float32, moment, moment
+
+    def geometries(self, unit: ShardedUnit) -> tuple[ShardedUnit, ShardedUnit, ShardedUnit]:
+        """Each kind's array geometry, in ``STATE_KINDS`` order: the unit's own, or for int8
+        moments its packed blocks'."""
+        moment = PackedUnit(unit) if self.name == "int8" else unit
+        return unit, moment, moment
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Bytes of state per trainable parameter: held on its tier, and on the ``nvme`` tier
+        read and written once each step."""
+        moment = PACKED / BLOCK if self.name == "int8" else STATE_DTYPES[self.name].itemsize
+        return 4 + 2 * moment
+
+    def unit_bytes(self, unit: ShardedUnit) -> int:
+        """Host bytes of one rank's shard of one unit's whole state."""
+        return sum(shard_bytes(g, d) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True))
+
+    def array_bytes(self, unit: ShardedUnit) -> int:
+        """Disk bytes of one unit's whole state, all ranks (padding included)."""
+        return sum(array_bytes(g, d) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True))
+
+    def offsets(self, unit: ShardedUnit) -> list[int]:
+        """Each kind's byte offset in one buffer holding the unit's shard of every kind (the
+        master first: every later offset stays a multiple of 4 bytes)."""
+        sizes = [shard_bytes(g, d) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)]
+        return [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def empty(self, unit: ShardedUnit, **where: Any) -> list[torch.Tensor]:
+        """One rank's uninitialised shard of each kind, allocated as ``torch.empty`` is (``where``)."""
+        return [
+            torch.empty(g.shard_numel, dtype=d, **where)
+            for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)
+        ]
+
+    def check_stored(self, stored: str, path: Path | str) -> None:
+        """Refuse resuming a store whose state is in another form: its arrays hold other dtypes."""
+        if stored != self.name:
+            raise ValueError(
+                f"store {path} holds its optimizer state with optim.state_dtype = {stored!r}, this run asks for "
+                f"{self.name!r}: set optim.state_dtype = {stored!r} to resume it (or start a new store)"
+            )
+
+
+FP32_STATE = StateForm()
+
+
+def stored_form(attrs: dict) -> str:
+    """The form a store's attributes record (fp32 for a store written before the option)."""
+    return str(attrs.get(STATE_DTYPE_ATTR, "fp32"))
+
+
+def round_stochastic_(out: torch.Tensor, value: torch.Tensor, seed: int) -> None:
+    """``out`` (bfloat16) = ``value`` (fp32, scratch: overwritten) rounded stochastically:
+    uniform 16-bit noise added to the bits below bfloat16's mantissa, then those bits dropped,
+    so the result is exact and rounds up with probability equal to the dropped fraction."""
+    bits = value.view(torch.int32)
+    add_noise_(bits, seed)
+    bits.bitwise_and_(-(1 << 16))
+    out.copy_(value)
+
+
+class CompactAdamW(ShardAdamW):
+    """``ShardAdamW`` on moments of any form: fp32 ones go straight to torch's kernel (bit-exact
+    as before); bf16 and packed 8-bit ones are widened to fp32 for it and stored back, rounded
+    stochastically."""
+
+    def update(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: torch.Tensor,
+        lr: float,
+    ) -> None:
+        if exp_avg.dtype == torch.float32:
+            super().update(master, grad, exp_avg, exp_avg_sq, step, lr)
+            return
+        packed = exp_avg.dtype == torch.uint8
+        held = (exp_avg, exp_avg_sq)
+        signs = (True, False)  # exp_avg is signed, exp_avg_sq is not
+        wide = [dequantize(t, s) if packed else t.float() for t, s in zip(held, signs, strict=True)]
+        super().update(master, grad, wide[0], wide[1], step, lr)
+        seed = 2 * int(step.item())  # a distinct stream per step and per moment
+        for i, (out, value, signed) in enumerate(zip(held, wide, signs, strict=True)):
+            if packed:
+                quantize_(out, value, signed, seed + i)
+            else:
+                round_stochastic_(out, value, seed + i)
