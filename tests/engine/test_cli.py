@@ -112,7 +112,7 @@ def test_debug_adds_the_traceback(tmp_path) -> None:
     proc = command(["--debug", "train", "--lr", "inf"], tmp_path)
     assert proc.returncode == 2 and "Traceback" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == "engine.config.ConfigError: optim.lr = inf: must be finite (a number, not inf or nan)"
+    assert last == "engine.config_parse.ConfigError: optim.lr = inf: must be finite (a number, not inf or nan)"
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from engine.runtime.budget import DeviceBudget
 from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
-from engine.tiers.frozen import FrozenAdder, read_frozen_async
+from engine.tiers.frozen import FrozenAdder, read_frozen, read_frozen_async
 from engine.tiers.optimizer import STATE_KINDS, MemoryOptimizerState, OptimizerState, ShardState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_KIND, MemoryParamTier, ParamTier, StoreParamTier
@@ -445,7 +445,7 @@ def test_the_nvme_parameter_tier_reads_frozen_values_where_the_run_keeps_them(tm
     [unit], [fixed] = layout.units, layout.frozen
     values = torch.arange(fixed.shard_numel, dtype=DTYPE)
     home = ShardStore.create(tmp_path / "store", {}, runner=io.runner)
-    adder = FrozenAdder(lambda: home, layout.frozen, 0, lambda: None)
+    adder = FrozenAdder(lambda: home, layout.frozen, 0, io)
     adder.add(fixed, values)
     tier = StoreParamTier(
         tmp_path / "store" / "params", layout, 0, DTYPE, io, buffer_bytes=MIB,
@@ -460,3 +460,22 @@ def test_the_nvme_parameter_tier_reads_frozen_values_where_the_run_keeps_them(tm
     fetch.release()
     assert torch.equal(read_all(tier, layout)["unit0"], master_of(unit, 1).to(DTYPE))
     tier.close()
+
+
+def test_frozen_values_go_to_each_host_store_made_by_its_own_leader(tmp_path) -> None:
+    """With a store on each host, rank 1 leads its own store: it makes the frozen arrays there,
+    where global rank 0 never writes."""
+    frozen = {"unit1.frozen": [("bias", nn.Parameter(torch.empty(2500, device="meta"), requires_grad=False))]}
+    units = {"unit0": [("weight", nn.Parameter(torch.empty(3000, device="meta")))]}
+    layout = build_layout(units, world_size=2, max_chunk_numel=MIB // 4, frozen=frozen)
+    [fixed] = layout.frozen
+    values = torch.arange(fixed.shard_numel, dtype=DTYPE)
+    host_io = StoreIO(IORunner(threads=2), checksum=True, direct_io=False, barrier=lambda: None, leader=True, node=1)
+    try:
+        home = ShardStore.create(tmp_path / "node-1", {}, runner=host_io.runner)
+        FrozenAdder(lambda: home, layout.frozen, 1, host_io).add(fixed, values)
+        home.sync()
+        [(unit, stored)] = list(read_frozen(home, layout.frozen, 1))
+        assert unit is fixed and torch.equal(stored, values)
+    finally:
+        host_io.close()
