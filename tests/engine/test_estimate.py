@@ -80,6 +80,23 @@ def env(tmp_path: Path) -> dict[str, str]:
     return os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
 
+def probe(args: list[str], cwd: Path, cache: Path) -> str:
+    """What a fresh Python process running ``args`` (a ``-c`` script or a ``-m`` probe of the
+    tests) printed, its disk profile kept under ``cache``; it must succeed."""
+    paths = os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env(cache) | {"PYTHONPATH": paths},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, tuple[Config, int, Path]]:
     """Each run's config, measured peak RSS and working folder (its store, if any, inside)."""
@@ -88,17 +105,8 @@ def measured(tmp_path_factory) -> dict[str, tuple[Config, int, Path]]:
     for name, tiers in RUNS.items():
         folder = root / name.replace(", ", "-").replace(" ", "_")
         folder.mkdir()
-        done = subprocess.run(
-            [sys.executable, "-c", PEAK_RSS_PROBE, *SIZE, *tiers],
-            cwd=folder,
-            env=env(root),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        results[name] = (config_of(SIZE + tiers), int(done.stdout.split()[-1]), folder)
+        out = probe(["-c", PEAK_RSS_PROBE, *SIZE, *tiers], folder, root)
+        results[name] = (config_of(SIZE + tiers), int(out.split()[-1]), folder)
     return results
 
 
@@ -162,7 +170,9 @@ def test_memory_tiers_use_disk_only_for_the_checkpoints_they_keep(small: Config)
     keeping = Config.from_dict({**small.to_dict(), "checkpoint": {"interval": 10, "keep": 3}})
     run = run_shape(keeping, 1)
     assert store_bytes(run, Plan(2, "cpu")) == 3 * optimizer_state_bytes(run)
-    assert store_bytes(run, Plan(2, "nvme")) == 5 * optimizer_state_bytes(run) + optimizer_state_bytes(run) // ADAM_KINDS
+    assert (
+        store_bytes(run, Plan(2, "nvme")) == 5 * optimizer_state_bytes(run) + optimizer_state_bytes(run) // ADAM_KINDS
+    )
 
 
 @pytest.mark.parametrize("spill", ["auto", True])
@@ -199,7 +209,9 @@ def test_activations_grow_with_the_micro_batch_and_shrink_with_checkpointing(sma
 
     def checkpointed() -> int:
         raw = small.to_dict()
-        return activation_bytes(run_shape(Config.from_dict({**raw, "zero": raw["zero"] | {"activation_checkpointing": True}}), 1))
+        return activation_bytes(
+            run_shape(Config.from_dict({**raw, "zero": raw["zero"] | {"activation_checkpointing": True}}), 1)
+        )
 
     assert activations(micro_batch=8) == 4 * activations(micro_batch=2)
     assert checkpointed() < activations(micro_batch=2) / 2
@@ -207,7 +219,11 @@ def test_activations_grow_with_the_micro_batch_and_shrink_with_checkpointing(sma
 
 def test_layout_is_the_engines_own(tmp_path) -> None:
     config = Config.from_dict(
-        {"model": {"preset": "tiny"}, "offload": {"optimizer": "cpu", "nvme_path": str(tmp_path / "s")}, "data": {"seq_len": 64}}
+        {
+            "model": {"preset": "tiny"},
+            "offload": {"optimizer": "cpu", "nvme_path": str(tmp_path / "s")},
+            "data": {"seq_len": 64},
+        }
     )
     engine = Engine(build_model(config, 256), config)
     engine.close()
@@ -239,7 +255,9 @@ BASELINE = 250 * 2**20
 
 
 def machine(ram: float, disk: float = 1e15, device: float | None = None) -> Machine:
-    return Machine(ram_bytes=int(ram), disk_free_bytes=int(disk), device_bytes=device and int(device), device_is_host=True)
+    return Machine(
+        ram_bytes=int(ram), disk_free_bytes=int(disk), device_bytes=device and int(device), device_is_host=True
+    )
 
 
 def room_for(nbytes: int) -> float:
@@ -276,7 +294,9 @@ def test_little_ram_moves_the_optimizer_state_to_disk(streaming: Config) -> None
 
 
 def test_two_ranks_shard_parameters_before_offloading_anything(small: Config) -> None:
-    large = Config.from_dict({**small.to_dict(), "model": {"params": 200e6}})  # where sharding saves more than it gathers
+    large = Config.from_dict(
+        {**small.to_dict(), "model": {"params": 200e6}}
+    )  # where sharding saves more than it gathers
     plans = plans_of(large, 2)
     sharded = plans[Plan(3, "device")]
     assert sharded.node_rss_bytes < plans[Plan(2, "device")].node_rss_bytes
@@ -302,7 +322,9 @@ def test_a_small_disk_leaves_nothing_and_says_what_to_change(streaming: Config) 
     plans = plans_of(streaming, 1)
     disk = min(e.disk_bytes for e in plans.values() if e.disk_bytes)
     ram = room_for(plans[Plan(3, "nvme", "nvme")].node_rss_bytes)
-    assert all(room_for(e.node_rss_bytes) > ram for e in plans.values() if e.plan.optimizer != "nvme"), "only nvme plans fit"
+    assert all(room_for(e.node_rss_bytes) > ram for e in plans.values() if e.plan.optimizer != "nvme"), (
+        "only nvme plans fit"
+    )
     tight = machine(ram, disk=disk)
     assert recommend(list(plans.values()), tight, streaming) is None
     reason = why_none_fits(list(plans.values()), tight, streaming)
@@ -351,8 +373,23 @@ def test_estimate_command_names_a_bad_argument(caplog) -> None:
 
 
 def test_train_with_plan_auto_applies_and_logs_the_plan(tmp_path) -> None:
-    command = [sys.executable, "-m", "engine", "train", "--plan", "auto", "--preset", "tiny", "--seq_len", "64", "--steps", "2"]
-    done = subprocess.run(command, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=300, check=False)
+    command = [
+        sys.executable,
+        "-m",
+        "engine",
+        "train",
+        "--plan",
+        "auto",
+        "--preset",
+        "tiny",
+        "--seq_len",
+        "64",
+        "--steps",
+        "2",
+    ]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--plan auto: stage 2, optimizer device, param device" in done.stderr
     assert "optimizer on device" in done.stderr and "done: 2 steps" in done.stderr

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +21,7 @@ from engine.tools.estimate import (
     store_bytes,
 )
 from tests.engine.frozen_probe import frozen_config, frozen_model
-from tests.engine.test_estimate import TOLERANCE, UNDER_TOLERANCE, env, machine, room_for
+from tests.engine.test_estimate import TOLERANCE, UNDER_TOLERANCE, machine, probe, room_for
 
 # The frozen base in host memory and on disk. Measured here (40M parameters, 99% frozen, bf16):
 # 514 and 502 MiB peak RSS against 439 and 441 predicted; without the frozen units the estimate
@@ -36,7 +32,6 @@ RUNS = {
     "stage 3, optimizer cpu, param cpu": {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "param": "cpu"}},
     "stage 3, optimizer nvme, param nvme": {"zero": {"stage": 3}, "offload": {"optimizer": "nvme", "param": "nvme"}},
 }
-ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +42,9 @@ def measured(tmp_path_factory) -> dict[str, tuple[int, int]]:
     for name, tiers in RUNS.items():
         folder = root / name.replace(", ", "-").replace(" ", "_")
         folder.mkdir()
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.engine.frozen_probe", json.dumps(tiers)],
-            cwd=folder,
-            env=env(root) | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        out = probe(["-m", "tests.engine.frozen_probe", json.dumps(tiers)], folder, root)
         on_disk = sum(f.stat().st_size for f in (folder / "store").rglob("*") if f.is_file())
-        results[name] = (int(done.stdout.split()[-1]), on_disk)
+        results[name] = (int(out.split()[-1]), on_disk)
     return results
 
 

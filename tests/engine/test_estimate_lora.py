@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,12 +28,10 @@ from engine.tools.estimate import (  # noqa: E402
     recommend,
     run_shape,
 )
-from tests.engine.test_estimate import PEAK_RSS_PROBE, TOLERANCE, env, machine, room_for  # noqa: E402
+from tests.engine.test_estimate import PEAK_RSS_PROBE, TOLERANCE, machine, probe, room_for  # noqa: E402
 from tests.engine.test_estimate_models import config_folder, hf_config  # noqa: E402
 from tests.engine.test_lora import LORA  # noqa: E402
 from tests.engine.test_pretrained import TEXT, llama, save_tokenizer  # noqa: E402
-
-ROOT = Path(__file__).parents[2]
 
 
 def test_a_lora_run_is_laid_out_as_the_engine_lays_out_the_peft_model(tmp_path) -> None:
@@ -95,17 +91,7 @@ def test_predicted_peak_rss_of_a_lora_run_is_within_tolerance(tmp_path) -> None:
         "100",
     ]
     args += ["--offload.optimizer", "cpu", "--offload.param", "cpu", "--compute_dtype", "fp32", *LORA]
-    done = subprocess.run(
-        [sys.executable, "-c", PEAK_RSS_PROBE, *args],
-        cwd=tmp_path,
-        env=env(tmp_path) | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    peak = int(done.stdout.split()[-1])
+    peak = int(probe(["-c", PEAK_RSS_PROBE, *args], tmp_path, tmp_path).split()[-1])
     config = cli._load_config(None, args)
     run = run_shape(config, world_size=1)
     assert run.layout.frozen_numel > 35e6 and run.layout.frozen_numel > 100 * run.layout.numel

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +14,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from tests.engine.test_estimate import env  # noqa: E402
+from tests.engine.test_estimate import probe  # noqa: E402
 
 BUFFER_MB = 32
-ROOT = Path(__file__).parents[2]
 
 
 def save_llama(folder: Path, layers: int) -> int:
@@ -36,16 +33,8 @@ def save_llama(folder: Path, layers: int) -> int:
 
 def imported(folder: Path, root: Path) -> dict[str, int]:
     """What importing ``folder`` into a new store added to a fresh process's peak RSS."""
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.engine.import_probe", str(folder), str(folder / "store"), str(BUFFER_MB)],
-        env=env(root) | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    out = probe(["-m", "tests.engine.import_probe", str(folder), str(folder / "store"), str(BUFFER_MB)], root, root)
+    return json.loads(out.splitlines()[-1])
 
 
 def test_import_peak_rss_does_not_grow_with_the_checkpoint(tmp_path) -> None:
