@@ -308,7 +308,9 @@ def save_tokenizer(folder: Path) -> None:
     transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>").save_pretrained(folder)
 
 
-def test_cli_trains_a_pretrained_model_by_path_and_exports_it(tmp_path, monkeypatch) -> None:
+def cli_run(tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path, list[str]]:
+    """A bf16 Llama checkpoint with its tokenizer and a text file in ``tmp_path``: its folder,
+    the store and export folders, and the ``train`` command line on it (2 steps)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder, store, out = tmp_path / "pretrained", tmp_path / "store", tmp_path / "out"
     torch.manual_seed(0)
@@ -316,7 +318,13 @@ def test_cli_trains_a_pretrained_model_by_path_and_exports_it(tmp_path, monkeypa
     save_tokenizer(folder)
     (tmp_path / "corpus.txt").write_text(TEXT)
     train = ["train", "--model.hf", str(folder), "--data.source", str(tmp_path / "corpus.txt"), "--steps", "2"]
-    train += ["--seq_len", "16", "--micro_batch", "2", "--nvme_path", str(store), "--stage", "3", "--param", "nvme"]
+    train += ["--seq_len", "16", "--micro_batch", "2", "--nvme_path", str(store)]
+    return folder, store, out, train
+
+
+def test_cli_trains_a_pretrained_model_by_path_and_exports_it(tmp_path, monkeypatch) -> None:
+    folder, store, out, train = cli_run(tmp_path, monkeypatch)
+    train += ["--stage", "3", "--param", "nvme"]
     train += ["--val_fraction", "0.2", "--eval_every", "1", "--eval_batches", "2"]
     assert cli.main(train) == 0
     assert cli.main(["export", str(store), str(out), "--max-shard-size", SHARD]) == 0
@@ -387,14 +395,8 @@ def test_a_memory_tier_checkpoint_exports_bit_for_bit(optimizer: str, param: str
 
 
 def test_cli_exports_a_cpu_tier_run_from_its_checkpoints(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    folder, store, out = tmp_path / "pretrained", tmp_path / "store", tmp_path / "out"
-    torch.manual_seed(0)
-    llama(vocab=320).to(torch.bfloat16).save_pretrained(folder, max_shard_size=SHARD)
-    save_tokenizer(folder)
-    (tmp_path / "corpus.txt").write_text(TEXT)
-    train = ["train", "--model.hf", str(folder), "--data.source", str(tmp_path / "corpus.txt"), "--steps", "2"]
-    train += ["--seq_len", "16", "--micro_batch", "2", "--nvme_path", str(store), "--optimizer", "cpu"]
+    _, store, out, train = cli_run(tmp_path, monkeypatch)
+    train += ["--optimizer", "cpu"]
     assert cli.main([*train, "--checkpoint.interval", "1"]) == 0
     assert cli.main(["export", str(store), str(out), "--checkpoint", "step-2"]) == 0
     assert cli.main(["consolidate", str(store), str(tmp_path / "masters.safetensors")]) == 0  # the last: step-2
