@@ -3,20 +3,22 @@
 Where things are
 ----------------
 - ``engine.engine``: ``Engine``, the user's object; ``engine.build`` puts one together from a
-  ``Config`` (``engine.config``).
+  ``Config`` (``engine.config``, read from a file by ``engine.config_parse``).
 - ``engine.zero``: the ZeRO mechanics of one step: units and their flat layout (``partition``),
   gathering and releasing parameters (``params``), gradient shards (``grads``), the update
-  (``update``, ``step``, ``optim``), the step cycle (``phase``) and what a step cost (``stats``).
+  (``update``, ``step``, ``optim``; compact moments in ``moments`` and ``quantize``), the step
+  cycle (``phase``) and what a step cost (``stats``).
 - ``engine.tiers``: where a rank's shards live between uses: optimizer tiers (``optimizer``,
   ``optimizer_store`` with its checks and store modes), parameter tiers (``parameters``), the
-  sizes they take (``sizing``), checkpoints of the memory tiers and the committed step record.
+  sizes they take (``sizing``), checkpoints of the memory tiers, the committed step record, the
+  stores of several hosts (``hosts``) and gradients spilled during backward (``grad_spill``).
 - ``engine.runtime``: the machine: the device and its copy stream (and a simulated one for
-  tests), the process group, device memory accounting, sizes.
+  tests), the process group, device memory accounting, sizes, the process's peak RSS (``rss``).
 - ``engine.run``: ``python -m engine``: the CLI, the training loop, data, validation, the
   step records (``watch``: metrics file and TensorBoard), the built-in GPT, pretrained
   imports, and ``generate`` (text from a run's store).
 - ``engine.tools``: what works on a store, a plan or a run's records from outside a run:
-  ``estimate``, ``inspect``, ``consolidate``, ``export``, ``plot``.
+  ``estimate``, ``inspect``, ``consolidate``, ``export`` (``merge`` for LoRA), ``gather``, ``plot``.
 - ``offload`` (a sibling package) moves bytes: host buffers, the I/O runner, the zarr shard
   store, its generations and commits; it never imports the engine.
 
