@@ -10,6 +10,7 @@ work.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from engine.engine import Engine
@@ -42,6 +43,8 @@ class Scalars:
 
     def __init__(self, metrics: str, tensorboard: str):
         self.metrics = metrics
+        if metrics:  # made before the first step, as TensorBoard makes its folder
+            Path(metrics).parent.mkdir(parents=True, exist_ok=True)
         self.writer: Any = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package

@@ -13,6 +13,7 @@ import pytest
 from engine.config import Config, ConfigError
 from engine.run import cli
 from engine.run.train import train
+from engine.run.watch import Scalars
 
 pytest.importorskip("matplotlib")
 
@@ -131,3 +132,10 @@ def test_a_file_that_is_not_a_metrics_file_is_refused_in_one_line(tmp_path, capl
         path.write_text(text)
     assert cli.main(["plot", str(path)]) == 1
     assert message in _one_error(caplog)
+
+
+def test_the_metrics_files_folder_is_made_when_missing(tmp_path) -> None:
+    path = tmp_path / "runs" / "a" / "metrics.jsonl"
+    scalars = Scalars(str(path), "")
+    scalars.write({"step": 1, "loss": 2.5})
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 1, "loss": 2.5}]
