@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import copies, optimizer, report, tiers
+from benchmarks import convergence, copies, optimizer, report, tiers
 
 TINY_TIERS = ["--quick", "--mb", "16", "--chunk-mb", "4", "16", "--threads", "2", "--reps", "1"]
 MACHINE_KEYS = {"cpu_count", "ram_bytes", "torch", "zarr", "date", "command"}
@@ -110,3 +110,17 @@ def test_pretrained_quick(tmp_path: Path) -> None:
     reload = record["reload"]
     assert reload["config"] == "llama" and reload["equals_store"] and reload["changed"] and reload["from_pretrained"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-pretrained-")] == []
+
+
+def test_convergence_accumulates_forms_of_one_setting(tmp_path: Path) -> None:
+    tiny = ["--quick", "--out", str(tmp_path), "--steps", "4", "--eval-every", "2"]
+    convergence.main([*tiny, "--forms", "fp32"])
+    convergence.main([*tiny, "--forms", "int8"])
+    record = load_record(tmp_path, "convergence-quick")
+    assert list(record["forms"]) == ["fp32", "int8"]
+    for curve in record["forms"].values():
+        assert curve["steps"] == [2, 4] and all(loss > 0 for loss in curve["val_loss"])
+    assert [row["form"] for row in record["rows"]] == ["fp32", "int8"]
+    assert record["rows"][0]["vs fp32"] == 1.0
+    convergence.main([*tiny, "--forms", "bf16", "--micro-batch", "1"])  # another setting starts afresh
+    assert list(load_record(tmp_path, "convergence-quick")["forms"]) == ["bf16"]
