@@ -188,8 +188,8 @@ class ChunkFiles:
         self.costs.moved("written", body.size)
 
     def read(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> int | None:
-        """Read chunk `index` of `name` into `body`, refusing a short file or a bad CRC; returns
-        the verified CRC-32C (None if the array has none)."""
+        """Read chunk `index` of `name` into `body`, refusing a short file; returns the CRC-32C
+        stored with it (None if the array has none), for `verify` to check the bytes against."""
         fd, direct = self._open(path, os.O_RDONLY, aligned)
         try:
             if checksum and direct:
@@ -208,16 +208,22 @@ class ChunkFiles:
                 f"the chunk must be rewritten or restored from a checkpoint"
             )
         self.costs.moved("read", body.size)
-        if checksum:
-            stored, actual = int.from_bytes(trailer, "little"), self.costs.timed("crc32c", crc32c_of, body)
-            if stored != actual:
-                raise ChecksumError(
-                    f"array {name!r} chunk {index}: {path} fails its CRC-32C check "
-                    f"(stored {stored:#010x}, computed {actual:#010x}); the file is corrupt, "
-                    f"restore it from a checkpoint"
-                )
-            return stored
-        return None
+        return int.from_bytes(trailer, "little") if checksum else None
+
+    def verify(self, stored: int | None, name: str, index: int, path: str, body: np.ndarray) -> int | None:
+        """Refuse chunk `index` of `name`, read into `body`, if its bytes do not have the CRC-32C
+        `stored` with them (None: the array has none, nothing to check); returns it. Apart from
+        `read`, so that the thread that read the chunk can start the next read meanwhile."""
+        if stored is None:
+            return None
+        actual = self.costs.timed("crc32c", crc32c_of, body)
+        if stored != actual:
+            raise ChecksumError(
+                f"array {name!r} chunk {index}: {path} fails its CRC-32C check "
+                f"(stored {stored:#010x}, computed {actual:#010x}); the file is corrupt, "
+                f"restore it from a checkpoint"
+            )
+        return stored
 
     def _read_with_trailer(self, fd: int, body: np.ndarray) -> tuple[int, bytearray]:
         """Body and CRC trailer in one O_DIRECT call: the trailer lands in an aligned block of

@@ -322,7 +322,7 @@ class ShardStore(NodeOps):
         """Start reading whole chunks into `out`; do not touch `out` until the future completes.
         Its result: each chunk's verified CRC-32C (None without checksums), for `write_async`."""
         info, first, buf, aligned = self._plan("read", name, start, out)
-        return self._submit_chunks("read", name, info, first, buf, aligned, self._files.read)
+        return self._submit_chunks("read", name, info, first, buf, aligned, self._files.read, then=self._files.verify)
 
     def write_async(self, name: str, start: int, src: torch.Tensor, crcs: Sequence[int | None] | None = None) -> Future:
         """Start writing whole chunks from `src`; do not modify `src` until the future completes.
@@ -410,7 +410,10 @@ class ShardStore(NodeOps):
         aligned: bool,
         task: Callable[..., Any],
         crcs: Sequence[int | None] | None = None,
+        then: Callable[..., Any] | None = None,
     ) -> Future:
+        """One `task` per chunk on the I/O threads, and `then` on each one's result on a
+        checking thread (`IORunner.then`); a future of their results, in chunk order."""
         arrow = "->" if kind == "write" else "<-"
         size = info.chunk_bytes
         futures = []
@@ -421,9 +424,10 @@ class ShardStore(NodeOps):
             what = f"{kind} {name} chunk {index} elements [{lo}, {lo + info.chunk_elems}) {arrow} {path}"
             body = buf[k * size : (k + 1) * size]
             known = () if crcs is None else (crcs[k],)
-            futures.append(
-                self._runner.submit(task, name, index, path, body, info.checksum, aligned, *known, what=what)
-            )
+            future = self._runner.submit(task, name, index, path, body, info.checksum, aligned, *known, what=what)
+            if then is not None:
+                future = self._runner.then(future, then, name, index, path, body, what=f"check {what}")
+            futures.append(future)
         return IORunner.gather(futures)
 
     # -------------------------------------------------------------- durability
