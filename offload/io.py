@@ -17,9 +17,10 @@ thread that is itself waiting:
   coordinator holds no I/O thread, and leaf tasks always finish, so it always
   gets its slots and results.
 
-Work that follows a leaf task and needs no disk (verifying the checksum of the bytes
-a read brought) runs on a third set, the checking threads (`then`): the I/O thread goes
-back to I/O at once, so the disk is not left idle while a chunk is checksummed.
+Work that follows a leaf task and needs little of the disk (verifying the checksum of
+the bytes a read brought, appending a written chunk's) runs on a third set, the checking
+threads (`then`): the I/O thread goes back to I/O at once, so the disk is not left idle
+while a chunk is checksummed.
 
 `IORunner.gather` combines futures with done-callbacks instead of a waiting
 thread, so callers can wait on many tasks at once.
