@@ -9,6 +9,10 @@ I/O (the disk's limit as seen from Python, see `benchmarks.bandwidth`); and
 (page cache dropped first, which needs root). The goal is store >= 0.85 x raw
 for both; the store configuration to use is printed as an `[offload]` snippet.
 
+Beside the bandwidth, the CPU-seconds per GB of each stage of the store's path
+(`offload.costs`), and the default configuration's, process-wide, against the same
+configuration moving base-page buffers (the path before the pool used huge pages).
+
 The machine is noisy, so the measurements run in rounds, each visiting every
 configuration once, and each configuration reports its median: a slow minute
 then hurts all configurations alike instead of one, and the ratios hold.
@@ -57,11 +61,13 @@ class StoreConfig:
     io_threads: int
     direct_io: bool = True
     checksum: bool = True
+    huge_pages: bool = True
+    """Whether the buffers moved are in huge pages, as the engine's are (`offload.BufferPool`)."""
 
     @property
     def label(self) -> str:
         extra = ("" if self.direct_io else ", buffered") + ("" if self.checksum else ", no crc")
-        return f"{self.chunk_mb} MiB x {self.io_threads}{extra}"
+        return f"{self.chunk_mb} MiB x {self.io_threads}{extra}" + ("" if self.huge_pages else ", base pages")
 
 
 def process_cpu() -> float:
@@ -115,7 +121,7 @@ def unit_gbps(directory: Path, nbytes: int, config: StoreConfig) -> dict[str, fl
     root, numel = directory / "unit", nbytes // 4 // 3
     chunk = config.chunk_mb * MIB // 4
     kinds = [(kind, k * numel * 4) for k, kind in enumerate(("master", "exp_avg", "exp_avg_sq"))]
-    pool = BufferPool(nbytes)
+    pool = BufferPool(nbytes, huge_pages=config.huge_pages)
 
     def move(write: bool, _item: str, buf: HostBuffer) -> None:
         views = [(kind, buf.view(torch.float32, numel, offset)) for kind, offset in kinds]
@@ -168,15 +174,18 @@ class _Unit:
 
 
 def store_configs(chunk_mbs: list[int], threads: list[int]) -> list[StoreConfig]:
-    """The grid, then the engine's default configuration without O_DIRECT and without checksums.
+    """The grid (with the engine's default configuration), then the default without O_DIRECT,
+    without checksums and in base pages.
 
-    The two extra rows show what each of those costs. The buffered one is a
-    candidate for the recommendation, so the advice on `direct_io` is measured;
-    the unchecksummed one is not (checksums are a safety choice, not a speed one).
+    The extra rows show what each of those costs. The buffered one is a candidate for the
+    recommendation, so the advice on `direct_io` is measured; the others are not (checksums
+    are a safety choice, not a speed one; base pages are the path before huge pages, kept
+    to compare against in the same run).
     """
     grid = [StoreConfig(c, t) for c in chunk_mbs for t in threads]
     default = StoreConfig(*FALLBACK)
-    return [*grid, replace(default, direct_io=False), replace(default, checksum=False)]
+    extra = [replace(default, direct_io=False), replace(default, checksum=False), replace(default, huge_pages=False)]
+    return [*grid, *([] if default in grid else [default]), *extra]
 
 
 def _medians(results: list[Mapping[str, Any]]) -> Bandwidth:
@@ -225,11 +234,8 @@ def measure(
 ) -> Measurements:
     """Raw I/O at each thread count and the store in each configuration, in `reps` interleaved
     rounds; with `unit_bytes`, one unit of that size moved as the nvme tier does, too."""
-    pool = BufferPool(2 * nbytes)
-    src = pool.acquire(nbytes).view(torch.float32, nbytes // 4)
-    dst = pool.acquire(nbytes).view(torch.float32, nbytes // 4)
-    src.uniform_()  # also the first touch of both buffers, outside any timing
-    dst.zero_()
+    buffers = {huge: _buffer_pair(nbytes, huge) for huge in {c.huge_pages for c in configs} | {True}}
+    src = buffers[True][0]
     raw: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
     store: dict[StoreConfig, list[dict[str, Any]]] = {c: [] for c in configs}
     unit: dict[StoreConfig, list[dict[str, Any]]] = {c: [] for c in configs if unit_bytes}
@@ -239,7 +245,7 @@ def measure(
                 results.append(raw_disk_gbps(work, nbytes, t, reps=1, buffer=src.view(torch.uint8)))
                 bar.update()
             for config, results in store.items():
-                results.append(store_gbps(work, src, dst, config))
+                results.append(store_gbps(work, *buffers[config.huge_pages], config))
                 if unit_bytes:
                     unit[config].append(unit_gbps(work, unit_bytes, config))
                 bar.update()
@@ -259,6 +265,16 @@ def measure(
     )
 
 
+def _buffer_pair(nbytes: int, huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A source of random fp32 and a destination, each of `nbytes`, first touched."""
+    pool = BufferPool(2 * nbytes, huge_pages=huge_pages)
+    src = pool.acquire(nbytes).view(torch.float32, nbytes // 4)
+    dst = pool.acquire(nbytes).view(torch.float32, nbytes // 4)
+    src.uniform_()  # also the first touch of both buffers, outside any timing
+    dst.zero_()
+    return src, dst
+
+
 def recommend(m: Measurements) -> StoreConfig:
     """The checksummed configuration to run: the fastest, or a cheaper one as fast within the noise.
 
@@ -269,7 +285,7 @@ def recommend(m: Measurements) -> StoreConfig:
     chunks pad shards less and need a smaller buffer budget. This also keeps
     the advice from flipping between runs.
     """
-    cost = {c: sum(1 / m.store[c][kind] for kind in KINDS) for c in m.store if c.checksum}
+    cost = {c: sum(1 / m.store[c][kind] for kind in KINDS) for c in m.store if c.checksum and c.huge_pages}
     fastest = min(cost.values())
     return min((c for c in cost if cost[c] <= fastest * (1 + TIE)), key=lambda c: (c.chunk_mb, c.io_threads))
 
@@ -298,7 +314,11 @@ def build_rows(m: Measurements) -> list[Row]:
 def keep_profile(directory: Path, m: Measurements) -> dict[str, Any]:
     """Record the checksummed O_DIRECT grid as the machine's I/O profile of this disk (what
     `offload.chunk_mb = "auto"` reads), and what `auto` now chooses from it, with its ratios."""
-    measured = {label(c.chunk_mb, c.io_threads): dict(bw) for c, bw in m.store.items() if c.checksum and c.direct_io}
+    measured = {
+        label(c.chunk_mb, c.io_threads): dict(bw)
+        for c, bw in m.store.items()
+        if c.checksum and c.direct_io and c.huge_pages
+    }
     record(directory, measured, "benchmarks.tiers")
     auto = auto_settings(directory, measure=False)
     config = StoreConfig(auto.chunk_mb, auto.io_threads)
@@ -328,6 +348,18 @@ def cost_rows(m: Measurements) -> list[Row]:
                 | {"process": costs["process"]}
             )
     return rows
+
+
+def cost_cut(m: Measurements) -> dict[str, dict[str, float]]:
+    """The default configuration's CPU-seconds per GB, process-wide, in base pages (the path
+    before huge pages) and as the engine runs it, by kind, and the second over the first."""
+    default = StoreConfig(*FALLBACK)
+    before, now = m.costs[replace(default, huge_pages=False)], m.costs[default]
+    return {
+        kind: {"before": before[kind]["process"], "now": now[kind]["process"]}
+        | {"ratio": now[kind]["process"] / before[kind]["process"]}
+        for kind in KINDS
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -377,6 +409,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     costs = cost_rows(m)
     print()
     print_table("CPU-seconds per GB moved, by stage (thread CPU time of the I/O threads; median of rounds)", costs)
+    cut = cost_cut(m)
+    for kind, c in cut.items():
+        print(
+            f"{StoreConfig(*FALLBACK).label} {kind}: {c['now']:.3f} CPU-s/GB against {c['before']:.3f} "
+            f"in base pages ({c['ratio']:.2f}x)"
+        )
     auto = keep_profile(args.dir, m)
     print(
         f"\nauto (the I/O profile, {auto['profile']}): {auto['chunk_mb']} MiB x {auto['io_threads']}"
@@ -416,6 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "recommended": recommended,
         "rows": rows,
         "cpu_s_per_gb": costs,
+        "cpu_cut": cut,
         "auto": auto,
     }
     save_json(args.out, "tiers", result)

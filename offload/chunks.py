@@ -168,28 +168,43 @@ class ChunkFiles:
             done += n
         return done
 
-    def write(
-        self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool, crc: int | None = None
-    ) -> None:
-        """Write chunk `index` of `name` from `body`, then its CRC trailer if `checksum`: `crc`
-        where the caller knows it (a chunk just read and verified, copied as it is), else computed."""
+    def write(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> int | None:
+        """Write chunk `index` of `name` from `body`. With `checksum`, the file is left open, its
+        descriptor returned for `finish_write` to add the CRC trailer (on a checking thread, while
+        this I/O thread writes on); without, it is closed and None returned."""
         # In place, no temp file and rename: crash consistency comes from generations.
         fd, direct = self._open(path, os.O_WRONLY | os.O_CREAT, aligned)
         try:
             self._write_all(fd, body, 0)
-            if checksum:
-                if direct:
-                    self.costs.timed("write syscalls", self.ops.clear_direct, fd)
-                if crc is None:
-                    crc = self.costs.timed("crc32c", crc32c_of, body)
-                self._write_all(fd, crc.to_bytes(CRC_BYTES, "little"), body.size)
+            if checksum and direct:
+                self.costs.timed("write syscalls", self.ops.clear_direct, fd)
+        except BaseException:
+            self.costs.timed("open/close", self.ops.close, fd)
+            raise
+        self.costs.moved("written", body.size)
+        if checksum:
+            return fd
+        self.costs.timed("open/close", self.ops.close, fd)
+        return None
+
+    def finish_write(
+        self, fd: int | None, name: str, index: int, path: str, body: np.ndarray, crc: int | None = None
+    ) -> None:
+        """Append the CRC-32C trailer to chunk `index` of `name`, which `write` left open as `fd`,
+        and close it: `crc` where the caller knows it (a chunk just read and verified, copied as it
+        is), else computed from `body`. Nothing to do for a chunk without one (`fd` None)."""
+        if fd is None:
+            return
+        try:
+            if crc is None:
+                crc = self.costs.timed("crc32c", crc32c_of, body)
+            self._write_all(fd, crc.to_bytes(CRC_BYTES, "little"), body.size)
         finally:
             self.costs.timed("open/close", self.ops.close, fd)
-        self.costs.moved("written", body.size)
 
     def read(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> int | None:
-        """Read chunk `index` of `name` into `body`, refusing a short file or a bad CRC; returns
-        the verified CRC-32C (None if the array has none)."""
+        """Read chunk `index` of `name` into `body`, refusing a short file; returns the CRC-32C
+        stored with it (None if the array has none), for `verify` to check the bytes against."""
         fd, direct = self._open(path, os.O_RDONLY, aligned)
         try:
             if checksum and direct:
@@ -208,16 +223,22 @@ class ChunkFiles:
                 f"the chunk must be rewritten or restored from a checkpoint"
             )
         self.costs.moved("read", body.size)
-        if checksum:
-            stored, actual = int.from_bytes(trailer, "little"), self.costs.timed("crc32c", crc32c_of, body)
-            if stored != actual:
-                raise ChecksumError(
-                    f"array {name!r} chunk {index}: {path} fails its CRC-32C check "
-                    f"(stored {stored:#010x}, computed {actual:#010x}); the file is corrupt, "
-                    f"restore it from a checkpoint"
-                )
-            return stored
-        return None
+        return int.from_bytes(trailer, "little") if checksum else None
+
+    def verify(self, stored: int | None, name: str, index: int, path: str, body: np.ndarray) -> int | None:
+        """Refuse chunk `index` of `name`, read into `body`, if its bytes do not have the CRC-32C
+        `stored` with them (None: the array has none, nothing to check); returns it. Apart from
+        `read`, so that the thread that read the chunk can start the next read meanwhile."""
+        if stored is None:
+            return None
+        actual = self.costs.timed("crc32c", crc32c_of, body)
+        if stored != actual:
+            raise ChecksumError(
+                f"array {name!r} chunk {index}: {path} fails its CRC-32C check "
+                f"(stored {stored:#010x}, computed {actual:#010x}); the file is corrupt, "
+                f"restore it from a checkpoint"
+            )
+        return stored
 
     def _read_with_trailer(self, fd: int, body: np.ndarray) -> tuple[int, bytearray]:
         """Body and CRC trailer in one O_DIRECT call: the trailer lands in an aligned block of

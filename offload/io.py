@@ -17,13 +17,20 @@ thread that is itself waiting:
   coordinator holds no I/O thread, and leaf tasks always finish, so it always
   gets its slots and results.
 
+Work that follows a leaf task and needs little of the disk (verifying the checksum of
+the bytes a read brought, appending a written chunk's) runs on a third set, the checking
+threads (`then`): the I/O thread goes back to I/O at once, so the disk is not left idle
+while a chunk is checksummed.
+
 `IORunner.gather` combines futures with done-callbacks instead of a waiting
 thread, so callers can wait on many tasks at once.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -66,6 +73,15 @@ def _run_task(fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> Any:
     except Exception as err:
         err.add_note(f"in I/O task: {what}")
         raise
+
+
+def _pass_on(follow: Future, done: Future) -> None:
+    """Complete ``follow`` as ``done`` completed."""
+    error = CancelledError("an I/O task was cancelled") if done.cancelled() else done.exception()
+    if error is not None:
+        follow.set_exception(error)
+    else:
+        follow.set_result(done.result())
 
 
 class _Gather:
@@ -120,6 +136,13 @@ class IORunner:
         self._coordinators = ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="offload-unit", initializer=self._mark, initargs=("compound",)
         )
+        # One per core, at most the I/O threads: a checksum runs at memory speed, many times the disk's.
+        self._checks = ThreadPoolExecutor(
+            max_workers=min(threads, os.cpu_count() or 1),
+            thread_name_prefix="offload-check",
+            initializer=self._mark,
+            initargs=("leaf",),
+        )
 
     def _mark(self, role: str) -> None:
         self._local.role = role
@@ -158,6 +181,28 @@ class IORunner:
         self._refuse("compound", what)
         return self._coordinators.submit(_run_task, fn, args, what)
 
+    def then(self, future: Future, fn: Callable[..., Any], *args: Any, what: str) -> Future:
+        """A future of ``fn(future's result, *args)``, run on a checking thread once ``future``
+        (a leaf task's) is done; its error, if it failed, is passed on instead. ``fn`` is a
+        leaf task too; `what` names it in any error."""
+        follow: Future = Future()
+        follow.set_running_or_notify_cancel()
+
+        def start(done: Future) -> None:
+            error = CancelledError("an I/O task was cancelled") if done.cancelled() else done.exception()
+            if error is not None:
+                follow.set_exception(error)
+                return
+            try:
+                check = self._checks.submit(_run_task, fn, (done.result(), *args), what)
+            except RuntimeError as err:  # the runner was closed meanwhile
+                follow.set_exception(err)
+                return
+            check.add_done_callback(functools.partial(_pass_on, follow))
+
+        future.add_done_callback(start)
+        return follow
+
     def _release_slot(self, _future: Future) -> None:
         self._slots.release()
 
@@ -187,7 +232,8 @@ class IORunner:
             return
         self._coordinators.shutdown(wait=True)  # first: they may still submit leaf tasks
         self._closed = True
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # then the leaf tasks, which may still start checks
+        self._checks.shutdown(wait=True)
         log.debug("IORunner closed (%d threads)", self.threads)
 
     def __enter__(self) -> IORunner:

@@ -322,7 +322,7 @@ class ShardStore(NodeOps):
         """Start reading whole chunks into `out`; do not touch `out` until the future completes.
         Its result: each chunk's verified CRC-32C (None without checksums), for `write_async`."""
         info, first, buf, aligned = self._plan("read", name, start, out)
-        return self._submit_chunks("read", name, info, first, buf, aligned, self._files.read)
+        return self._submit_chunks("read", name, info, first, buf, aligned, self._files.read, then=self._files.verify)
 
     def write_async(self, name: str, start: int, src: torch.Tensor, crcs: Sequence[int | None] | None = None) -> Future:
         """Start writing whole chunks from `src`; do not modify `src` until the future completes.
@@ -332,7 +332,9 @@ class ShardStore(NodeOps):
         info, first, buf, aligned = self._plan("write", name, start, src)
         if crcs is not None and len(crcs) != buf.size // info.chunk_bytes:
             raise ValueError(f"write {name!r}: {len(crcs)} CRCs for {buf.size // info.chunk_bytes} chunks")
-        future = self._submit_chunks("write", name, info, first, buf, aligned, self._files.write, crcs)
+        future = self._submit_chunks(
+            "write", name, info, first, buf, aligned, self._files.write, then=self._files.finish_write, crcs=crcs
+        )
         if self.scratch:
             return future  # never synced, so not recorded for `sync`
         with self._lock:
@@ -409,8 +411,12 @@ class ShardStore(NodeOps):
         buf: np.ndarray,
         aligned: bool,
         task: Callable[..., Any],
+        then: Callable[..., Any],
         crcs: Sequence[int | None] | None = None,
     ) -> Future:
+        """One `task` per chunk on the I/O threads, then `then` on each one's result on a
+        checking thread (`IORunner.then`), given the chunk's CRC where `crcs` says it; a future
+        of their results, in chunk order."""
         arrow = "->" if kind == "write" else "<-"
         size = info.chunk_bytes
         futures = []
@@ -421,9 +427,8 @@ class ShardStore(NodeOps):
             what = f"{kind} {name} chunk {index} elements [{lo}, {lo + info.chunk_elems}) {arrow} {path}"
             body = buf[k * size : (k + 1) * size]
             known = () if crcs is None else (crcs[k],)
-            futures.append(
-                self._runner.submit(task, name, index, path, body, info.checksum, aligned, *known, what=what)
-            )
+            future = self._runner.submit(task, name, index, path, body, info.checksum, aligned, what=what)
+            futures.append(self._runner.then(future, then, name, index, path, body, *known, what=f"{what} (CRC-32C)"))
         return IORunner.gather(futures)
 
     # -------------------------------------------------------------- durability

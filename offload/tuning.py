@@ -43,8 +43,10 @@ FALLBACK = (16, 4)
 CHUNK_RANGE = (1, 64)
 THREAD_RANGE = (1, 16)
 """What `auto` may choose: chunk MiB and thread counts are clamped into these."""
-TIE = 0.10
-"""Relative step cost below which two candidates count as equally fast (the disk's noise)."""
+TIE = 0.05
+"""Relative step cost below which two candidates count as equally fast (the disk's noise): what
+a smaller chunk may cost to be preferred, small enough that the choice stays within about 0.9
+of the fastest candidate, and so of the raw disk (`python -m benchmarks.tiers`)."""
 
 Measured = dict[str, dict[str, float]]
 """GB/s by candidate label (`"16x4"`) and kind (`"write"`, `"read"`)."""

@@ -32,8 +32,19 @@ def test_tiers_quick(tmp_path: Path) -> None:
     assert record["recommended_measured"]["write"] > 0 and record["recommended_measured"]["read"] > 0
     assert record["recommended"]["chunk_mb"] in (4, 16)
     assert record["recommended"]["io_threads"] in (2, 4)  # the grid's, or the default's run buffered
-    # memcpy, raw at 2 threads, the 2 x 1 grid, then the buffered and unchecksummed variants
-    assert [row["tier"].split()[0] for row in record["rows"]] == ["host", "raw", *["store"] * 4]
+    # memcpy, raw at 2 threads, the 2 x 1 grid and the default, then its buffered, unchecksummed
+    # and base-page variants
+    assert [row["tier"].split()[0] for row in record["rows"]] == ["host", "raw", *["store"] * 6]
+    assert [row["config"] for row in record["rows"][-4:]] == [
+        "16 MiB x 4",
+        "16 MiB x 4, buffered",
+        "16 MiB x 4, no crc",
+        "16 MiB x 4, base pages",
+    ]
+    # the default's CPU per GB in huge pages against base pages, both measured
+    for kind in ("write", "read"):
+        cut = record["cpu_cut"][kind]
+        assert cut["before"] > 0 and cut["now"] > 0 and cut["ratio"] == pytest.approx(cut["now"] / cut["before"])
     for row in record["rows"]:
         assert row["write GB/s"] > 0 and row["read GB/s"] > 0
     assert list(disk.iterdir()) == []  # every benchmark file was removed
@@ -46,7 +57,13 @@ def test_tiers_moves_one_unit_as_the_tier_does(tmp_path: Path) -> None:
         + ["--reps", "1", "--unit-mb", "48"]
     )
     units = [row for row in load_record(tmp_path, "tiers")["rows"] if row["tier"] == "store, one unit"]
-    assert [row["config"] for row in units] == ["4 MiB x 2", "16 MiB x 4, buffered", "16 MiB x 4, no crc"]
+    assert [row["config"] for row in units] == [
+        "4 MiB x 2",
+        "16 MiB x 4",
+        "16 MiB x 4, buffered",
+        "16 MiB x 4, no crc",
+        "16 MiB x 4, base pages",
+    ]
     assert all(row["write GB/s"] > 0 and row["read GB/s"] > 0 and row["write/raw"] > 0 for row in units)
     assert list(disk.iterdir()) == []
 

@@ -1,13 +1,28 @@
 import random
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from offload.buffers import BufferPool
+from offload.buffers import HUGE_PAGE, BufferPool
 
 KIB = 1024
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_page_bytes(address: int) -> int:
+    """Bytes of the mapping holding ``address`` that the kernel backs with huge pages."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span[1], 16) <= address < int(span[2], 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * KIB
+    raise AssertionError(f"no mapping holds address {address:#x}")
 
 
 def test_buffer_is_aligned_and_views_share_memory():
@@ -22,6 +37,17 @@ def test_buffer_is_aligned_and_views_share_memory():
     assert torch.equal(tail, torch.arange(100, 110, dtype=torch.float32))
     as_int = buf.view(torch.int32, 1, offset_bytes=4 * 7)
     assert as_int.item() == torch.tensor([7.0]).view(torch.int32).item()
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_large_buffers_are_in_huge_pages_unless_asked_not_to(huge_pages):
+    # O_DIRECT pins a chunk's pages for each transfer: 2 MiB pages make that several times cheaper.
+    with BufferPool(8 * HUGE_PAGE, huge_pages=huge_pages).acquire(8 * HUGE_PAGE) as buf:
+        memory = buf.view(torch.uint8, buf.nbytes)
+        memory.fill_(1)  # the pages are made when first written
+        huge = huge_page_bytes(memory.data_ptr())
+    assert huge >= 4 * HUGE_PAGE if huge_pages else huge == 0
 
 
 def test_alignment_larger_than_a_page():

@@ -184,3 +184,39 @@ def test_invalid_sizes_are_refused():
         IORunner(threads=0)
     with pytest.raises(ValueError, match="queue_depth"):
         IORunner(queue_depth=0)
+
+
+def test_then_runs_the_follow_up_on_a_checking_thread_while_the_io_thread_moves_on():
+    with IORunner(threads=1) as runner:
+        check_started, release = threading.Event(), threading.Event()
+
+        def check(value: int) -> tuple[int, str]:
+            check_started.set()
+            assert release.wait(TIMEOUT)
+            return value * 10, threading.current_thread().name
+
+        first = runner.then(runner.submit(lambda: 4, what="read 0"), check, what="check 0")
+        assert check_started.wait(TIMEOUT)
+        # The only I/O thread is free while the check waits: the next read runs at once.
+        assert runner.submit(lambda: 5, what="read 1").result(TIMEOUT) == 5
+        release.set()
+        value, thread = first.result(TIMEOUT)
+    assert value == 40 and thread.startswith("offload-check")
+
+
+def test_then_passes_on_the_task_error_and_names_a_failed_follow_up():
+    checked = []
+    with IORunner(threads=2) as runner:
+        failed = runner.submit(_fail_with, OSError(errno.EIO, "I/O error"), what="read c/0")
+        passed_on = runner.then(failed, checked.append, what="check c/0")
+        with pytest.raises(OffloadIOError, match="read c/0"):
+            passed_on.result(TIMEOUT)
+        bad = runner.then(runner.submit(lambda: 1, what="read c/1"), _fail_with_value, what="check c/1")
+        with pytest.raises(ValueError, match="bad checksum") as info:
+            bad.result(TIMEOUT)
+    assert checked == []  # a read that failed is never checked
+    assert "in I/O task: check c/1" in info.value.__notes__
+
+
+def _fail_with_value(_value: object) -> None:
+    raise ValueError("bad checksum")

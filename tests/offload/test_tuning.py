@@ -64,6 +64,13 @@ def test_a_corrupt_profile_is_ignored_with_a_warning_and_measured_again(tmp_path
     assert len(probes) == 1 and not caplog.text
 
 
+def test_a_smaller_chunk_is_preferred_only_within_the_noise() -> None:
+    slower = {"16x4": {"write": 2.0, "read": 2.0}, "64x8": {"write": 2.15, "read": 2.15}}  # 7% apart
+    assert choose(slower) == (64, 8)
+    close = {"16x4": {"write": 2.0, "read": 2.0}, "64x8": {"write": 2.08, "read": 2.08}}  # 4% apart
+    assert choose(close) == (16, 4)
+
+
 def test_auto_stays_within_the_chunk_limit(tmp_path, probes) -> None:
     settings = auto_settings(tmp_path, max_chunk_mb=8)
     assert (settings.chunk_mb, settings.io_threads) == (8, 4)
