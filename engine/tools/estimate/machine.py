@@ -88,7 +88,7 @@ class Machine:
             limit = torch.get_device_module(accelerator).get_device_properties(index).total_memory
         return cls(
             ram_bytes=psutil.virtual_memory().available,
-            disk_free_bytes=shutil.disk_usage(existing_ancestor(Path(config.offload.nvme_path))).free,
+            disk_free_bytes=shutil.disk_usage(existing_ancestor(Path(config.offload.store_path))).free,
             device_bytes=limit,
             device_is_host=not on_accelerator,
         )
