@@ -1,0 +1,156 @@
+"""A run whose store is striped across several folders (``offload.nvme_path`` a list): it trains
+and resumes bit for bit as with one folder, each folder holds a share of the chunks, another
+list of folders is refused naming the folder with the store untouched, a full folder is named,
+and the tools read the store."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import offload.chunks
+import offload.generations
+from engine.config import Config
+from engine.engine import Engine
+from engine.run.train import train
+from engine.tools.consolidate import consolidate
+from engine.tools.inspect import format_report, inspect_store
+from tests.engine.test_inspect import wide_gpt
+from tests.engine.test_resume import params, run
+from tests.training import config, tiny_gpt
+
+
+def drives(tmp_path: Path, count: int = 2) -> list[Path]:
+    """A store folder on each of ``count`` "drives" (folders here)."""
+    paths = [tmp_path / f"drive-{i}" / "store" for i in range(count)]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return paths
+
+
+def striped(paths: list[Path], stage: int = 2, **offload) -> Config:
+    nvme_path = [str(p) for p in paths] if len(paths) > 1 else str(paths[0])
+    sections = {"optimizer": "nvme", "nvme_path": nvme_path, **offload}
+    if stage == 3:
+        sections["param"] = "nvme"
+    return config(zero={"stage": stage}, offload=sections)
+
+
+def chunk_bytes(folder: Path) -> int:
+    """Bytes of chunk files under ``folder`` (a store's or a share's), nested stores included."""
+    return sum(p.stat().st_size for p in folder.rglob("c/*") if p.is_file())
+
+
+def snapshot(paths: list[Path]) -> dict[str, bytes]:
+    """Every file of the folders but the writer lock (its holder record is rewritten by whoever takes it)."""
+    return {str(p): p.read_bytes() for f in paths for p in sorted(f.rglob("*")) if p.is_file() and p.name != "LOCK"}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_folders_train_and_resume_bit_identically_to_one(tmp_path, stage: int) -> None:
+    one = Engine(tiny_gpt(), striped([tmp_path / "one"], stage), total_steps=6)
+    expected_losses, expected = run(one, 6), params(one)
+    one.close()
+
+    paths = drives(tmp_path)
+    first = Engine(tiny_gpt(), striped(paths, stage), total_steps=6)
+    losses = run(first, 3)
+    first.close()
+    shares = [chunk_bytes(p) for p in paths]
+    assert min(shares) > 0.3 * sum(shares), f"each folder holds a share of the chunks: {shares}"
+    if stage == 3:
+        assert all(chunk_bytes(p / "params") > 0 for p in paths), "the parameter store is striped too"
+    resumed = Engine.resume(tiny_gpt(seed=99), striped(paths, stage), total_steps=6)
+    assert resumed.global_step == 3
+    losses += run(resumed, 3)
+    got = params(resumed)
+    resumed.close()
+    assert losses == expected_losses
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_another_list_of_folders_is_refused_by_name_and_changes_nothing(tmp_path) -> None:
+    paths = drives(tmp_path, 3)
+    eng = Engine(tiny_gpt(), striped(paths), total_steps=4)
+    run(eng, 2)
+    eng.close()
+    before = snapshot(paths)
+    first, second, third = paths
+    with pytest.raises(ValueError, match=rf"keeps path 2 of its chunks at {second}, not {third}.*in that order"):
+        Engine.resume(tiny_gpt(), striped([first, third, second]), total_steps=4)
+    with pytest.raises(ValueError, match=rf"made with 3 path\(s\) and this list of 2 lacks {third}"):
+        Engine.resume(tiny_gpt(), striped([first, second]), total_steps=4)
+    with pytest.raises(ValueError, match=rf"{second} holds a share of the chunks of offload store {first}"):
+        Engine.resume(tiny_gpt(), striped([second, first, third]), total_steps=4)
+    shutil.move(third, tmp_path / "unmounted")
+    with pytest.raises(FileNotFoundError, match=rf"path 3 of offload store {first}, {third}, is missing.*mount"):
+        Engine.resume(tiny_gpt(), striped(paths), total_steps=4)
+    shutil.move(tmp_path / "unmounted", third)
+    assert snapshot(paths) == before
+    resumed = Engine.resume(tiny_gpt(), striped(paths), total_steps=4)
+    assert resumed.global_step == 2
+    resumed.close()
+
+
+def test_a_full_folder_is_named(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first, second = drives(tmp_path)
+    overrides = ["preset=tiny", "compute_dtype=fp32", "seq_len=32", "micro_batch=2", "log_every=1", "steps=6"]
+    cfg = Config.from_dict({}, [*overrides, f"nvme_path={first},{second}"])  # the command line's form
+    assert cfg.offload.nvme_paths == [str(first), str(second)]
+    commit, write = offload.generations.commit, offload.chunks.ChunkFiles.write
+    commits = []
+
+    def counting_commit(path, record, name="COMMITTED"):
+        commits.append(record.get("step"))
+        commit(path, record, name)
+
+    def write_until_full(files, name, index, path, *args, **kwargs):
+        if len(commits) >= 3 and path.startswith(str(second)):  # generation 0, steps 1 and 2, then full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(files, name, index, path, *args, **kwargs)
+
+    monkeypatch.setattr(offload.generations, "commit", counting_commit)
+    monkeypatch.setattr(offload.chunks.ChunkFiles, "write", write_until_full)
+    with pytest.raises(OSError, match=rf"the disk of {second} \(folder 2 of store {first}\) is full .*step 2") as full:
+        train(cfg)
+    assert full.value.errno == errno.ENOSPC and "\n" not in str(full.value)
+    del full  # its traceback holds the engine, and with it the store's lock
+    monkeypatch.setattr(offload.chunks.ChunkFiles, "write", write)
+    result = train(cfg)
+    assert result.steps_done == 6 and len(result.losses) == 4, "continued from step 2"
+
+
+def test_inspect_and_consolidate_read_a_striped_store(tmp_path) -> None:
+    paths = drives(tmp_path)
+    eng = Engine(wide_gpt(), striped(paths, chunk_mb=1), total_steps=2)
+    run(eng, 2)
+    trained = params(eng)
+    eng.close()
+    assert all(chunk_bytes(p) > 0 for p in paths)
+    report = inspect_store(paths[0], verify=True)
+    assert report["committed"]["step"] == 2 and report["verify"]["failures"] == []
+    assert report["paths"] == [str(p) for p in paths] and str(paths[1]) in format_report(report)
+    consolidate(paths[0], tmp_path / "weights.safetensors")
+    weights = load_file(tmp_path / "weights.safetensors")
+    assert all(torch.equal(weights[name], trained[name]) for name in trained)
+
+
+def test_the_config_takes_a_list_or_commas_and_checks_every_folder() -> None:
+    listed = Config.from_dict({"offload": {"nvme_path": ["/a/node-{node}", "/b/node-{node}"]}})
+    assert listed.offload.node_local and listed.offload.on_node(1).nvme_paths == ["/a/node-1", "/b/node-1"]
+    assert listed.offload.store_path == "/a/node-{node}" and listed.offload.stripe_paths == ("/b/node-{node}",)
+    assert Config.from_dict({}, ["nvme_path=/a,/b"]).offload.nvme_paths == ["/a", "/b"]
+    assert Config.from_dict({}, ['nvme_path=["/a", "/b"]']).offload.nvme_paths == ["/a", "/b"]
+    assert Config.from_dict({}, ["nvme_path=/a"]).offload.on_node(0).nvme_path == "/a"
+    with pytest.raises(ValueError, match=r"offload.nvme_path = .*\{node\} in some folders only: put it in every one"):
+        Config.from_dict({"offload": {"nvme_path": ["/a/{node}", "/b"]}}).validate()
+    with pytest.raises(ValueError, match="names a folder twice"):
+        Config.from_dict({}, ["nvme_path=/a,/a"]).validate()
+    with pytest.raises(ValueError, match="names an empty folder"):
+        Config.from_dict({}, ["nvme_path=/a,"]).validate()
