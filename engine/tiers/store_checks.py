@@ -105,8 +105,8 @@ def check_nvme_path(
     stripes: tuple[Path, ...] = (),
 ) -> None:
     """Refuse, before any work, a path that cannot hold the store of optimizer state in ``form``
-    and the run's spilled gradients (``scratch_bytes``, on the first path) (missing rights or
-    space): each of the folders it is striped across (``stripes``) its share, named."""
+    and the run's spilled gradients (``scratch_bytes``) (missing rights or space): each of the
+    folders it is striped across (``stripes``) its share, named."""
     for folder in (path, *stripes):
         parent = folder if folder.exists() else folder.parent
         if not parent.exists():
@@ -118,7 +118,8 @@ def check_nvme_path(
             raise PermissionError(
                 f"offload.nvme_path = {str(folder)!r}: {parent} is not writable; choose a writable folder"
             )
-        spilled = scratch_bytes if folder == path else 0
+        # Spilled gradients spread as the store's chunks do: each array starts one folder further.
+        spilled = -(-scratch_bytes // (1 + len(stripes)))
         _check_room(folder, parent, layout, mode, form, 1 + len(stripes), spilled)
 
 

@@ -33,12 +33,13 @@ def drives(tmp_path: Path, count: int = 2) -> list[Path]:
     return paths
 
 
-def striped(paths: list[Path], stage: int = 2, **offload) -> Config:
+def striped(paths: list[Path], stage: int = 2, clip: float = 0.0, **offload) -> Config:
+    """The nvme tier in ``paths`` (the parameters too at stage 3); a ``clip`` spills gradients there."""
     nvme_path = [str(p) for p in paths] if len(paths) > 1 else str(paths[0])
     sections = {"optimizer": "nvme", "nvme_path": nvme_path, **offload}
     if stage == 3:
         sections["param"] = "nvme"
-    return config(zero={"stage": stage}, offload=sections)
+    return config(zero={"stage": stage}, offload=sections, optim={"grad_clip": clip})
 
 
 def chunk_bytes(folder: Path) -> int:
@@ -53,19 +54,22 @@ def snapshot(paths: list[Path]) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_folders_train_and_resume_bit_identically_to_one(tmp_path, stage: int) -> None:
-    one = Engine(tiny_gpt(), striped([tmp_path / "one"], stage), total_steps=6)
+    clip = 1.0 if stage == 2 else 0.0  # at stage 2 with gradients spilled to disk
+    one = Engine(tiny_gpt(), striped([tmp_path / "one"], stage, clip), total_steps=6)
     expected_losses, expected = run(one, 6), params(one)
     one.close()
 
     paths = drives(tmp_path)
-    first = Engine(tiny_gpt(), striped(paths, stage), total_steps=6)
+    first = Engine(tiny_gpt(), striped(paths, stage, clip), total_steps=6)
     losses = run(first, 3)
+    if clip:
+        assert all(chunk_bytes(p / "scratch") > 0 for p in paths), "spilled gradients are striped too"
     first.close()
     shares = [chunk_bytes(p) for p in paths]
     assert min(shares) > 0.3 * sum(shares), f"each folder holds a share of the chunks: {shares}"
     if stage == 3:
         assert all(chunk_bytes(p / "params") > 0 for p in paths), "the parameter store is striped too"
-    resumed = Engine.resume(tiny_gpt(seed=99), striped(paths, stage), total_steps=6)
+    resumed = Engine.resume(tiny_gpt(seed=99), striped(paths, stage, clip), total_steps=6)
     assert resumed.global_step == 3
     losses += run(resumed, 3)
     got = params(resumed)
