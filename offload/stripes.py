@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from offload.metadata import FORMAT_KEY, create_group, store_marker
+from offload.metadata import FORMAT_KEY, create_group, store_marker, update_group_attrs
 
 PATHS_KEY = "paths"
 """Key of the first path's format marker: every path of the store, in order (absent: one path)."""
@@ -194,3 +194,12 @@ def open_stripes(
     for position, stripe in enumerate(extra, 1):
         check_stripe(paths[0], stripe, position, store_marker(stripe))
     return extra
+
+
+def make_one_folder(root: Path) -> None:
+    """Make the store at ``root``, into which the chunks of every folder of a striped store were
+    copied, a store of that one folder: its list of folders is dropped (the arrays'
+    ``stripe_start`` then names folder 0 of 1 whatever its value)."""
+    marker = store_marker(root)
+    if marker is not None and PATHS_KEY in marker:
+        update_group_attrs(root, {FORMAT_KEY: {k: v for k, v in marker.items() if k != PATHS_KEY}})

@@ -19,9 +19,12 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.train import train
 from engine.tools.consolidate import consolidate
+from engine.tools.gather import gather
 from engine.tools.inspect import format_report, inspect_store
+from tests.engine.test_hosts import train_span
 from tests.engine.test_inspect import wide_gpt
 from tests.engine.test_resume import params, run
+from tests.ranks import run_ranks
 from tests.training import config, tiny_gpt
 
 
@@ -158,3 +161,19 @@ def test_the_config_takes_a_list_or_commas_and_checks_every_folder() -> None:
         Config.from_dict({}, ["nvme_path=/a,/a"]).validate()
     with pytest.raises(ValueError, match="names an empty folder"):
         Config.from_dict({}, ["nvme_path=/a,"]).validate()
+
+
+@pytest.mark.slow  # two processes: about 25 s
+def test_hosts_stripe_their_own_stores_and_gather_into_one(tmp_path) -> None:
+    per_host = [str(tmp_path / drive / "node-{node}") for drive in ("drive-0", "drive-1")]
+    for drive in ("drive-0", "drive-1"):
+        (tmp_path / drive).mkdir()
+    cfg = config(zero={"stage": 2}, offload={"optimizer": "nvme", "nvme_path": per_host})
+    hosts = run_ranks(2, train_span, cfg, 0, 2, 2, nodes=2)
+    for node in range(2):  # {node} in every folder: each host stripes its store across its own
+        assert all(chunk_bytes(tmp_path / drive / f"node-{node}") > 0 for drive in ("drive-0", "drive-1"))
+    assert gather(tmp_path / "one", [tmp_path / "drive-0" / "node-0", tmp_path / "drive-0" / "node-1"]) == 2
+    assert inspect_store(tmp_path / "one")["paths"] == [str(tmp_path / "one")]
+    consolidate(tmp_path / "one", tmp_path / "weights.safetensors")
+    weights = load_file(tmp_path / "weights.safetensors")
+    assert all(torch.equal(weights[k], v) for k, v in hosts[0]["params"].items())
