@@ -6,8 +6,11 @@ and the tools read the store."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+from collections import namedtuple
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.train import train
 from engine.tools.consolidate import consolidate
+from engine.tools.estimate.machine import striped_free
 from engine.tools.gather import gather
 from engine.tools.inspect import format_report, inspect_store
 from tests.engine.test_hosts import train_span
@@ -177,3 +181,16 @@ def test_hosts_stripe_their_own_stores_and_gather_into_one(tmp_path) -> None:
     consolidate(tmp_path / "one", tmp_path / "weights.safetensors")
     weights = load_file(tmp_path / "weights.safetensors")
     assert all(torch.equal(weights[k], v) for k, v in hosts[0]["params"].items())
+
+
+def test_the_estimate_counts_the_room_of_each_disk_once(tmp_path, monkeypatch) -> None:
+    first, second = drives(tmp_path)
+    first.mkdir()
+    second.mkdir()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**9))
+    assert striped_free([first]) == striped_free([first, second]) == 10**9  # one disk: no more room
+    devices = {str(first): 1, str(second): 2}
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda path: SimpleNamespace(st_dev=devices.get(str(path), real_stat(path).st_dev)))
+    assert striped_free([first, second]) == 2 * 10**9  # two disks: each holds half
