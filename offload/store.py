@@ -83,8 +83,8 @@ class ShardStore(NodeOps):
     ) -> None:
         self.path = root
         self.paths = (root, *stripes)
-        """Every folder of the store, the first its identity; chunk ``k`` is on ``paths[k % len(paths)]``
-        (``offload.stripes``)."""
+        """Every folder of the store, the first its identity; chunk ``k`` of an array is in
+        ``paths[(stripe_start + k) % len(paths)]`` (``offload.stripes``)."""
         self.checksum = checksum
         self.scratch = scratch
         """Its chunks hold data for one step only: `sync` never makes them durable."""
