@@ -194,3 +194,13 @@ def test_the_estimate_counts_the_room_of_each_disk_once(tmp_path, monkeypatch) -
     real_stat = os.stat
     monkeypatch.setattr(os, "stat", lambda path: SimpleNamespace(st_dev=devices.get(str(path), real_stat(path).st_dev)))
     assert striped_free([first, second]) == 2 * 10**9  # two disks: each holds half
+
+
+def test_the_disk_check_names_the_folder_without_room_for_its_share(tmp_path, monkeypatch) -> None:
+    first, second = drives(tmp_path)
+    usage, free = namedtuple("usage", "total used free"), shutil.disk_usage
+    room = {str(second.parent): 10**3}  # the second drive is all but full
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, room.get(str(path), free(path).free)))
+    with pytest.raises(OSError, match=rf"nvme_path = '{second}': the store needs .* there \(its share \(1 of 2"):
+        Engine(tiny_gpt(), striped([first, second]), total_steps=1)
+    assert not first.exists() and not second.exists(), "a refused run leaves no folder behind"
