@@ -40,13 +40,13 @@ def drives(tmp_path: Path, count: int = 2) -> list[Path]:
     return paths
 
 
-def striped(paths: list[Path], stage: int = 2, clip: float = 0.0, **offload) -> Config:
+def striped(paths: list[Path], stage: int = 2, clip: float = 0.0, store: dict | None = None, **offload) -> Config:
     """The nvme tier in ``paths`` (the parameters too at stage 3); a ``clip`` spills gradients there."""
     nvme_path = [str(p) for p in paths] if len(paths) > 1 else str(paths[0])
     sections = {"optimizer": "nvme", "nvme_path": nvme_path, **offload}
     if stage == 3:
         sections["param"] = "nvme"
-    return config(zero={"stage": stage}, offload=sections, optim={"grad_clip": clip})
+    return config(zero={"stage": stage}, offload=sections, optim={"grad_clip": clip}, store=store or {})
 
 
 def chunk_bytes(folder: Path) -> int:
@@ -204,3 +204,21 @@ def test_the_disk_check_names_the_folder_without_room_for_its_share(tmp_path, mo
     with pytest.raises(OSError, match=rf"nvme_path = '{second}': the store needs .* there \(its share \(1 of 2"):
         Engine(tiny_gpt(), striped([first, second]), total_steps=1)
     assert not first.exists() and not second.exists(), "a refused run leaves no folder behind"
+
+
+def test_in_place_a_checkpoint_copied_across_folders_resumes_as_with_one(tmp_path) -> None:
+    results = []
+    for paths in ([tmp_path / "one"], drives(tmp_path)):
+        cfg = striped(paths, store={"mode": "in-place"})
+        eng = Engine(tiny_gpt(), cfg, total_steps=5)
+        losses = run(eng, 2)
+        eng.save("step-2")  # nothing supersedes an in-place generation: copied chunk by chunk
+        losses += run(eng, 1)
+        eng.close()
+        resumed = Engine.resume(tiny_gpt(seed=99), cfg, checkpoint="step-2", total_steps=5)
+        losses += run(resumed, 3)
+        results.append((losses, params(resumed)))
+        resumed.close()
+        assert all((p / "checkpoints" / "step-2").is_dir() and chunk_bytes(p / "checkpoints") > 0 for p in paths)
+    (expected_losses, expected), (losses, got) = results
+    assert losses == expected_losses and all(torch.equal(got[k], expected[k]) for k in expected)
