@@ -1,8 +1,8 @@
 """Several paths for one store: its chunks striped across folders, one folder a drive.
 
 A store made with more than one path keeps its identity in the first: the writer lock, the
-committed record, the group attributes and the list of every path (``paths`` in its format
-marker). Every path holds a zarr group of the same layout (each array's metadata, with its
+committed record, the group attributes, the list of every path and the rule placing chunks
+(``paths`` and ``striping`` in its format marker). Every path holds a zarr group of the same layout (each array's metadata, with its
 own chunk folder), and chunk ``k`` of an array lives on path ``(s + k) % n``, ``s`` the
 array's ``stripe_start`` attribute (``offload.metadata``), which moves with it: each new
 array starts one path further. A unit's shard is a run of consecutive chunks, its kinds of
@@ -32,6 +32,10 @@ STRIPE_KEY = "stripe_of"
 """Key of another path's format marker: the first path of the store it holds a share of."""
 POSITION_KEY = "position"
 """Key of another path's format marker: its place in the store's list of paths."""
+RULE_KEY = "striping"
+"""Key of the first path's format marker: the rule placing chunks (``RULE``), so that a reader
+placing them otherwise refuses the store rather than reading the wrong files."""
+RULE = "chunk k of an array on path (stripe_start + k) mod paths"
 
 
 def stripe_index(index: int, count: int) -> int:
@@ -60,7 +64,7 @@ def check_distinct(paths: Sequence[Path]) -> None:
 
 def stripe_marker(marker: dict[str, Any], root: Path, position: int) -> dict[str, Any]:
     """The format marker of the path at ``position`` of the store at ``root`` (``marker``: the store's)."""
-    own = {k: v for k, v in marker.items() if k != PATHS_KEY}
+    own = {k: v for k, v in marker.items() if k not in (PATHS_KEY, RULE_KEY)}
     return {**own, STRIPE_KEY: str(root), POSITION_KEY: position}
 
 
@@ -69,6 +73,11 @@ def recorded(root: Path, marker: dict[str, Any]) -> tuple[Path, ...]:
     paths = marker.get(PATHS_KEY)
     if paths is None:
         return (root,)
+    if marker.get(RULE_KEY) != RULE:
+        raise ValueError(
+            f"offload store {root} places its chunks by the rule {marker.get(RULE_KEY)!r}, which this code does not "
+            f"read (it reads {RULE!r}); read it with the version of the engine that wrote it"
+        )
     if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
         raise ValueError(
             f"offload store {root}: its list of paths ({paths!r}) is damaged; restore its zarr.json from a backup"
@@ -171,6 +180,7 @@ def create_stripes(root: Path, extra: tuple[Path, ...], marker: dict[str, Any]) 
         return
     identity = absolute([root])[0]
     marker[PATHS_KEY] = [str(p) for p in (identity, *extra)]
+    marker[RULE_KEY] = RULE
     for position, stripe in enumerate(extra, 1):
         stripe.mkdir(exist_ok=True)
         create_group(stripe, {FORMAT_KEY: stripe_marker(marker, identity, position)})
@@ -202,4 +212,4 @@ def make_one_folder(root: Path) -> None:
     ``stripe_start`` then names folder 0 of 1 whatever its value)."""
     marker = store_marker(root)
     if marker is not None and PATHS_KEY in marker:
-        update_group_attrs(root, {FORMAT_KEY: {k: v for k, v in marker.items() if k != PATHS_KEY}})
+        update_group_attrs(root, {FORMAT_KEY: {k: v for k, v in marker.items() if k not in (PATHS_KEY, RULE_KEY)}})

@@ -148,3 +148,13 @@ def test_creating_is_refused_before_any_folder_changes(tmp_path, runner) -> None
     with pytest.raises(FileExistsError, match=rf"cannot create an offload store at {first}"):
         ShardStore.create(first, {}, runner=runner, stripes=[second])
     assert (first / "mine.txt").read_text() == "keep" and (second / "other.txt").read_text() == "theirs"
+
+
+def test_a_store_placing_chunks_by_another_rule_is_refused(tmp_path, runner) -> None:
+    store = striped(tmp_path, runner, count=2)
+    meta = store.path / "zarr.json"
+    text = meta.read_text()
+    assert "stripe_start + k" in text
+    meta.write_text(text.replace("stripe_start + k", "k"))
+    with pytest.raises(ValueError, match=r"places its chunks by the rule 'chunk k of an array on path \(k\) mod paths'"):
+        ShardStore.open(store.path, runner=runner)
