@@ -131,8 +131,9 @@ def check_stripe(root: Path, path: Path, position: int, marker: dict[str, Any] |
 def clear_folders(root: Path, extra: tuple[Path, ...], overwrite: bool, ignored: set[str]) -> Callable[[], None]:
     """Check that a store can be made at ``root`` striped across ``extra``, and return what
     clears their folders for it: every folder is checked before any changes, so a refused
-    store modifies nothing. A folder must be new or empty, or hold a store (or share of one)
-    to replace with ``overwrite``; the entries named in ``ignored`` stay."""
+    store modifies nothing. A folder must be new or empty, or hold what ``overwrite`` replaces:
+    a store at ``root``, a share of one in the others (of that very store: another store's
+    share, or a store of its own, is never removed); the entries named in ``ignored`` stay."""
     if extra:
         check_distinct((*absolute([root]), *extra))
     for stripe in extra:
@@ -143,7 +144,17 @@ def clear_folders(root: Path, extra: tuple[Path, ...], overwrite: bool, ignored:
                 f"exist (a drive not mounted?); mount the drive or create the folder",
                 str(stripe.parent),
             )
-    doomed = [entry for folder in (root, *extra) for entry in _contents_to_replace(folder, overwrite, ignored)]
+    doomed = _contents_to_replace(root, overwrite, ignored)
+    for stripe in extra:
+        contents = _contents_to_replace(stripe, overwrite, ignored)
+        marker = store_marker(stripe) or {}
+        if contents and marker.get(STRIPE_KEY) != str(absolute([root])[0]):
+            whose = f"a share of offload store {marker[STRIPE_KEY]}" if STRIPE_KEY in marker else "a store of its own"
+            raise FileExistsError(
+                f"refusing to overwrite {stripe}: it holds {whose}, not a share of {root}; remove it yourself or "
+                f"choose another folder"
+            )
+        doomed += contents
 
     def clear() -> None:
         for entry in doomed:  # the writer lock, if any, stays held and in place

@@ -156,5 +156,22 @@ def test_a_store_placing_chunks_by_another_rule_is_refused(tmp_path, runner) -> 
     text = meta.read_text()
     assert "stripe_start + k" in text
     meta.write_text(text.replace("stripe_start + k", "k"))
-    with pytest.raises(ValueError, match=r"places its chunks by the rule 'chunk k of an array on path \(k\) mod paths'"):
+    with pytest.raises(
+        ValueError, match=r"places its chunks by the rule 'chunk k of an array on path \(k\) mod paths'"
+    ):
         ShardStore.open(store.path, runner=runner)
+
+
+def test_another_stores_share_is_never_overwritten(tmp_path, runner) -> None:
+    theirs = striped(tmp_path, runner, count=2)
+    mine = tmp_path / "mine"
+    ShardStore.create(mine, {}, runner=runner)  # a store to replace, striped across their share
+    before = snapshot(list(theirs.paths))
+    share = theirs.paths[1]
+    with pytest.raises(FileExistsError, match=rf"refusing to overwrite {share}: it holds a share of offload store"):
+        ShardStore.create(mine, {}, runner=runner, stripes=[share], overwrite=True)
+    assert snapshot(list(theirs.paths)) == before and (mine / "zarr.json").is_file()
+    again = ShardStore.create(
+        theirs.path, {}, runner=runner, stripes=[share], overwrite=True
+    )  # its own share: replaced
+    assert again.paths == theirs.paths
