@@ -209,7 +209,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = base_parser("Train a model larger than RAM from an nvme store, stop it once, resume it.")
     parser.add_argument("--params", type=float, help="model parameters (default 3e9; --quick 5e7)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps in all (default 3)")
-    parser.add_argument("--stop-after", type=int, default=1, help="step after which the run is stopped once (default 1)")
+    parser.add_argument(
+        "--stop-after", type=int, default=1, help="step after which the run is stopped once (default 1)"
+    )
     parser.add_argument("--mode", choices=("in-place", "generations"), default="in-place", help="store.mode")
     parser.add_argument("--store", type=Path, default=Path("giant_store"), help="store folder (default ./giant_store)")
     parser.add_argument("--keep-store", action="store_true", help="leave the store on disk afterwards")
@@ -247,18 +249,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"RAM {psutil.virtual_memory().total / GIB:.1f} GiB; predicted peak RSS {predicted.peak_rss_bytes / GIB:.2f} GiB, "
         f"store {predicted.disk_bytes / GIB:.1f} GiB"
     )
-    disk = raw_disk_gbps(work, (64 if args.quick else 1024) * MIB, threads=config.offload.io_threads, reps=1 if args.quick else 3)
+    disk = raw_disk_gbps(
+        work, (64 if args.quick else 1024) * MIB, threads=config.offload.io_threads, reps=1 if args.quick else 3
+    )
     bound = {
         "read_gbps": disk["read"],
         "write_gbps": disk["write"],
         "compute_s": compute_only_seconds(gpt, args.micro_batch, reps=1 if args.quick else 3),
     }
-    print(f"raw disk: write {disk['write']:.2f} GB/s, read {disk['read']:.2f} GB/s; compute-only step {bound['compute_s']:.2f} s")
+    print(
+        f"raw disk: write {disk['write']:.2f} GB/s, read {disk['read']:.2f} GB/s; compute-only step {bound['compute_s']:.2f} s"
+    )
     started = time.perf_counter()
     try:
         first = first_run(train_args, args.mode, args.stop_after, metrics, log)
         if first["signal"] is None:
-            raise SystemExit(f"the run ended (exit code {first['exit_code']}) before it could be stopped:\n{_tail(log)}")
+            raise SystemExit(
+                f"the run ended (exit code {first['exit_code']}) before it could be stopped:\n{_tail(log)}"
+            )
         committed = read_committed(store)["step"]
         first_steps = len(steps_recorded(metrics))
         resumed = resumed_run(train_args, log)

@@ -181,7 +181,7 @@ def run_engine(config: Config, schedule: Schedule) -> RunResult:
         steps=timed,
         rss_before_bytes=run.rss_before_bytes,
         peak_rss_bytes=peak_rss_bytes(),
-        store_bytes=disk_usage(Path(config.offload.nvme_path)),
+        store_bytes=disk_usage(Path(config.offload.store_path)),
         device_peak_bytes=device_peak_bytes(),
     )
 
@@ -246,7 +246,7 @@ def run_alternating(
             steps=kept[: schedule.steps],
             rss_before_bytes=run.rss_before_bytes,
             peak_rss_bytes=peak_rss_bytes(),
-            store_bytes=disk_usage(Path(config.offload.nvme_path)),
+            store_bytes=disk_usage(Path(config.offload.store_path)),
             device_peak_bytes=device_peak_bytes(),
         )
         for run, kept, config in zip(runs, timed, configs, strict=True)

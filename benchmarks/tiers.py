@@ -1,6 +1,6 @@
 """Bandwidth of each tier, and how close the shard store comes to the raw disk.
 
-    python -m benchmarks.tiers [--quick] [--dir PATH] [--out PATH] [--unit-mb N]
+    python -m benchmarks.tiers [--quick] [--dir PATH] [--out PATH] [--unit-mb N] [--paths N] [--stripe-dir PATH...]
 
 Measures, on the same page-aligned memory: host memcpy; raw positional file
 I/O (the disk's limit as seen from Python, see `benchmarks.bandwidth`); and
@@ -20,11 +20,18 @@ then hurts all configurations alike instead of one, and the ratios hold.
 With `--unit-mb N`, each store configuration also moves one unit of N MiB of optimizer state
 as the `nvme` tier does: written back through a `Pipeline` and made durable, then read ahead
 (one compound task each, whose chunks run on every I/O thread at once).
+
+With `--paths N` (default 2), the default configuration is also measured with its store
+striped across N folders (`offload.nvme_path` a list): the first in `--dir`, the others in
+the `--stripe-dir` folders (other drives), or beside the first on the same disk, where
+striping adds no bandwidth and the ratio only shows what it costs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import resource
 import shutil
 import statistics
@@ -63,11 +70,16 @@ class StoreConfig:
     checksum: bool = True
     huge_pages: bool = True
     """Whether the buffers moved are in huge pages, as the engine's are (`offload.BufferPool`)."""
+    paths: int = 1
+    """Folders the store is striped across (``offload.stripes``)."""
 
     @property
     def label(self) -> str:
         extra = ("" if self.direct_io else ", buffered") + ("" if self.checksum else ", no crc")
-        return f"{self.chunk_mb} MiB x {self.io_threads}{extra}" + ("" if self.huge_pages else ", base pages")
+        pages = "" if self.huge_pages else ", base pages"
+        return f"{self.chunk_mb} MiB x {self.io_threads}{extra}{pages}" + (
+            f", {self.paths} paths" if self.paths > 1 else ""
+        )
 
 
 def process_cpu() -> float:
@@ -84,7 +96,21 @@ def _stage_costs(store: ShardStore, cpu_start: float, nbytes: int) -> dict[str, 
     return costs
 
 
-def store_gbps(directory: Path, src: torch.Tensor, dst: torch.Tensor, config: StoreConfig) -> dict[str, Any]:
+def new_store(dirs: list[Path], name: str, runner: IORunner, config: StoreConfig) -> ShardStore:
+    """A fresh store ``name`` in the first of ``dirs`` (one folder a drive), striped across as
+    many of them as ``config`` says."""
+    stripes = [d / name for d in dirs[1 : config.paths]]
+    return ShardStore.create(
+        dirs[0] / name, {}, runner=runner, checksum=config.checksum, direct_io=config.direct_io, stripes=stripes
+    )
+
+
+def remove_store(store: ShardStore) -> None:
+    for folder in store.paths:
+        shutil.rmtree(folder)
+
+
+def store_gbps(dirs: list[Path], src: torch.Tensor, dst: torch.Tensor, config: StoreConfig) -> dict[str, Any]:
     """One durable write of `src` into a fresh store and one cold read back into `dst`: GB/s of
     each, and under `costs` the CPU-seconds per GB of each stage of each (`offload.costs`).
 
@@ -92,9 +118,8 @@ def store_gbps(directory: Path, src: torch.Tensor, dst: torch.Tensor, config: St
     files are created, not overwritten in place.
     """
     nbytes = src.numel() * src.element_size()
-    root = directory / "store"
     with IORunner(threads=config.io_threads) as runner:
-        store = ShardStore.create(root, {}, runner=runner, checksum=config.checksum, direct_io=config.direct_io)
+        store = new_store(dirs, "store", runner, config)
         try:
             store.create_array("bench", src.numel(), config.chunk_mb * MIB // src.element_size(), src.dtype)
             store.sync()  # metadata out of the way: time only the data
@@ -110,15 +135,15 @@ def store_gbps(directory: Path, src: torch.Tensor, dst: torch.Tensor, config: St
             read = nbytes / (time.perf_counter() - start) / 1e9
             read_costs = _stage_costs(store, cpu, nbytes)
         finally:
-            shutil.rmtree(root)
+            remove_store(store)
     return {"write": write, "read": read, "costs": {"write": write_costs, "read": read_costs}}
 
 
-def unit_gbps(directory: Path, nbytes: int, config: StoreConfig) -> dict[str, float]:
+def unit_gbps(dirs: list[Path], nbytes: int, config: StoreConfig) -> dict[str, float]:
     """One unit of `nbytes` (three fp32 arrays, as an optimizer unit's master and moments) moved
     as the `nvme` optimizer tier moves it: written back through a `Pipeline` and synced, then
     read ahead. GB/s of each; reads cold as `store_gbps`'s."""
-    root, numel = directory / "unit", nbytes // 4 // 3
+    numel = nbytes // 4 // 3
     chunk = config.chunk_mb * MIB // 4
     kinds = [(kind, k * numel * 4) for k, kind in enumerate(("master", "exp_avg", "exp_avg_sq"))]
     pool = BufferPool(nbytes, huge_pages=config.huge_pages)
@@ -128,7 +153,7 @@ def unit_gbps(directory: Path, nbytes: int, config: StoreConfig) -> dict[str, fl
         (write_shard if write else read_shard)(store, "", unit, 0, views)
 
     with IORunner(threads=config.io_threads) as runner:
-        store = ShardStore.create(root, {}, runner=runner, checksum=config.checksum, direct_io=config.direct_io)
+        store = new_store(dirs, "unit", runner, config)
         unit = _Unit("unit", numel, chunk)
         create_arrays(store, "", [unit], [kind for kind, _ in kinds], torch.float32)
         store.sync()
@@ -149,7 +174,7 @@ def unit_gbps(directory: Path, nbytes: int, config: StoreConfig) -> dict[str, fl
                 pipeline.release(loaded)
             read = nbytes / (time.perf_counter() - start) / 1e9
         finally:
-            shutil.rmtree(root)
+            remove_store(store)
     return {"write": write, "read": read}
 
 
@@ -173,19 +198,21 @@ class _Unit:
         return slice(0, self.numel)
 
 
-def store_configs(chunk_mbs: list[int], threads: list[int]) -> list[StoreConfig]:
+def store_configs(chunk_mbs: list[int], threads: list[int], paths: int = 1) -> list[StoreConfig]:
     """The grid (with the engine's default configuration), then the default without O_DIRECT,
-    without checksums and in base pages.
+    without checksums, in base pages, and striped across ``paths`` folders (if more than one).
 
-    The extra rows show what each of those costs. The buffered one is a candidate for the
-    recommendation, so the advice on `direct_io` is measured; the others are not (checksums
-    are a safety choice, not a speed one; base pages are the path before huge pages, kept
-    to compare against in the same run).
+    The extra rows show what each of those costs or gives. The buffered one is a candidate for
+    the recommendation, so the advice on `direct_io` is measured; the others are not (checksums
+    are a safety choice, not a speed one; base pages are the path before huge pages, kept to
+    compare against in the same run; the number of drives is the machine's, not a setting to
+    tune).
     """
     grid = [StoreConfig(c, t) for c in chunk_mbs for t in threads]
     default = StoreConfig(*FALLBACK)
     extra = [replace(default, direct_io=False), replace(default, checksum=False), replace(default, huge_pages=False)]
-    return [*grid, *([] if default in grid else [default]), *extra]
+    striped = [replace(default, paths=paths)] if paths > 1 else []
+    return [*grid, *([] if default in grid else [default]), *extra, *striped]
 
 
 def _medians(results: list[Mapping[str, Any]]) -> Bandwidth:
@@ -230,10 +257,12 @@ class Measurements:
 
 
 def measure(
-    work: Path, nbytes: int, configs: list[StoreConfig], threads: list[int], reps: int, unit_bytes: int = 0
+    dirs: list[Path], nbytes: int, configs: list[StoreConfig], threads: list[int], reps: int, unit_bytes: int = 0
 ) -> Measurements:
-    """Raw I/O at each thread count and the store in each configuration, in `reps` interleaved
-    rounds; with `unit_bytes`, one unit of that size moved as the nvme tier does, too."""
+    """Raw I/O at each thread count (in the first of ``dirs``) and the store in each configuration
+    (striped across as many of ``dirs`` as it says), in `reps` interleaved rounds; with
+    `unit_bytes`, one unit of that size moved as the nvme tier does, too."""
+    work = dirs[0]
     buffers = {huge: _buffer_pair(nbytes, huge) for huge in {c.huge_pages for c in configs} | {True}}
     src = buffers[True][0]
     raw: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
@@ -245,9 +274,9 @@ def measure(
                 results.append(raw_disk_gbps(work, nbytes, t, reps=1, buffer=src.view(torch.uint8)))
                 bar.update()
             for config, results in store.items():
-                results.append(store_gbps(work, *buffers[config.huge_pages], config))
+                results.append(store_gbps(dirs, *buffers[config.huge_pages], config))
                 if unit_bytes:
-                    unit[config].append(unit_gbps(work, unit_bytes, config))
+                    unit[config].append(unit_gbps(dirs, unit_bytes, config))
                 bar.update()
     runs = [r for results in raw.values() for r in results]
     return Measurements(
@@ -285,7 +314,9 @@ def recommend(m: Measurements) -> StoreConfig:
     chunks pad shards less and need a smaller buffer budget. This also keeps
     the advice from flipping between runs.
     """
-    cost = {c: sum(1 / m.store[c][kind] for kind in KINDS) for c in m.store if c.checksum and c.huge_pages}
+    cost = {
+        c: sum(1 / m.store[c][kind] for kind in KINDS) for c in m.store if c.checksum and c.huge_pages and c.paths == 1
+    }
     fastest = min(cost.values())
     return min((c for c in cost if cost[c] <= fastest * (1 + TIE)), key=lambda c: (c.chunk_mb, c.io_threads))
 
@@ -317,7 +348,7 @@ def keep_profile(directory: Path, m: Measurements) -> dict[str, Any]:
     measured = {
         label(c.chunk_mb, c.io_threads): dict(bw)
         for c, bw in m.store.items()
-        if c.checksum and c.direct_io and c.huge_pages
+        if c.checksum and c.direct_io and c.huge_pages and c.paths == 1
     }
     record(directory, measured, "benchmarks.tiers")
     auto = auto_settings(directory, measure=False)
@@ -362,6 +393,23 @@ def cost_cut(m: Measurements) -> dict[str, dict[str, float]]:
     }
 
 
+def striping(m: Measurements, paths: int, same_disk: bool) -> dict[str, Any] | None:
+    """The default configuration striped across ``paths`` folders against one folder: GB/s of
+    each and their ratios (None where not measured)."""
+    if paths < 2:
+        return None
+    one = StoreConfig(*FALLBACK)
+    many = replace(one, paths=paths)
+    return {
+        "config": many.label,
+        "paths": paths,
+        "same_disk": same_disk,
+        "one_path": m.store[one],
+        "striped": m.store[many],
+        **{f"{kind}_ratio": m.store[many][kind] / m.store[one][kind] for kind in KINDS},
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=Path("."), help="directory on the disk to measure (default .)")
@@ -372,10 +420,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--unit-mb", type=int, default=0, help="also move one unit of this many MiB as the nvme tier does"
     )
+    parser.add_argument(
+        "--paths", type=int, default=2, help="also stripe the default configuration across this many folders (1: not)"
+    )
+    parser.add_argument(
+        "--stripe-dir", type=Path, nargs="+", default=[], help="the other folders' directories (other drives)"
+    )
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     mb = args.mb or (64 if args.quick else 1024)
-    configs = store_configs(args.chunk_mb, args.threads)
+    if args.paths < 1 or len(args.stripe_dir) > args.paths - 1:
+        parser.error(f"--paths {args.paths} takes at most {max(args.paths - 1, 0)} --stripe-dir folder(s)")
+    configs = store_configs(args.chunk_mb, args.threads, args.paths)
     if any(mb % c.chunk_mb for c in configs):
         parser.error(f"--mb {mb} must be a multiple of every chunk size: {sorted({c.chunk_mb for c in configs})}")
     if any(args.unit_mb % (3 * c.chunk_mb) for c in configs):
@@ -384,8 +440,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
 
     args.dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bench-tiers-", dir=args.dir) as work:
-        m = measure(Path(work), mb * MIB, configs, args.threads, args.reps, args.unit_mb * MIB)
+    with contextlib.ExitStack() as stack:
+        dirs = [
+            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-tiers-", dir=d)))
+            for d in [args.dir, *args.stripe_dir]
+        ]
+        dirs += [dirs[0] / f"path-{i}" for i in range(len(dirs), args.paths)]  # beside the first: the same disk
+        for folder in dirs:
+            folder.mkdir(exist_ok=True)
+        m = measure(dirs, mb * MIB, configs, args.threads, args.reps, args.unit_mb * MIB)
+        same_disk = len({os.stat(d).st_dev for d in dirs}) == 1
     rows = build_rows(m)
     chosen = recommend(m)
     ratios = m.ratios(chosen)
@@ -424,6 +488,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else ""
         )
     )
+    stripes = striping(m, args.paths, same_disk)
+    if stripes:
+        print(
+            f"\n{stripes['config']} against 1 path: write {stripes['write_ratio']:.2f} x, read "
+            f"{stripes['read_ratio']:.2f} x" + (" (folders on one disk: no bandwidth to gain)" if same_disk else "")
+        )
     print("\nIn this machine's config file:\n[offload]")
     print("\n".join(f"{key} = {str(value).lower()}" for key, value in recommended.items()))
 
@@ -456,6 +526,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpu_s_per_gb": costs,
         "cpu_cut": cut,
         "auto": auto,
+        "stripes": stripes,
     }
     save_json(args.out, "tiers", result)
     return result

@@ -20,7 +20,8 @@ Where things are
 - ``engine.tools``: what works on a store, a plan or a run's records from outside a run:
   ``estimate``, ``inspect``, ``consolidate``, ``export`` (``merge`` for LoRA), ``gather``, ``plot``.
 - ``offload`` (a sibling package) moves bytes: host buffers, the I/O runner, the zarr shard
-  store, its generations and commits; it never imports the engine.
+  store (striped across several folders by ``stripes``), its generations and commits; it never
+  imports the engine.
 
 Words, each with one meaning
 ----------------------------
@@ -32,6 +33,8 @@ Words, each with one meaning
   gathered like any unit, with no gradient and no state kinds; a store keeps its values once
   (``engine.tiers.frozen``).
 - *tier*: where shards live between uses: ``device``, ``cpu`` or ``nvme`` (a store).
+- *stripe*: a store's chunks spread across several folders, one per drive (``offload.nvme_path``
+  a list); the first folder is the store, the others hold shares of its chunks.
 - *generation*: one complete copy of the optimizer state in a store; *commit*: make a step's
   generation the one a run resumes from; *checkpoint*: a committed step kept under a tag.
 - *stream*: only a device's queue of work (the compute stream, the copy stream). Reading

@@ -117,7 +117,7 @@ class CheckpointStore:
         self, config: Config, layout: ModelLayout, rank: int, io: StoreIO, lock: Callable[[bool], None]
     ) -> None:
         self._path, self._layout, self._rank, self._io, self._lock = (
-            Path(config.offload.nvme_path),
+            Path(config.offload.store_path),
             layout,
             rank,
             io,
@@ -162,7 +162,7 @@ def optimizer_state(
     if offload.buffer_mb == "auto":
         check_buffer_memory(layout, buffer_bytes, psutil.virtual_memory().available, form)
     return StoreOptimizerState(
-        Path(offload.nvme_path),
+        Path(offload.store_path),
         layout,
         rank,
         io,
@@ -193,7 +193,7 @@ def parameters(
     tier: ParamTier
     if offload.param == "nvme":
         buffer_bytes = param_window_bytes(zero, comm.world_size)
-        path = Path(offload.nvme_path) / PARAM_STORE
+        path = Path(offload.store_path) / PARAM_STORE
         tier = StoreParamTier(
             path,
             layout,
@@ -263,7 +263,7 @@ def grad_spill(config: Config, layout: ModelLayout, rank: int, io: StoreIO) -> G
     if not spills_gradients(config):
         return None
     buffer = spill_buffer_bytes(config.offload, layout.units)
-    return GradSpill(config.offload.nvme_path, layout, rank, io, buffer_bytes=buffer)
+    return GradSpill(config.offload.store_path, layout, rank, io, buffer_bytes=buffer)
 
 
 def build_units(

@@ -58,11 +58,14 @@ class OffloadConfig:
     """Tier of the fp32 masters and AdamW moments: ``device`` (no offload), ``cpu`` or ``nvme``."""
     param: Tier = "device"
     """Tier of the compute-dtype parameter shards (stage 3 only)."""
-    nvme_path: str = "offload_store"
+    nvme_path: str | list[str] = "offload_store"
     """Folder of the zarr store used by the ``nvme`` tier (created if missing). A ``{node}`` in it
     stands for the index of the host a rank runs on: each host then writes its own store on its
     own disk (``/nvme/run/node-{node}``), and the hosts commit each step together. Without it,
-    every rank writes one folder (a single host, or a filesystem every host shares)."""
+    every rank writes one folder (a single host, or a filesystem every host shares). A list of
+    folders (one per drive; on the command line, separated by commas) stripes the store's chunks
+    across them (``offload.stripes``): the first keeps the store's identity and records the list,
+    which a resume must give again, in the same order; ``{node}`` applies to every folder."""
     buffer_mb: int | Literal["auto"] = "auto"
     """Host staging budget for the ``nvme`` tier in MiB: peak host memory for streamed state.
     ``auto``: twice the largest unit's optimizer state (one unit read while another is written),
@@ -87,13 +90,29 @@ class OffloadConfig:
     stage 1 reduces every gradient at the step)."""
 
     @property
+    def nvme_paths(self) -> list[str]:
+        """Every folder of the store, the first its identity: a list, or a string's comma-separated parts."""
+        return list(self.nvme_path) if isinstance(self.nvme_path, list) else self.nvme_path.split(",")
+
+    @property
+    def store_path(self) -> str:
+        """The store's own folder (the first of ``nvme_path``): its lock, commits and attributes."""
+        return self.nvme_paths[0]
+
+    @property
+    def stripe_paths(self) -> tuple[str, ...]:
+        """The store's other folders, holding shares of its chunks (none for one folder)."""
+        return tuple(self.nvme_paths[1:])
+
+    @property
     def node_local(self) -> bool:
         """Whether each host has its own store (``nvme_path`` holds ``{node}``)."""
-        return NODE in self.nvme_path
+        return NODE in self.store_path
 
     def on_node(self, node: int) -> OffloadConfig:
-        """This section as host ``node`` sees it: ``{node}`` in ``nvme_path`` replaced by its index."""
-        return dataclasses.replace(self, nvme_path=self.nvme_path.replace(NODE, str(node)))
+        """This section as host ``node`` sees it: ``{node}`` in every folder of ``nvme_path`` replaced by its index."""
+        paths = [p.replace(NODE, str(node)) for p in self.nvme_paths]
+        return dataclasses.replace(self, nvme_path=paths if len(paths) > 1 else paths[0])
 
 
 @dataclass
@@ -396,16 +415,33 @@ class Config:
             self.train.tensorboard,
             "needs the tensorboard package: pip install tensorboard (or leave train.tensorboard empty)",
         )
-        path = self.offload.nvme_path
-        _check(
-            not set("{}") & set(path.replace(NODE, "")),
-            "offload.nvme_path",
-            path,
-            f"the only placeholder it may hold is {NODE} (the host's index, for a store on each host)",
-        )
+        self._check_nvme_paths()
         ckpt = self.checkpoint
         _check(ckpt.interval >= 0, "checkpoint.interval", ckpt.interval, "must be >= 0 (0: no periodic checkpoints)")
         _check(ckpt.keep >= 0, "checkpoint.keep", ckpt.keep, "must be >= 0 (0 keeps every checkpoint)")
+
+    def _check_nvme_paths(self) -> None:
+        paths = self.offload.nvme_paths
+        for path in paths:
+            _check(path != "", "offload.nvme_path", self.offload.nvme_path, "names an empty folder: give every folder")
+            _check(
+                not set("{}") & set(path.replace(NODE, "")),
+                "offload.nvme_path",
+                self.offload.nvme_path,
+                f"the only placeholder it may hold is {NODE} (the host's index, for a store on each host)",
+            )
+        _check(
+            len({NODE in p for p in paths}) == 1,
+            "offload.nvme_path",
+            self.offload.nvme_path,
+            f"holds {NODE} in some folders only: put it in every one (each host stripes its store across its own drives)",
+        )
+        _check(
+            len(set(paths)) == len(paths),
+            "offload.nvme_path",
+            self.offload.nvme_path,
+            "names a folder twice: give each drive's folder once",
+        )
 
     def _check_model(self) -> None:
         _check(self.model.params >= 0, "model.params", self.model.params, "must be >= 0")

@@ -87,7 +87,7 @@ class Engine:
         step = hosts.agree_on_resume(config, self.comm, self.io, checkpoint) if resume else None
         if tier == "nvme" or (config.zero.stage == 3 and config.offload.param == "nvme") or checkpoint is not None:
             self._lock_store(create=not resume)
-        hosts.roll_back(config.offload.nvme_path, step, self.comm, self.io)  # to the step all hosts hold
+        hosts.roll_back(config.offload.store_path, step, self.comm, self.io)  # to the step all hosts hold
         self._build_tiers(opt_device, resume, checkpoint)
         build.build_units(
             self.layout,
@@ -200,7 +200,7 @@ class Engine:
             logger.warning(
                 "random states saved by %d rank(s) are not restored on %d", len(states), self.comm.world_size
             )
-        logger.info("resumed at step %d from %s", self.global_step, self.config.offload.nvme_path)
+        logger.info("resumed at step %d from %s", self.global_step, self.config.offload.store_path)
 
     def _commit_record(self, step: int) -> dict[str, Any]:
         """What a committed step (or a checkpoint) at ``step`` must remember besides the tensors."""
@@ -220,7 +220,7 @@ class Engine:
         stores), making its folder if ``create``; every rank hears if it is refused. A run that
         fails before writing leaves the folder as it found it (see ``StoreLock``)."""
         if not self._store_locked:
-            path = self.config.offload.nvme_path
+            path = self.config.offload.store_path
             self._store_lock = self.comm.on_leader(lambda: StoreLock.acquire(path, create=create), self.io.leader)
             self._store_locked = True
 

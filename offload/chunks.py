@@ -109,9 +109,8 @@ class ChunkFiles:
         self._lock = threading.Lock()
         self._local = threading.local()  # per I/O thread: an aligned block for the CRC trailer
 
-    def check_size(self, name: str, index: int, info: ArrayInfo) -> None:
-        """Refuse a chunk whose file does not hold the bytes its array's metadata promises."""
-        path = chunk_path(self.root, name, index)
+    def check_size(self, name: str, index: int, info: ArrayInfo, path: Path) -> None:
+        """Refuse a chunk whose file (at `path`) does not hold the bytes its array's metadata promises."""
         expected = info.chunk_bytes + (CRC_BYTES if info.checksum else 0)
         try:
             found = os.lstat(path).st_size

@@ -27,6 +27,9 @@ from zarr.storage import LocalStore
 FORMAT_KEY = "offload_store"
 FORMAT_VERSION = 1
 TORCH_DTYPE_ATTR = "torch_dtype"
+STRIPE_START_ATTR = "stripe_start"
+"""Array attribute of a store striped across several folders: the folder of its chunk 0
+(``offload.stripes``); absent, 0."""
 
 # torch dtype -> zarr data type of the stored elements. bfloat16 has no zarr
 # dtype; its bits round-trip exactly as uint16.
@@ -49,6 +52,8 @@ class ArrayInfo:
     chunk_elems: int
     dtype: torch.dtype
     checksum: bool
+    stripe_start: int = 0
+    """In a store of several folders, the position of the one holding chunk 0 (``offload.stripes``)."""
 
     @property
     def nchunks(self) -> int:
@@ -174,7 +179,12 @@ def parse_array_meta(name: str, meta_path: Path, meta: dict[str, Any]) -> ArrayI
     numel, chunk_elems = int(shape[0]), int(chunk_shape[0])
     if chunk_elems <= 0 or numel % chunk_elems:
         raise unsupported(f"numel {numel} is not a multiple of the chunk size {chunk_elems}")
-    return ArrayInfo(numel=numel, chunk_elems=chunk_elems, dtype=dtype, checksum=codecs[-1] == "crc32c")
+    start = meta.get("attributes", {}).get(STRIPE_START_ATTR, 0)
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise unsupported(f"attribute {STRIPE_START_ATTR}={start!r}")
+    return ArrayInfo(
+        numel=numel, chunk_elems=chunk_elems, dtype=dtype, checksum=codecs[-1] == "crc32c", stripe_start=start
+    )
 
 
 def create_group(root: Path, attrs: dict[str, Any]) -> None:
@@ -192,9 +202,13 @@ def update_group_attrs(root: Path, attrs: dict[str, Any]) -> None:
     zarr.open_group(LocalStore(root), mode="r+").update_attributes(attrs)
 
 
-def create_array_meta(root: Path, name: str, numel: int, chunk_elems: int, dtype: torch.dtype, checksum: bool) -> None:
+def create_array_meta(
+    root: Path, name: str, numel: int, chunk_elems: int, dtype: torch.dtype, checksum: bool, stripe_start: int | None
+) -> None:
     """Write the `zarr.json` of the 1-D array `name` (and of any missing group above it) in the
-    store at `root`, in the one form `parse_array_meta` reads back."""
+    store at `root`, in the one form `parse_array_meta` reads back (`stripe_start` only in a
+    store of several folders)."""
+    striped = {} if stripe_start is None else {STRIPE_START_ATTR: stripe_start}
     zarr.create_array(
         LocalStore(root),
         name=name,
@@ -205,5 +219,5 @@ def create_array_meta(root: Path, name: str, numel: int, chunk_elems: int, dtype
         compressors=[Crc32cCodec()] if checksum else None,
         filters=None,
         fill_value=0,
-        attributes={TORCH_DTYPE_ATTR: str(dtype).removeprefix("torch.")},
+        attributes={TORCH_DTYPE_ATTR: str(dtype).removeprefix("torch."), **striped},
     )

@@ -37,6 +37,7 @@ class NodeOps:
     `ShardStore` keeps: its cached array metadata and what its next `sync` must make durable."""
 
     path: Path
+    paths: tuple[Path, ...]
     _lock: threading.Lock
     _infos: dict[str, ArrayInfo]
     _pending_writes: list[tuple[str, int, int, Future]]
@@ -66,7 +67,10 @@ class NodeOps:
         Everything pending is synced first, so the data is durable before it
         appears under its new name (what keeping a checkpoint needs). zarr
         metadata holds no paths, so it stays valid; missing parent groups of
-        the destination are created.
+        the destination are created. In a store of several paths the first,
+        which says what the store holds, is renamed last, once the others'
+        renames are durable: a crash between leaves them moved ahead, which the
+        next move of the node finds done.
         """
         src = self._node_dir(src_prefix, "source prefix")
         check_name(dst_prefix, "destination prefix")
@@ -80,32 +84,50 @@ class NodeOps:
                 str(dst),
             )
         self.sync()
-        made = self._make_parent_groups(dst_prefix)
-        os.rename(src, dst)
+        for folder in self.paths[1:]:
+            if (folder / src_prefix).exists() or not (folder / dst_prefix).exists():
+                self.discard_orphan(folder, dst_prefix)
+                self._rename_in(folder, src_prefix, dst_prefix)
+        self._rename_in(self.path, src_prefix, dst_prefix)
         with self._lock:
             for name in [n for n in self._infos if under(n, src_prefix)]:
                 self._infos[dst_prefix + name[len(src_prefix) :]] = self._infos.pop(name)
+        log.debug("moved %s -> %s in %s", src.name, dst_prefix, self.path)
+
+    def _rename_in(self, folder: Path, src_prefix: str, dst_prefix: str) -> None:
+        """Rename a node within one of the store's folders, durably (a folder holding none of it: nothing)."""
+        src, dst = folder / src_prefix, folder / dst_prefix
+        if not src.exists():
+            return
+        made = self._make_parent_groups(folder, dst_prefix)
+        os.rename(src, dst)
         # New directory entries: in both parents, and for each new group its
         # zarr.json and its own entry.
         dirs = {str(src.parent), str(dst.parent)}
         for meta in made:
             dirs.update((str(Path(meta).parent), str(Path(meta).parent.parent)))
         self._fsync_all(made, dirs)
-        log.debug("moved %s -> %s in %s", src_prefix, dst_prefix, self.path)
 
-    def _make_parent_groups(self, prefix: str) -> list[str]:
-        """Create the missing groups above `prefix`; return their new metadata files."""
+    def _make_parent_groups(self, folder: Path, prefix: str) -> list[str]:
+        """Create the missing groups above `prefix` in `folder`; return their new metadata files."""
         made = []
         parts = prefix.split("/")[:-1]
         for depth in range(1, len(parts) + 1):
             group = "/".join(parts[:depth])
-            meta = self.path / group / "zarr.json"
+            meta = folder / group / "zarr.json"
             if not meta.exists():
-                create_subgroup(self.path, group)
+                create_subgroup(folder, group)
                 made.append(str(meta))
             elif read_json(meta).get("node_type") != "group":
                 raise ValueError(f"cannot place {prefix!r} under {group!r}: {group!r} is an array, not a group")
         return made
+
+    def discard_orphan(self, folder: Path, prefix: str) -> None:
+        """Remove `prefix` from another folder of the store when the first does not hold it: what
+        a crash between the folders' deletes left, never part of anything committed."""
+        node = folder / prefix
+        if folder != self.path and (node.exists() or node.is_symlink()) and not (self.path / prefix).exists():
+            self._discard(folder, node)
 
     def build(self, prefix: str, fill: Callable[[str], None]) -> None:
         """Create the group `prefix` whole or not at all: `fill(staging)` creates its arrays
@@ -136,29 +158,34 @@ class NodeOps:
             self._pending_writes = [w for w in self._pending_writes if not under(w[0], prefix)]
         for *_, future in doomed:
             future.exception()  # the data is being deleted: its errors no longer matter
-        self._discard(node)
-        node_str = str(node)
+        # The first folder first: once it no longer holds the node, what a crash leaves of it in
+        # the others is an orphan, removed when its name is next made.
+        nodes = [node, *(folder / prefix for folder in self.paths[1:])]
+        for folder, held in zip(self.paths, nodes, strict=True):
+            if held.is_dir() and not held.is_symlink():
+                self._discard(folder, held)
         with self._lock:
             for name in [n for n in self._infos if under(n, prefix)]:
                 del self._infos[name]
-            self._pending_files = {f for f in self._pending_files if not under(f, node_str)}
-            self._pending_dirs = {d for d in self._pending_dirs if not under(d, node_str)}
-            self._pending_dirs.add(str(node.parent))
+            for gone in map(str, nodes):
+                self._pending_files = {f for f in self._pending_files if not under(f, gone)}
+                self._pending_dirs = {d for d in self._pending_dirs if not under(d, gone)}
+            self._pending_dirs.update(str(held.parent) for held in nodes if held.parent.exists())
         log.debug("deleted %s from %s", prefix, self.path)
 
-    def _discard(self, node: Path) -> None:
-        """Remove a directory tree: renamed to a leftover name first, durably, so that no crash
-        leaves it half-removed under its own name."""
-        trash = self.path / f"{TRASH}{uuid.uuid4().hex}"
+    def _discard(self, folder: Path, node: Path) -> None:
+        """Remove a directory tree of the store's `folder`: renamed to a leftover name there first
+        (on its own drive), durably, so that no crash leaves it half-removed under its own name."""
+        trash = folder / f"{TRASH}{uuid.uuid4().hex}"
         os.rename(node, trash)
-        self._fsync_all([], {str(node.parent), str(self.path)})
+        self._fsync_all([], {str(node.parent), str(folder)})
         shutil.rmtree(trash)
 
     def sweep(self) -> None:
         """Remove what interrupted operations left behind: half-built groups (`build`),
         half-removed ones (`delete`), scratch stores and temporary metadata files. For the store's one writer,
         before it writes: nothing else refers to them."""
-        for entry in self.path.iterdir():
+        for entry in (entry for folder in self.paths for entry in folder.iterdir()):
             leftover = entry.name.startswith((STAGING, TRASH)) or entry.name == SCRATCH
             if leftover and entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)

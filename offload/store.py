@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import copy
 import errno
+import itertools
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
@@ -46,6 +46,7 @@ from offload.metadata import (
     update_group_attrs,
 )
 from offload.nodes import NodeOps
+from offload.stripes import absolute, clear_folders, create_stripes, open_stripes, stripe_index
 
 __all__ = ["ShardStore"]
 
@@ -78,8 +79,12 @@ class ShardStore(NodeOps):
         file_ops: FileOps | None,
         costs: CostAccount | None = None,
         scratch: bool = False,
+        stripes: tuple[Path, ...] = (),
     ) -> None:
         self.path = root
+        self.paths = (root, *stripes)
+        """Every folder of the store, the first its identity; chunk ``k`` of an array is in
+        ``paths[(stripe_start + k) % len(paths)]`` (``offload.stripes``)."""
         self.checksum = checksum
         self.scratch = scratch
         """Its chunks hold data for one step only: `sync` never makes them durable."""
@@ -87,6 +92,7 @@ class ShardStore(NodeOps):
         self._runner = runner
         self._files = ChunkFiles(root, file_ops if file_ops is not None else FileOps(), direct_io, costs)
         self._infos: dict[str, ArrayInfo] = {}
+        self._stripe_starts = itertools.count()
         self._lock = threading.Lock()
         # Since the last sync: one entry per write call (not per chunk), and the
         # metadata files and directories created or changed.
@@ -124,8 +130,10 @@ class ShardStore(NodeOps):
         beside: Collection[str] = (),
         scratch: bool = False,
         costs: CostAccount | None = None,
+        stripes: Sequence[str | os.PathLike[str]] = (),
     ) -> ShardStore:
-        """Create an empty store at `path` with group attributes `attrs`.
+        """Create an empty store at `path` with group attributes `attrs`, its chunks striped
+        across `path` and the folders `stripes` (each made in an existing parent) if any.
 
         `checksum` is the default for `create_array`. With `overwrite`, an existing store (or
         empty directory) at `path` is replaced; anything else there is left alone and refused.
@@ -137,26 +145,12 @@ class ShardStore(NodeOps):
         root = Path(path)
         if FORMAT_KEY in attrs:
             raise ValueError(f"group attribute {FORMAT_KEY!r} is reserved for the store's format marker")
-        if root.exists():
-            ignored = {LOCK_FILE, *beside}
-            contents = [p for p in root.iterdir() if p.name not in ignored] if root.is_dir() else [root]
-            if contents and not overwrite:
-                raise FileExistsError(
-                    f"cannot create an offload store at {root}: the path exists and is not empty; "
-                    f"open the store there, or remove it, or choose another path"
-                )
-            if contents and store_marker(root) is None:
-                raise FileExistsError(
-                    f"refusing to overwrite {root}: it is not an offload store nor an empty directory; "
-                    f"remove it yourself or choose another path"
-                )
-            for entry in contents:  # the writer lock, if any, stays held and in place
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
-        marker = {"version": FORMAT_VERSION, "checksum": checksum}
-        create_group(root, {**attrs, FORMAT_KEY: marker})
+        extra = absolute(stripes)
+        # Every folder is checked before any is changed: a refused store modifies nothing.
+        clear_folders(root, extra, overwrite, {LOCK_FILE, *beside})()
+        marker: dict[str, Any] = {"version": FORMAT_VERSION, "checksum": checksum}
+        create_stripes(root, extra, marker)
+        create_group(root, {**attrs, FORMAT_KEY: marker})  # last: the list names only folders made
         store = cls(
             root,
             dict(attrs),
@@ -166,9 +160,10 @@ class ShardStore(NodeOps):
             file_ops=file_ops,
             costs=costs,
             scratch=scratch,
+            stripes=extra,
         )
-        store._pending_files.add(str(root / "zarr.json"))
-        store._pending_dirs.update((str(root), str(root.parent)))
+        store._pending_files.update(str(p / "zarr.json") for p in store.paths)
+        store._pending_dirs.update(d for p in store.paths for d in (str(p), str(p.parent)))
         log.debug("created offload store %s (checksum=%s)", root, checksum)
         return store
 
@@ -181,9 +176,11 @@ class ShardStore(NodeOps):
         direct_io: bool = True,
         file_ops: FileOps | None = None,
         costs: CostAccount | None = None,
+        stripes: Sequence[str | os.PathLike[str]] | None = None,
     ) -> ShardStore:
         """Open an existing store for reading and writing; its I/O is accounted in `costs`
-        (shared by every store of a run, so a step's account is one), or in its own."""
+        (shared by every store of a run, so a step's account is one), or in its own. Its other
+        folders are those it recorded; `stripes`, where given, must be that very list."""
         root = Path(path)
         if not root.exists():
             raise FileNotFoundError(
@@ -202,11 +199,22 @@ class ShardStore(NodeOps):
                 f"offload store {root} has format version {marker.get('version')}, "
                 f"this code reads version {FORMAT_VERSION}"
             )
-        check_no_links(root)
+        extra = open_stripes(root, marker, stripes)
+        for folder in (root, *extra):
+            check_no_links(folder)
         attrs = group_attrs(root)
         log.debug("opened offload store %s", root)
         checksum = bool(marker.get("checksum", True))
-        return cls(root, attrs, runner=runner, checksum=checksum, direct_io=direct_io, file_ops=file_ops, costs=costs)
+        return cls(
+            root,
+            attrs,
+            runner=runner,
+            checksum=checksum,
+            direct_io=direct_io,
+            file_ops=file_ops,
+            costs=costs,
+            stripes=extra,
+        )
 
     # -------------------------------------------------------------- attributes
 
@@ -251,15 +259,22 @@ class ShardStore(NodeOps):
                 f"cannot create array {name!r}: {array_dir} already exists; delete it first with "
                 f"ShardStore.delete({name!r})"
             )
-        create_array_meta(self.path, name, numel, chunk_elems, dtype, self.checksum)
-        # Made here, not on first write, so the chunk writers never race to create it.
-        chunk_dir(self.path, name).mkdir()
-        info = ArrayInfo(numel=numel, chunk_elems=chunk_elems, dtype=dtype, checksum=self.checksum)
-        # zarr may have created parent groups too. Fsyncing one that already
-        # existed costs little, and the sets keep each path once.
-        groups = [p for p in array_dir.parents if under(str(p), str(self.path)) and p != self.path]
-        meta_files = [str(d / "zarr.json") for d in (array_dir, *groups)]
-        dirs = [str(d) for d in (chunk_dir(self.path, name), array_dir, *groups, self.path)]
+        meta_files: list[str] = []
+        dirs: list[str] = []
+        # Each new array starts on the next folder: a unit's arrays of one chunk each still spread.
+        start = None if len(self.paths) == 1 else next(self._stripe_starts) % len(self.paths)
+        for folder in (*self.paths[1:], self.path):  # the first last: it says the array exists
+            self.discard_orphan(folder, name)
+            create_array_meta(folder, name, numel, chunk_elems, dtype, self.checksum, start)
+            # Made here, not on first write, so the chunk writers never race to create it.
+            chunk_dir(folder, name).mkdir()
+            # zarr may have created parent groups too. Fsyncing one that already
+            # existed costs little, and the sets keep each path once.
+            node = folder / name
+            groups = [p for p in node.parents if under(str(p), str(folder)) and p != folder]
+            meta_files += [str(d / "zarr.json") for d in (node, *groups)]
+            dirs += [str(d) for d in (chunk_dir(folder, name), node, *groups, folder)]
+        info = ArrayInfo(numel, chunk_elems, dtype, self.checksum, start or 0)
         with self._lock:
             self._infos[name] = info
             self._pending_files.update(meta_files)
@@ -338,8 +353,10 @@ class ShardStore(NodeOps):
         if self.scratch:
             return future  # never synced, so not recorded for `sync`
         with self._lock:
-            self._pending_writes.append((name, first, buf.size // info.chunk_bytes, future))
-            self._pending_dirs.add(str(chunk_dir(self.path, name)))
+            count = buf.size // info.chunk_bytes
+            self._pending_writes.append((name, first, count, future))
+            touched = {self._folder_of(info, i) for i in range(first, first + min(count, len(self.paths)))}
+            self._pending_dirs.update(str(chunk_dir(folder, name)) for folder in touched)
         return future
 
     def read_range(self, name: str, start: int, out: torch.Tensor) -> None:
@@ -368,14 +385,18 @@ class ShardStore(NodeOps):
                 out[lo - start : hi - start].copy_(chunk[lo - index * size : hi - index * size])
 
     def chunk_path(self, name: str, index: int) -> Path:
-        """The file holding chunk `index` of array `name`."""
-        return chunk_path(self.path, name, index)
+        """The file holding chunk `index` of array `name`, on the store's path for it."""
+        return chunk_path(self._folder_of(self.array_info(name), index), name, index)
+
+    def _folder_of(self, info: ArrayInfo, index: int) -> Path:
+        """The folder holding chunk `index` of an array (`offload.stripes`)."""
+        return self.paths[stripe_index(info.stripe_start + index, len(self.paths))]
 
     def check_chunk_file(self, name: str, index: int) -> None:
         """Refuse a chunk whose file does not hold the bytes its array's metadata promises,
         before a buffer is allocated for it: metadata claiming a huge chunk must not make a
         reader allocate what no file holds."""
-        self._files.check_size(name, index, self.array_info(name))
+        self._files.check_size(name, index, self.array_info(name), self.chunk_path(name, index))
 
     def _check_request(self, kind: str, name: str, start: int, t: torch.Tensor) -> ArrayInfo:
         """Validate the buffer and that the range is non-empty and inside the array; return the array's info."""

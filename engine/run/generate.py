@@ -112,7 +112,7 @@ def generation_model(config: Config, vocab_size: int) -> tuple[nn.Module, int | 
 
 def resumed_engine(config: Config, model: nn.Module, checkpoint: str | None) -> Engine:
     """The engine of ``model`` with the store's committed step (or its checkpoint ``checkpoint``)."""
-    path = Path(config.offload.nvme_path)
+    path = Path(config.offload.store_path)
     if not (path / "zarr.json").is_file():
         raise FileNotFoundError(
             f"offload.nvme_path = {str(path)!r} holds no store: point --offload.nvme_path (or --config) at the "
@@ -198,7 +198,7 @@ def continue_ids(
     engine = resumed_engine(config, model, checkpoint)
     with contextlib.closing(engine):
         logger.info(
-            "generating %d tokens from step %d of %s", sampling.tokens, engine.global_step, config.offload.nvme_path
+            "generating %d tokens from step %d of %s", sampling.tokens, engine.global_step, config.offload.store_path
         )
         return sample_ids(cached_forward(engine, bool(config.model.hf)), prompt, sampling, positions)
 
@@ -209,7 +209,7 @@ def recorded_model(config: Config) -> Config:
     ``[lora]`` settings if it trained adapters), the config with that folder as ``model.hf``."""
     from engine.run.pretrained import SOURCE_FOLDER, SOURCE_RECORD
 
-    recorded = Path(config.offload.nvme_path) / SOURCE_FOLDER
+    recorded = Path(config.offload.store_path) / SOURCE_FOLDER
     if config.model.hf or not (recorded / "config.json").is_file():
         return config
     logger.info("%s records a model.hf run: generating with its model and tokenizer from %s", recorded.parent, recorded)

@@ -17,6 +17,7 @@ import errno
 import functools
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -90,7 +91,23 @@ def resumable(config: Config) -> bool:
 
 def own_store(config: Config) -> Path:
     """The store of the host this process runs on (``offload.nvme_path`` with its ``{node}``)."""
-    return Path(config.offload.on_node(node_of_env()).nvme_path)
+    return Path(config.offload.on_node(node_of_env()).store_path)
+
+
+def full_folder(err: BaseException, folders: list[Path]) -> Path:
+    """Which of a store's folders a full-disk error is about: the one its messages (or those
+    of its causes) name a file in (the others first: the store's messages name its own); the
+    first where none is named."""
+    told: list[str] = []
+    seen: BaseException | None = err
+    while seen is not None and len(told) < 16:
+        told += [str(seen), str(getattr(seen, "filename", "") or "")]
+        seen = seen.__cause__ or seen.__context__
+    for folder in [*folders[1:], folders[0]]:
+        absolute = os.path.abspath(folder)
+        if any(f"{folder}/" in text or f"{absolute}/" in text for text in told):
+            return folder
+    return folders[0]
 
 
 def save_checkpoint(engine: Engine, tag: str) -> None:
@@ -141,9 +158,12 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
         except ValueError:
             record = None
         holds = f"it still holds step {record.get('step')}" if record else "it holds no committed step yet"
+        folders = [Path(p) for p in config.offload.on_node(node_of_env()).nvme_paths]
+        full = full_folder(err, folders)
+        where = full if full == folders[0] else f"{full} (folder {folders.index(full) + 1} of store {path})"
         raise OSError(
             errno.ENOSPC,
-            f"the disk of {path} is full ({err}): free space there, or set offload.nvme_path to a larger disk "
+            f"the disk of {where} is full ({err}): free space there, or set offload.nvme_path to a larger disk "
             f'(store.mode = "in-place" needs half the space); {holds}, and the same command continues from it',
         ) from err
 
@@ -162,7 +182,7 @@ def start_engine(
             logger.warning(
                 '%s was stopped mid-step while rewritten in place (store.mode = "in-place"): resuming from its last '
                 "checkpoint, %s; the steps after it are taken again",
-                config.offload.nvme_path,
+                config.offload.store_path,
                 checkpoint,
             )
     return Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
@@ -268,7 +288,7 @@ def _source_keeper(config: Config, engine: Engine, init: object) -> Callable[[],
     if not config.model.hf or engine.comm.rank != 0:
         return lambda: None
     assert isinstance(init, (Pretrained, LoraInit))
-    store, hf, dtype = Path(config.offload.nvme_path), config.model.hf, init.dtype
+    store, hf, dtype = Path(config.offload.store_path), config.model.hf, init.dtype
     lora = dataclasses.asdict(config.lora) if config.lora.r else None
     recorded = False
 
@@ -330,7 +350,7 @@ def _run_steps(
     result.seconds_per_step = (time.perf_counter() - run_start) / max(1, len(result.losses))
     if result.stopped_early and rank == 0:
         how = (
-            f"run the same command again to resume from {engine.config.offload.nvme_path}"
+            f"run the same command again to resume from {engine.config.offload.store_path}"
             if config.offload.optimizer == "nvme"
             else "the state was in memory: resume from a checkpoint with --from-checkpoint TAG, or set "
             'offload.optimizer = "nvme" to make every step resumable'

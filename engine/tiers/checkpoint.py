@@ -95,9 +95,10 @@ class MemoryCheckpoints:
                 direct_io=io.direct_io,
                 overwrite=path.exists(),
                 beside=(PARAM_STORE,),
+                stripes=io.stripes,
             )
         io.barrier()
-        self.store = ShardStore.open(path, runner=io.runner, direct_io=io.direct_io, costs=io.costs)
+        self.store = ShardStore.open(path, runner=io.runner, direct_io=io.direct_io, costs=io.costs, stripes=io.stripes)
         first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)
         form.check_stored(stored_form(self.store.attrs), path)  # its checkpoints are of one form
         self.generations = Generations(self.store)

@@ -51,7 +51,9 @@ class GradSpill:
 
     def __init__(self, nvme_path: str | Path, layout: ModelLayout, rank: int, io: StoreIO, *, buffer_bytes: int):
         self.root = scratch_path(nvme_path, rank)
-        self.root.parent.mkdir(exist_ok=True)
+        stripes = io.stripes_of(str(self.root.relative_to(nvme_path)))  # spread like the store's own chunks
+        for folder in (self.root, *stripes):
+            folder.parent.mkdir(exist_ok=True)
         self.store = ShardStore.create(
             self.root,
             {},
@@ -61,6 +63,7 @@ class GradSpill:
             overwrite=True,
             scratch=True,
             costs=io.costs,
+            stripes=stripes,
         )
         for unit in layout.units:
             self.store.create_array(array_name(TOP, unit.name, GRAD), unit.shard_numel, unit.chunk_numel, torch.float32)

@@ -87,7 +87,7 @@ def agree_on_resume(config: Config, comm: Comm, io: StoreIO, checkpoint: str | N
     the run resumes from checkpoint ``checkpoint``, which every host's store holds); refused, on
     every rank alike, naming each host and what its store holds, when no such step exists. A
     store a run on several hosts wrote is refused on one host, naming ``GATHER``. Nothing is written."""
-    path = Path(config.offload.nvme_path)
+    path = Path(config.offload.store_path)
     if io.hosts == 1:
         check_whole(path, "resume on those hosts, or make their stores one")
         return None

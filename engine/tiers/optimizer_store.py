@@ -104,14 +104,11 @@ class StoreOptimizerState:
         self._held: dict[str, HostBuffer] = {}
         self._copy_bytes = window  # a checkpoint copy's buffer: room for it beside a read-ahead's window
         if self.leader and not resume:
-            check_nvme_path(path, layout, mode, scratch_bytes, form)
-            attrs = {"layout": layout.to_dict(), MODE_ATTR: mode, STATE_DTYPE_ATTR: form.name, **io.host_attrs()}
-            abandoned = check_new(path, self.runner)
-            ShardStore.create(
-                path, attrs, runner=self.runner, checksum=io.checksum, direct_io=io.direct_io, overwrite=abandoned
-            )
+            self._create(path, layout, io, mode, scratch_bytes)
         self.barrier()
-        self.store = ShardStore.open(path, runner=self.runner, direct_io=io.direct_io, costs=io.costs)
+        self.store = ShardStore.open(
+            path, runner=self.runner, direct_io=io.direct_io, costs=io.costs, stripes=io.stripes
+        )
         self.generations = Generations(self.store)
         if self.leader and resume:
             with naming_way_out(self.generations):
@@ -128,6 +125,22 @@ class StoreOptimizerState:
         if resume:
             with naming_way_out(self.generations):
                 self.resumed_from = self._open_existing(path, layout, checkpoint)
+
+    def _create(self, path: Path, layout: ModelLayout, io: StoreIO, mode: str, scratch_bytes: int) -> None:
+        """Make the store of a new run (replacing one in which nothing can be resumed), once its
+        folders are known to hold it."""
+        check_nvme_path(path, layout, mode, scratch_bytes, self.form, io.stripes)
+        attrs = {"layout": layout.to_dict(), MODE_ATTR: mode, STATE_DTYPE_ATTR: self.form.name, **io.host_attrs()}
+        abandoned = check_new(path, self.runner)
+        ShardStore.create(
+            path,
+            attrs,
+            runner=self.runner,
+            checksum=io.checksum,
+            direct_io=io.direct_io,
+            overwrite=abandoned,
+            stripes=io.stripes,
+        )
 
     # ------------------------------------------------------------ resuming
 

@@ -168,7 +168,9 @@ class StoreParamTier:
         self.runner = io.runner
         if io.leader:
             # Derived data: whatever an earlier run left here is replaced, never resumed from.
-            path.parent.mkdir(parents=True, exist_ok=True)
+            stripes = io.stripes_of(path.name)
+            for folder in (path, *stripes):
+                folder.parent.mkdir(parents=True, exist_ok=True)
             store = ShardStore.create(
                 path,
                 {"content": "compute-dtype parameter shards, derived from the masters"},
@@ -176,11 +178,14 @@ class StoreParamTier:
                 checksum=io.checksum,
                 direct_io=io.direct_io,
                 overwrite=True,
+                stripes=stripes,
             )
             create_arrays(store, TOP, layout.units, (PARAM_KIND,), dtype)
             store.sync()
         io.barrier()
-        self.store = ShardStore.open(path, runner=self.runner, direct_io=io.direct_io, costs=io.costs)
+        self.store = ShardStore.open(
+            path, runner=self.runner, direct_io=io.direct_io, costs=io.costs, stripes=io.stripes_of(path.name)
+        )
         self._writes: list[Future] = []
         self._bytes_read = 0
         self._bytes_written = 0

@@ -84,37 +84,70 @@ def check_buffer_memory(
         )
 
 
+def stripe_bytes(layout: ModelLayout, mode: str, form: StateForm, count: int) -> int:
+    """Disk the optimizer state takes on the first of ``count`` folders it is striped across,
+    the one holding the most (chunk ``k`` of each array on folder ``k % count``); ``store_bytes``
+    for one folder."""
+    per_generation = sum(
+        -(-(g.padded_numel // g.chunk_numel) // count) * g.chunk_numel * dtype.itemsize
+        for unit in layout.units
+        for g, dtype in zip(form.geometries(unit), form.dtypes(), strict=True)
+    )
+    return LIVE_GENERATIONS[mode] * per_generation
+
+
 def check_nvme_path(
-    path: Path, layout: ModelLayout, mode: str = GENERATIONS, scratch_bytes: int = 0, form: StateForm = FP32_STATE
+    path: Path,
+    layout: ModelLayout,
+    mode: str = GENERATIONS,
+    scratch_bytes: int = 0,
+    form: StateForm = FP32_STATE,
+    stripes: tuple[Path, ...] = (),
 ) -> None:
     """Refuse, before any work, a path that cannot hold the store of optimizer state in ``form``
-    and the run's spilled gradients (``scratch_bytes``) (missing rights or space)."""
-    parent = path if path.exists() else path.parent
-    if not parent.exists():
-        raise FileNotFoundError(
-            f"offload.nvme_path = {str(path)!r}: its parent folder {parent} does not exist; create it"
-        )
-    if not os.access(parent, os.W_OK):
-        raise PermissionError(f"offload.nvme_path = {str(path)!r}: {parent} is not writable; choose a writable folder")
-    need, free = store_bytes(layout, mode, form) + scratch_bytes, shutil.disk_usage(parent).free
-    if need > free:
-        in_place = store_bytes(layout, IN_PLACE, form) + scratch_bytes
-        hint = (
-            f'; store.mode = "in-place" needs {in_place / GIB:.2f} GiB (one generation rewritten each step; '
-            f"after a crash mid-step only an explicit checkpoint resumes)"
-            if mode != IN_PLACE and in_place <= free
-            else "; free some space or choose another nvme_path"
-        )
-        spilled = (
-            f" and {scratch_bytes / GIB:.2f} GiB of spilled gradients (offload.grad_spill; false keeps them in memory)"
-            if scratch_bytes
-            else ""
-        )
-        raise OSError(
-            f"offload.nvme_path = {str(path)!r}: the store needs {need / GIB:.2f} GiB "
-            f"({LIVE_GENERATIONS[mode]} generation(s) of fp32 master, exp_avg and exp_avg_sq, store.mode = {mode!r}"
-            f"{spilled}) but only {free / GIB:.2f} GiB are free there{hint}"
-        )
+    and the run's spilled gradients (``scratch_bytes``) (missing rights or space): each of the
+    folders it is striped across (``stripes``) its share, named."""
+    for folder in (path, *stripes):
+        parent = folder if folder.exists() else folder.parent
+        if not parent.exists():
+            raise FileNotFoundError(
+                f"offload.nvme_path = {str(folder)!r}: its parent folder {parent} does not exist; create it"
+                + (" (or mount its drive)" if stripes else "")
+            )
+        if not os.access(parent, os.W_OK):
+            raise PermissionError(
+                f"offload.nvme_path = {str(folder)!r}: {parent} is not writable; choose a writable folder"
+            )
+        # Spilled gradients spread as the store's chunks do: each array starts one folder further.
+        spilled = -(-scratch_bytes // (1 + len(stripes)))
+        _check_room(folder, parent, layout, mode, form, 1 + len(stripes), spilled)
+
+
+def _check_room(
+    path: Path, parent: Path, layout: ModelLayout, mode: str, form: StateForm, count: int, scratch_bytes: int
+) -> None:
+    """Refuse a folder whose disk cannot hold its share of the store (one of ``count``) and ``scratch_bytes``."""
+    need, free = stripe_bytes(layout, mode, form, count) + scratch_bytes, shutil.disk_usage(parent).free
+    if need <= free:
+        return
+    in_place = stripe_bytes(layout, IN_PLACE, form, count) + scratch_bytes
+    hint = (
+        f'; store.mode = "in-place" needs {in_place / GIB:.2f} GiB (one generation rewritten each step; '
+        f"after a crash mid-step only an explicit checkpoint resumes)"
+        if mode != IN_PLACE and in_place <= free
+        else "; free some space or choose another nvme_path"
+    )
+    spilled = (
+        f" and {scratch_bytes / GIB:.2f} GiB of spilled gradients (offload.grad_spill; false keeps them in memory)"
+        if scratch_bytes
+        else ""
+    )
+    share = f"its share (1 of {count} folders) of " if count > 1 else ""
+    raise OSError(
+        f"offload.nvme_path = {str(path)!r}: the store needs {need / GIB:.2f} GiB there "
+        f"({share}{LIVE_GENERATIONS[mode]} generation(s) of fp32 master, exp_avg and exp_avg_sq, store.mode = {mode!r}"
+        f"{spilled}) but only {free / GIB:.2f} GiB are free there{hint}"
+    )
 
 
 def way_out(generations: Generations) -> str:

@@ -51,6 +51,8 @@ class StoreIO:
     node: int = 0
     """The host this rank is on."""
     costs: CostAccount = field(default_factory=CostAccount)
+    stripes: tuple[Path, ...] = ()
+    """The store's other folders (``offload.nvme_path`` a list), holding shares of its chunks."""
 
     @classmethod
     def from_config(cls, offload: OffloadConfig, comm: Comm, node_local: bool) -> StoreIO:
@@ -60,7 +62,12 @@ class StoreIO:
         leader = comm.node_leader if node_local else comm.rank == 0
         hosts = comm.nodes if node_local else 1
         runner = IORunner(threads=offload.io_threads)
-        return cls(runner, offload.checksum, offload.direct_io, comm.barrier, leader, hosts, comm.node)
+        stripes = tuple(Path(p) for p in offload.stripe_paths)
+        return cls(runner, offload.checksum, offload.direct_io, comm.barrier, leader, hosts, comm.node, stripes=stripes)
+
+    def stripes_of(self, folder: str = "") -> tuple[Path, ...]:
+        """The other folders of the store nested at ``folder`` of the run's store (its own: "")."""
+        return tuple(p / folder for p in self.stripes) if folder else self.stripes
 
     def host_attrs(self) -> dict[str, dict[str, int]]:
         """What a new store records of the hosts it belongs with (``HOSTS_ATTR``): the node it is
@@ -93,7 +100,7 @@ def settle_io(config: Config, *, resume: bool, measure: bool = True) -> tuple[Co
     chunk, threads = o.chunk_mb, o.io_threads
     if chunk != "auto" and threads != "auto":
         return config, f"I/O: {chunk} MiB chunks x {threads} threads, set in the config"
-    path = Path(o.nvme_path)
+    path = Path(o.store_path)
     reasons = []
     kept = stored_chunk_mb(path) if resume and chunk == "auto" else None
     if kept is not None:

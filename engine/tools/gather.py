@@ -27,6 +27,7 @@ from engine.tiers.store_io import HOSTS_ATTR
 from offload import Generations, IORunner, ShardStore
 from offload.lock import LOCK_FILE
 from offload.nodes import STAGING, TRASH
+from offload.stripes import make_one_folder
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,11 @@ def gather(out: str | os.PathLike[str], stores: Sequence[str | os.PathLike[str]]
     step = common_step(found, len(paths))
     staging = out.with_name(f".{out.name}.gathering")
     shutil.rmtree(staging, ignore_errors=True)  # a gather that was interrupted
-    for path in paths:
-        _copy_missing(path, staging, link)
     with IORunner(threads=1) as runner:
+        for path in paths:  # every folder of a store striped across several, into the one
+            for folder in ShardStore.open(path, runner=runner).paths:
+                _copy_missing(folder, staging, link)
+        make_one_folder(staging)
         store = ShardStore.open(staging, runner=runner)
         generations = Generations(store)
         record = generations.committed()

@@ -138,6 +138,7 @@ def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[st
         arrays = _generation_arrays(store, generation)
         report: dict[str, Any] = {
             "path": str(path),
+            "paths": [str(folder) for folder in store.paths],
             "format": {"zarr": 3, "offload_store": FORMAT_VERSION, "checksum": store.checksum},
             "committed": None if record is None else _scalars(record),
             "mode": store.attrs.get(MODE_ATTR, GENERATIONS),
@@ -168,7 +169,7 @@ def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[st
             "frozen": _frozen(store, layout),
             "generations": Generations(store).on_disk(),
             "checkpoints": _checkpoints(path),
-            "disk_bytes": _disk_bytes(path),
+            "disk_bytes": sum(_disk_bytes(folder) for folder in store.paths),
             "verify": _verify(store, layout, generation, arrays | unit_arrays(store, FROZEN)) if verify else None,
         }
     return report
@@ -282,12 +283,18 @@ def _size(n: int) -> str:
     return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
 
 
+def _stripes_lines(paths: list[str]) -> list[str]:
+    """The folders a store's chunks are striped across, if more than its own."""
+    return [f"striped:     {len(paths)} folders, chunks on each in turn: {', '.join(paths)}"] if len(paths) > 1 else []
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as text for a terminal: one fact a line, units as a table."""
     fmt, committed = report["format"], report["committed"]
     checksum = "on" if fmt["checksum"] else "off"
     lines = [
         f"store:       {report['path']}",
+        *_stripes_lines(report["paths"]),
         f"format:      zarr v{fmt['zarr']}, offload store v{fmt['offload_store']}, CRC-32C {checksum}",
         f"io:          {report['io']}",
     ]

@@ -32,14 +32,15 @@ def test_tiers_quick(tmp_path: Path) -> None:
     assert record["recommended_measured"]["write"] > 0 and record["recommended_measured"]["read"] > 0
     assert record["recommended"]["chunk_mb"] in (4, 16)
     assert record["recommended"]["io_threads"] in (2, 4)  # the grid's, or the default's run buffered
-    # memcpy, raw at 2 threads, the 2 x 1 grid and the default, then its buffered, unchecksummed
-    # and base-page variants
-    assert [row["tier"].split()[0] for row in record["rows"]] == ["host", "raw", *["store"] * 6]
-    assert [row["config"] for row in record["rows"][-4:]] == [
+    # memcpy, raw at 2 threads, the 2 x 1 grid and the default, then its buffered, unchecksummed,
+    # base-page and two-path variants
+    assert [row["tier"].split()[0] for row in record["rows"]] == ["host", "raw", *["store"] * 7]
+    assert [row["config"] for row in record["rows"][-5:]] == [
         "16 MiB x 4",
         "16 MiB x 4, buffered",
         "16 MiB x 4, no crc",
         "16 MiB x 4, base pages",
+        "16 MiB x 4, 2 paths",
     ]
     # the default's CPU per GB in huge pages against base pages, both measured
     for kind in ("write", "read"):
@@ -47,7 +48,17 @@ def test_tiers_quick(tmp_path: Path) -> None:
         assert cut["before"] > 0 and cut["now"] > 0 and cut["ratio"] == pytest.approx(cut["now"] / cut["before"])
     for row in record["rows"]:
         assert row["write GB/s"] > 0 and row["read GB/s"] > 0
+    stripes = record["stripes"]
+    assert stripes["paths"] == 2 and stripes["same_disk"] and stripes["write_ratio"] > 0 and stripes["read_ratio"] > 0
     assert list(disk.iterdir()) == []  # every benchmark file was removed
+
+
+def test_tiers_stripes_across_other_drives_folders(tmp_path: Path) -> None:
+    disk, other = tmp_path / "disk", tmp_path / "other"
+    other.mkdir()
+    tiers.main(["--out", str(tmp_path), "--dir", str(disk), *TINY_TIERS, "--paths", "2", "--stripe-dir", str(other)])
+    assert load_record(tmp_path, "tiers")["stripes"]["striped"]["write"] > 0
+    assert list(disk.iterdir()) == [] and list(other.iterdir()) == []
 
 
 def test_tiers_moves_one_unit_as_the_tier_does(tmp_path: Path) -> None:
@@ -63,6 +74,7 @@ def test_tiers_moves_one_unit_as_the_tier_does(tmp_path: Path) -> None:
         "16 MiB x 4, buffered",
         "16 MiB x 4, no crc",
         "16 MiB x 4, base pages",
+        "16 MiB x 4, 2 paths",
     ]
     assert all(row["write GB/s"] > 0 and row["read GB/s"] > 0 and row["write/raw"] > 0 for row in units)
     assert list(disk.iterdir()) == []

@@ -59,14 +59,24 @@ def train(eng: Engine, data: TokenBatches, steps: int) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "mode,kills",
-    [("generations", 6), ("in-place", 6), pytest.param("generations", 50, marks=pytest.mark.slow), pytest.param("in-place", 50, marks=pytest.mark.slow)],
+    "mode,kills,folders",
+    [
+        ("generations", 6, 1),
+        ("in-place", 6, 1),
+        pytest.param("generations", 6, 2, marks=pytest.mark.slow),  # the store striped across two folders: 100 s
+        pytest.param("generations", 50, 1, marks=pytest.mark.slow),
+        pytest.param("in-place", 50, 1, marks=pytest.mark.slow),
+        pytest.param("in-place", 50, 2, marks=pytest.mark.slow),
+    ],
 )
-def test_kill_nine_at_random_instants_always_resumes_unaided(tmp_path, monkeypatch, mode: str, kills: int) -> None:
+def test_kill_nine_at_random_instants_always_resumes_unaided(tmp_path, monkeypatch, mode: str, kills: int, folders: int) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     store = tmp_path / "store"
+    for drive in range(1, folders):
+        (tmp_path / f"drive-{drive}").mkdir()
+    nvme_path = ",".join([str(store), *(str(tmp_path / f"drive-{d}" / "store") for d in range(1, folders))])
     overrides = OVERRIDES + [f"store.mode={mode}"]
-    config = Config.from_dict({}, overrides + [f"nvme_path={store}"])
+    config = Config.from_dict({}, overrides + [f"nvme_path={nvme_path}"])
     _, vocab = load_tokens(config.data.source)
     reference_config = Config.from_dict({}, overrides + ["offload.optimizer=cpu"])
     reference = Engine(build_model(reference_config, vocab), reference_config)
@@ -80,7 +90,7 @@ def test_kill_nine_at_random_instants_always_resumes_unaided(tmp_path, monkeypat
 
     rng = random.Random(0)
     env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    command = [sys.executable, "-m", "engine", "train", "--nvme_path", str(store)]
+    command = [sys.executable, "-m", "engine", "train", "--nvme_path", nvme_path]
     command += [part for o in overrides for part in (f"--{o.split('=')[0]}", o.split("=")[1])]
     resumed_steps = []
     for kill in range(kills):

@@ -3,8 +3,10 @@ disk and device memory a plan must fit in, and the choice of the least offload t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -71,7 +73,7 @@ class Machine:
     ram_bytes: int
     """Host memory available now (``psutil.virtual_memory().available``)."""
     disk_free_bytes: int
-    """Free disk where the store would go."""
+    """Free disk where the store would go (``striped_free`` of its folders)."""
     device_bytes: int | None
     """Memory of each rank's device, or the engine's ``zero.device_memory_limit_mb``; None: no
     limit of its own (a CPU build without one, where the device is host memory)."""
@@ -88,7 +90,7 @@ class Machine:
             limit = torch.get_device_module(accelerator).get_device_properties(index).total_memory
         return cls(
             ram_bytes=psutil.virtual_memory().available,
-            disk_free_bytes=shutil.disk_usage(existing_ancestor(Path(config.offload.nvme_path))).free,
+            disk_free_bytes=striped_free([existing_ancestor(Path(p)) for p in config.offload.nvme_paths]),
             device_bytes=limit,
             device_is_host=not on_accelerator,
         )
@@ -124,6 +126,15 @@ class Machine:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def striped_free(folders: Sequence[Path]) -> int:
+    """The largest store striped evenly across ``folders`` their disks hold: each disk takes its
+    folders' shares, so the one with least room per share bounds it (folders on one disk share
+    its room: striping across them adds none)."""
+    shares = collections.Counter(os.stat(f).st_dev for f in folders)
+    room = {os.stat(f).st_dev: shutil.disk_usage(f).free for f in folders}
+    return min(room[disk] * len(folders) // count for disk, count in shares.items())
 
 
 def existing_ancestor(path: Path) -> Path:
