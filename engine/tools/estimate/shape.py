@@ -147,8 +147,8 @@ class RunShape:
 
     @property
     def form(self) -> StateForm:
-        """The optimizer state's form (``optim.state_dtype``)."""
-        return StateForm(self.config.optim.state_dtype)
+        """The optimizer state's form (``optim.state_dtype``, ``optim.master_dtype``)."""
+        return StateForm.of(self.config.optim)
 
     @property
     def itemsize(self) -> int:
