@@ -4,9 +4,9 @@
 accelerator exists, so the copy up is asynchronous), ``nvme`` in a store under
 ``<offload.nvme_path>/params``, read ahead into pooled host buffers. Either way a gather
 ``read``s a shard early and waits for its ``Fetch`` late, and every optimizer step hands
-the new fp32 masters back through ``write_back``, then ``flush``es.
+the new masters back through ``write_back``, then ``flush``es.
 
-The parameter shards are derived data: the fp32 masters are the truth, and a resume
+The parameter shards are derived data: the masters are the truth, and a resume
 rebuilds the shards from the committed masters. So the ``nvme`` tier keeps one copy
 outside the store's generations, rewritten in place each step: half the bytes of a
 versioned copy, and a crash mid-write loses nothing that resume does not recompute.
@@ -84,7 +84,7 @@ class ParamTier(Protocol):
         ...
 
     def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """Store the unit's new shard, cast from its fp32 master (copied before returning)."""
+        """Store the unit's new shard, cast from its master (copied before returning)."""
         ...
 
     def flush(self) -> None:

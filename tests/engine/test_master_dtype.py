@@ -97,6 +97,21 @@ def test_a_bf16_master_moves_on_average_by_updates_below_its_ulp() -> None:
     assert narrow.unique().numel() > 1, "each weight rounds on its own draw"
 
 
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_parameters_read_from_the_masters_train_as_a_copy_does(tmp_path, optimizer: str) -> None:
+    """The parameter tier reading the bf16 masters (on the optimizer's tier, memory or store)
+    gives the bits of parameters kept as a copy in memory (``offload.param = "cpu"``)."""
+    results = []
+    for param in ("nvme", "cpu"):
+        cfg = shared(tmp_path / param).to_dict()
+        cfg["offload"] |= {"optimizer": optimizer, "param": param}
+        results.append(train_engine(Config.from_dict(cfg), 3))
+    assert not (tmp_path / "nvme" / "store" / "params").exists(), "no copy on disk"
+    shared_run, copied = results
+    assert shared_run["losses"] == copied["losses"]
+    assert all(torch.equal(shared_run["params"][k], copied["params"][k]) for k in copied["params"])
+
+
 @pytest.mark.parametrize("mode", ["generations", "in-place"])
 def test_shared_bf16_masters_resume_bit_identically(tmp_path, mode: str) -> None:
     straight = Engine(tiny_gpt(), shared(tmp_path / "a", mode), total_steps=4)
