@@ -17,7 +17,7 @@ from engine.config import Config
 from engine.config_parse import ConfigError
 from engine.engine import Engine
 from engine.tools.consolidate import consolidate
-from engine.tools.estimate import plan_of, run_shape, store_bytes
+from engine.tools.estimate import Plan, estimate_plans, plan_of, run_shape, store_bytes
 from engine.tools.estimate.terms import step_io_bytes
 from engine.tools.export import export
 from engine.tools.inspect import format_report, inspect_store
@@ -189,6 +189,26 @@ def test_shared_masters_need_a_bf16_compute_dtype() -> None:
         Config.from_dict(raw)
     raw["offload"]["param"] = "cpu"  # the parameters keep a copy of their own in memory
     Config.from_dict(raw)
+
+
+def test_estimate_counts_a_shared_master_once_and_refuses_it_in_another_compute_dtype(tmp_path) -> None:
+    """Against fp32 masters with their copy: 2 B/param less master and no 2 B/param copy on
+    disk; in a step's I/O 2 x 2 less state and no copy written. A config whose compute dtype
+    is not bf16 (valid with the parameters in memory) gets the stage-3 nvme plan refused."""
+    plan = Plan(3, "nvme", "nvme")
+    (bf16, fp32) = (run_shape(shared(tmp_path, master_dtype=m), 1, model=tiny_gpt()) for m in ("bf16", "fp32"))
+    numel = bf16.layout.numel
+    padded = sum(u.padded_numel for u in bf16.layout.units)
+    assert store_bytes(fp32, plan) - store_bytes(bf16, plan) == 2 * padded + 2 * padded
+    shards = sum(u.shard_numel for u in bf16.layout.units)
+    assert step_io_bytes(fp32, plan) - step_io_bytes(bf16, plan) == 2 * 2 * shards + 2 * shards
+    assert 12 < step_io_bytes(bf16, plan) / numel < 12.5  # gathers read 4, the state 2 x 4.03, padding aside
+    raw = shared(tmp_path).to_dict()
+    raw["precision"]["compute_dtype"] = "fp32"
+    raw["offload"]["param"] = "cpu"
+    run = run_shape(Config.from_dict(raw), 1, model=tiny_gpt())
+    [refused] = estimate_plans(run, baseline_bytes=0, plans=[plan])
+    assert 'compute_dtype must be "bf16"' in refused.refused
 
 
 def on_disk(path: Path) -> int:

@@ -158,7 +158,7 @@ def refusal(run: RunShape, plan: Plan) -> str:
     """The engine's own refusal of ``plan`` for ``run`` whatever the machine, or "": the
     config's (say, bf16 masters shared at stage 3 with another compute dtype), or the tier's."""
     try:
-        plan.apply(run.config).validate()
+        plan.apply(run.config)
     except ConfigError as err:
         return str(err)
     if plan.optimizer == "nvme":
@@ -214,7 +214,7 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
     on a CPU build)."""
     if device_is_host is None:
         device_is_host = not torch.accelerator.is_available()
-    run = dataclasses.replace(run, config=plan.apply(run.config))
+    run = dataclasses.replace(run, config=plan.laid_over(run.config))
 
     def size(footprint: Footprint) -> int:
         return footprint.rss(device_is_host)

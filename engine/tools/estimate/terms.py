@@ -138,7 +138,7 @@ def spill_staging_bytes(run: RunShape) -> int:
 
 def scratch_bytes(run: RunShape, plan: Plan) -> int:
     """Disk of the gradients ``plan`` spills, all ranks, in the store's scratch folder during the run."""
-    return FP32 * run.padded if spills_gradients(plan.apply(run.config)) else 0
+    return FP32 * run.padded if spills_gradients(plan.laid_over(run.config)) else 0
 
 
 def step_io_bytes(run: RunShape, plan: Plan) -> int:
@@ -157,7 +157,7 @@ def param_io_bytes(run: RunShape, plan: Plan) -> int:
     if plan.param != "nvme":
         return 0
     reads = 2 * run.config.zero.grad_accum_steps * sum(shard_bytes(u, run.dtype) for u in run.layout.all_units)
-    shared = shares_master(plan.apply(run.config))
+    shared = shares_master(plan.laid_over(run.config))
     return reads + (0 if shared else sum(shard_bytes(u, run.dtype) for u in run.layout.units))
 
 
@@ -219,7 +219,7 @@ def store_bytes(run: RunShape, plan: Plan) -> int:
     config, layout = run.config, run.layout
     live = optimizer_store_bytes(layout, config.store.mode, run.form) if plan.optimizer == "nvme" else 0
     on_disk = plan.param == "nvme"
-    copied = on_disk and not shares_master(plan.apply(config))
+    copied = on_disk and not shares_master(plan.laid_over(config))
     params = sum(array_bytes(u, run.dtype) for u in layout.units) if copied else 0
     ckpt = config.checkpoint
     kept = ckpt.keep if ckpt.keep else (config.train.steps // ckpt.interval if ckpt.interval else 0)
