@@ -150,6 +150,17 @@ def test_two_ranks_of_shared_bf16_masters_resume_bit_identically(tmp_path) -> No
         assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+def test_a_store_of_two_ranks_resumes_on_one_reading_its_masters_range_by_range(tmp_path) -> None:
+    """The parameters of one rank resuming a store cut for two are read from the masters as
+    they are stored (shards of the other layout) until its first step writes its own."""
+    [(_, trained), _] = run_ranks(2, stop_and_resume_on_ranks, str(tmp_path), 2, 2)
+    resumed = Engine.resume(tiny_gpt(), shared(tmp_path, "generations"), total_steps=3)
+    got = params(resumed)
+    assert all(torch.equal(got[k], trained[k]) for k in trained)
+    run(resumed, 1)
+    resumed.close()
+
+
 def test_bf16_masters_resume_bit_identically_at_stage_2(tmp_path) -> None:
     def cfg(name: str) -> Config:
         offload = {"optimizer": "nvme", "nvme_path": str(tmp_path / name)}
