@@ -34,9 +34,9 @@ shards held in memory, so that the two can be compared. The default 200M
 parameters move 4.8 GB through the disk per step (about 4-5 s here), enough
 to reach the disk's steady rates while the section stays near a minute and a half.
 
-With `--state-dtype bf16` or `int8` (`optim.state_dtype`) the host memory section adds the
-engine's update on moments of that form (`CompactAdamW`), and the nvme tier section runs its
-step on a store of that form; its row gives the bytes per parameter stored and moved (read
+With `--state-dtype bf16` or `int8` (`optim.state_dtype`), or `--master-dtype bf16`
+(`optim.master_dtype`), the host memory section adds the engine's update on state of that form
+(`CompactAdamW`), and the nvme tier section runs its step on a store of that form; its row gives the bytes per parameter stored and moved (read
 plus written) per step, as measured from the store's pipeline. With `int8`, the 8-bit AdamW of
 bitsandbytes and of torchao join the host memory section where they import.
 
@@ -75,7 +75,7 @@ from engine.runtime.sizes import MIB
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB, optimizer_buffer_bytes
 from engine.tiers.store_io import StoreIO
-from engine.zero.moments import CompactAdamW, StateForm
+from engine.zero.moments import FP32_STATE, CompactAdamW, StateForm
 from engine.zero.partition import ModelLayout, build_layout, max_chunk_numel
 from offload import CHUNK_RANGE, IORunner, PipelineStats, auto_settings
 
@@ -108,7 +108,7 @@ class Setup:
     reps: int
     memcpy_gbps: float
     nvme: NvmeSetup
-    state_dtype: str = "fp32"
+    form: StateForm = FP32_STATE
 
     @property
     def bound_mparams(self) -> float:
@@ -150,16 +150,17 @@ def _params_and_grads(sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor
     return [(torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3) for n in sizes]
 
 
-def shard_adamw_step(sizes: list[int], kernel: str, state_dtype: str = "fp32") -> Step:
-    """One engine optimizer step: `CompactAdamW.update` (`ShardAdamW`'s, for fp32 moments) on
-    each flat shard in turn, its moments in ``state_dtype``."""
-    config = OptimConfig(kernel=kernel, state_dtype=state_dtype)
-    opt, form = CompactAdamW(config), StateForm(state_dtype)
+def shard_adamw_step(sizes: list[int], kernel: str, form: StateForm = FP32_STATE) -> Step:
+    """One engine optimizer step: `CompactAdamW.update` (`ShardAdamW`'s, for fp32 state) on
+    each flat shard in turn, its state in ``form``."""
+    config = OptimConfig(kernel=kernel, state_dtype=form.name, master_dtype=form.master)
+    opt = CompactAdamW(config)
     units = synthetic_layout(sizes, CHUNK_RANGE[1]).units
     shards = []
     for unit, (p, g) in zip(units, _params_and_grads([u.shard_numel for u in units]), strict=True):
-        _, exp_avg, exp_avg_sq = (t.zero_() for t in form.empty(unit))
-        shards.append((p, g, exp_avg, exp_avg_sq, opt.new_step_counter(p.device)))
+        master, exp_avg, exp_avg_sq = form.empty(unit)
+        master.copy_(p)
+        shards.append((master, g, exp_avg.zero_(), exp_avg_sq.zero_(), opt.new_step_counter(p.device)))
 
     def step() -> None:
         for shard in shards:
@@ -208,15 +209,22 @@ def library_8bit() -> dict[str, type]:
     return found
 
 
-def optimizers(state_dtype: str) -> dict[str, Callable[[list[int]], Step]]:
-    """``OPTIMIZERS``, and the engine's update on compact moments of ``state_dtype`` (for
-    ``int8``, beside the libraries' 8-bit AdamW that import here)."""
-    if state_dtype == "fp32":
+def form_name(form: StateForm) -> str:
+    """How a table names a state form: its moments' dtype, and its masters' where not fp32."""
+    return f"{form.name} moments" + (f", {form.master} masters" if form.master != "fp32" else "")
+
+
+def optimizers(form: StateForm) -> dict[str, Callable[[list[int]], Step]]:
+    """``OPTIMIZERS``, and the engine's update on compact state of ``form`` (for int8 moments,
+    beside the libraries' 8-bit AdamW that import here)."""
+    if form == FP32_STATE:
         return OPTIMIZERS
     found: dict[str, Callable[[list[int]], Step]] = {
-        f"CompactAdamW fused {state_dtype}": lambda sizes: shard_adamw_step(sizes, "fused", state_dtype)
+        f"CompactAdamW fused {form.name}" + (f" {form.master} master" if form.master != "fp32" else ""): (
+            lambda sizes: shard_adamw_step(sizes, "fused", form)
+        )
     }
-    if state_dtype == "int8":
+    if form.name == "int8":
         for name, cls in library_8bit().items():
             found[name] = functools.partial(torch_adamw_step, optimizer=cls)
     return {**OPTIMIZERS, **found}
@@ -229,7 +237,7 @@ def host_memory_section(setup: Setup) -> Section:
     that their steps can interleave, round after round.
     """
     sizes = setup.shard_sizes()
-    built = optimizers(setup.state_dtype).items()
+    built = optimizers(setup.form).items()
     steps = {name: build(sizes) for name, build in tqdm(built, desc="building", unit="optimizer")}
     runs = {(name, t): _on_threads(step, t) for name, step in steps.items() for t in setup.threads}
     with threads_restored():
@@ -275,13 +283,12 @@ class NvmeOptimizer:
     memory, where the engine keeps its gradient shards too.
     """
 
-    def __init__(self, path: Path, layout: ModelLayout, nvme: NvmeSetup, state_dtype: str = "fp32"):
+    def __init__(self, path: Path, layout: ModelLayout, nvme: NvmeSetup, form: StateForm = FP32_STATE):
         offload = OffloadConfig()
         self.layout = layout
-        self.config = OptimConfig(state_dtype=state_dtype)
+        self.config = OptimConfig(state_dtype=form.name, master_dtype=form.master)
         self.opt = CompactAdamW(self.config)
         self.io = StoreIO(IORunner(threads=nvme.io_threads), offload.checksum, offload.direct_io, lambda: None)
-        form = StateForm(state_dtype)
         buffer_bytes = optimizer_buffer_bytes(nvme, layout.units, form)
         self.state = StoreOptimizerState(path, layout, 0, self.io, buffer_bytes=buffer_bytes, form=form)
         sizes = [unit.shard_numel for unit in layout.units]
@@ -327,7 +334,7 @@ class NvmeRound:
 
 
 def measure_nvme(
-    nvme: NvmeSetup, layout: ModelLayout, raw_bytes: int, reps: int, state_dtype: str = "fp32"
+    nvme: NvmeSetup, layout: ModelLayout, raw_bytes: int, reps: int, form: StateForm = FP32_STATE
 ) -> list[NvmeRound]:
     """`reps` timed rounds after an untimed one (warm-up), in a temporary directory under `nvme.directory`.
 
@@ -337,11 +344,11 @@ def measure_nvme(
     """
     raw_buffer = page_aligned(raw_bytes)
     raw_buffer.fill_(0x5A)  # first touch outside the timed region
-    compute = shard_adamw_step([unit.shard_numel for unit in layout.units], OptimConfig().kernel, state_dtype)
+    compute = shard_adamw_step([unit.shard_numel for unit in layout.units], OptimConfig().kernel, form)
     rounds: list[NvmeRound] = []
     nvme.directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-optimizer-", dir=nvme.directory) as work:
-        optimizer = NvmeOptimizer(Path(work) / "store", layout, nvme, state_dtype)
+        optimizer = NvmeOptimizer(Path(work) / "store", layout, nvme, form)
         try:
             for round_ in tqdm(range(reps + 1), desc="nvme tier", unit="round"):
                 raw = raw_disk_gbps(work, raw_bytes, nvme.io_threads, reps=1, buffer=raw_buffer)
@@ -366,9 +373,9 @@ def nvme_tier_section(setup: Setup) -> Section:
     """
     nvme = setup.nvme
     layout = synthetic_layout(setup.shard_sizes(nvme.params), nvme.chunk_mb)
-    state_bytes = sum(StateForm(setup.state_dtype).unit_bytes(unit) for unit in layout.units)
+    state_bytes = sum(setup.form.unit_bytes(unit) for unit in layout.units)
     raw_bytes = max(mmap.PAGESIZE, min(RAW_MAX_BYTES, state_bytes) // mmap.PAGESIZE * mmap.PAGESIZE)
-    rounds = measure_nvme(nvme, layout, raw_bytes, setup.reps, setup.state_dtype)
+    rounds = measure_nvme(nvme, layout, raw_bytes, setup.reps, setup.form)
 
     def median(value: Callable[[NvmeRound], float]) -> float:
         return statistics.median(value(r) for r in rounds)
@@ -406,7 +413,7 @@ def nvme_tier_section(setup: Setup) -> Section:
     }
     reads = "cold (page cache dropped before each step)" if cold else "WARM (page cache not dropped)"
     title = (
-        f"{nvme.params / 1e6:g}M params ({setup.state_dtype} moments) in {len(layout.units)} units, buffer {nvme.buffer_mb} MiB, "
+        f"{nvme.params / 1e6:g}M params ({form_name(setup.form)}) in {len(layout.units)} units, buffer {nvme.buffer_mb} MiB, "
         f"{nvme.chunk_mb} MiB chunks, {nvme.io_threads} I/O threads, {torch.get_num_threads()} torch threads; "
         f"median of {setup.reps} steps, reads {reads}"
     )
@@ -463,6 +470,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32", help="optim.state_dtype (default fp32)"
     )
+    parser.add_argument(
+        "--master-dtype", choices=["fp32", "bf16"], default="fp32", help="optim.master_dtype (default fp32)"
+    )
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     buffer_mb = AUTO_BUFFER_FLOOR_MB if args.buffer_mb == "auto" else args.buffer_mb
@@ -475,7 +485,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     memcpy = memcpy_gbps(STATE_BYTES_PER_PARAM // 2 * params)  # source and destination
     nvme = NvmeSetup(args.dir, nvme_params, args.buffer_mb, args.chunk_mb, args.io_threads)
-    setup = Setup(params, args.shard_params, tuple(args.threads), reps, memcpy, nvme, args.state_dtype)
+    form = StateForm(args.state_dtype, args.master_dtype)
+    setup = Setup(params, args.shard_params, tuple(args.threads), reps, memcpy, nvme, form)
     sections = {name: run(setup) for name, run in SECTIONS.items()}
 
     for name, section in sections.items():
@@ -485,7 +496,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     memory_rows = sections["host memory"].rows
     bar_chart(
         args.out / "optimizer.png",
-        list(optimizers(args.state_dtype)),
+        list(optimizers(form)),
         {f"{t} thread{'s' * (t > 1)}": [r["Mparam/s"] for r in memory_rows if r["threads"] == t] for t in args.threads},
         ylabel="Mparam/s",
         title=f"AdamW step, {params / 1e6:g}M fp32 params",
@@ -498,6 +509,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reps": reps,
         "bytes_per_param": BYTES_PER_PARAM,
         "state_dtype": args.state_dtype,
+        "master_dtype": args.master_dtype,
         "memcpy_gbps": memcpy,
         "bound_mparam_per_s": setup.bound_mparams,
         "nvme": {**dataclasses.asdict(nvme), "directory": str(nvme.directory.resolve())},

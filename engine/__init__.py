@@ -27,8 +27,9 @@ Words, each with one meaning
 ----------------------------
 - *unit*: the grain of sharding, communication and I/O (by default a block of an
   ``nn.ModuleList``, plus the ``root`` unit); *layout*: every unit's flat buffer and shards.
-- *shard*: one rank's equal slice of a unit's flat buffer; *master*: the fp32 shard the
-  optimizer updates; the *state kinds* are master, exp_avg and exp_avg_sq.
+- *shard*: one rank's equal slice of a unit's flat buffer; *master*: the shard the optimizer
+  updates (fp32, or bf16 with ``optim.master_dtype``); the *state kinds* are master, exp_avg
+  and exp_avg_sq.
 - *frozen unit*: a unit's parameters with ``requires_grad=False`` (``<unit>.frozen``): held and
   gathered like any unit, with no gradient and no state kinds; a store keeps its values once
   (``engine.tiers.frozen``).

@@ -15,7 +15,7 @@ import psutil
 import torch
 from torch import nn
 
-from engine.config import Config
+from engine.config import Config, shares_master
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
@@ -46,7 +46,6 @@ from engine.zero.partition import (
 )
 from engine.zero.recompute import checkpoint_forward
 from engine.zero.update import spills_gradients
-from offload import ShardStore
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +123,7 @@ class CheckpointStore:
             lock,
         )
         self.frozen: FrozenShards = lambda: iter(())
-        self._form = StateForm(config.optim.state_dtype)
+        self._form = StateForm.of(config.optim)
         self._opened: MemoryCheckpoints | None = None
 
     def __call__(self, create: bool) -> MemoryCheckpoints:
@@ -149,7 +148,7 @@ def optimizer_state(
     checkpoint: str | None,
 ) -> OptimizerState:
     """The optimizer tier the configuration asks for: empty, or restored on resume."""
-    offload, form = config.offload, StateForm(config.optim.state_dtype)
+    offload, form = config.offload, StateForm.of(config.optim)
     if offload.optimizer != "nvme":
         frozen_on_disk = config.zero.stage == 3 and offload.param == "nvme"
         pin = device.type == "cpu" and pin_memory
@@ -183,10 +182,11 @@ def parameters(
     dtype: torch.dtype,
     budget: DeviceBudget,
     io: StoreIO,
-    frozen_store: Callable[[], ShardStore],
+    optimizer_state: OptimizerState,
 ) -> ReplicatedParams | ShardedParams:
-    """The compute-dtype parameters, sharded on their tier at stage 3 (``frozen_store``: where
-    the nvme tier reads the frozen units' values)."""
+    """The compute-dtype parameters, sharded on their tier at stage 3 (the nvme tier reads the
+    frozen units' values from ``optimizer_state``'s store, and bf16 masters from it where they
+    are the parameters, ``shares_master``)."""
     zero, offload = config.zero, config.offload
     if zero.stage < 3:
         return ReplicatedParams(layout, comm, budget, device)
@@ -201,7 +201,8 @@ def parameters(
             dtype,
             io,
             buffer_bytes=buffer_bytes,
-            read_frozen=lambda unit, values: read_frozen_async(frozen_store(), unit, comm.rank, values),
+            read_frozen=lambda unit, values: read_frozen_async(optimizer_state.frozen_store(), unit, comm.rank, values),
+            read_master=optimizer_state.read_master_async if shares_master(config) else None,
         )
     else:
         tier = MemoryParamTier(offload.param == "device", device, dtype, budget)

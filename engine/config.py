@@ -55,7 +55,7 @@ class OffloadConfig:
     """Where each kind of state lives, and how bytes move to and from disk."""
 
     optimizer: Tier = "nvme"
-    """Tier of the fp32 masters and AdamW moments: ``device`` (no offload), ``cpu`` or ``nvme``."""
+    """Tier of the masters and AdamW moments: ``device`` (no offload), ``cpu`` or ``nvme``."""
     param: Tier = "device"
     """Tier of the compute-dtype parameter shards (stage 3 only)."""
     nvme_path: str | list[str] = "offload_store"
@@ -136,7 +136,7 @@ class PrecisionConfig:
     """Compute dtype and loss scaling."""
 
     compute_dtype: DType = "bf16"
-    """Dtype of the parameters the model computes with; masters are always fp32."""
+    """Dtype of the parameters the model computes with; masters are fp32 unless ``optim.master_dtype = "bf16"``."""
     loss_scaling: Literal["dynamic", "static", "none"] = "none"
     """``dynamic`` (fp16's usual choice), ``static`` (fixed ``initial_scale``) or ``none``."""
     initial_scale: float = 65536.0
@@ -149,7 +149,7 @@ class PrecisionConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW on the fp32 master shards, and its learning-rate schedule."""
+    """AdamW on the master shards, and its learning-rate schedule."""
 
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
@@ -168,7 +168,13 @@ class OptimConfig:
     state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """How AdamW's moments are held and stored: ``fp32`` (bit-exact with torch), ``bf16`` (a
     third fewer optimizer bytes) or ``int8`` (8-bit blocks, half), rounded stochastically
-    (``engine.zero.moments``). The master is fp32 in every form. A store resumes only in the form it was written in."""
+    (``engine.zero.moments``). A store resumes only in the form it was written in."""
+    master_dtype: Literal["fp32", "bf16"] = "fp32"
+    """How the master weights are held and stored: ``fp32`` (bit-exact with torch), or ``bf16``
+    (2 B/param fewer, updated in fp32 and rounded back stochastically). At stage 3 with
+    ``offload.param = "nvme"`` a bf16 master is the parameter itself, read by the gathers (one
+    copy on disk, none rewritten each step), which needs ``precision.compute_dtype = "bf16"``.
+    A store resumes only with the master dtype it was written with."""
     warmup_steps: int = 0
     schedule: Literal["cosine", "constant"] = "cosine"
     decay_steps: int = 0
@@ -347,6 +353,7 @@ class Config:
             "fp16 needs loss scaling to keep small gradients from flushing to zero: set "
             'precision.loss_scaling = "dynamic" (or use compute_dtype = "bf16")',
         )
+        self._check_masters()
         _check(p.initial_scale > 0, "precision.initial_scale", p.initial_scale, "must be > 0")
         _check(p.growth_interval >= 1, "precision.growth_interval", p.growth_interval, "must be >= 1")
         _check(p.growth_factor > 1, "precision.growth_factor", p.growth_factor, "must be > 1")
@@ -360,6 +367,19 @@ class Config:
         _check(opt.decay_steps >= 0, "optim.decay_steps", opt.decay_steps, "must be >= 0")
         _check(0 <= opt.min_lr_ratio <= 1, "optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")
         self._check_run()
+
+    def _check_masters(self) -> None:
+        """bf16 masters that are the parameters themselves (``shares_master``) must be of the
+        compute dtype: a gather reads them as they are."""
+        _check(
+            not shares_master(self) or self.precision.compute_dtype == "bf16",
+            "optim.master_dtype",
+            self.optim.master_dtype,
+            f'at zero.stage = 3 with offload.param = "nvme" the parameters are the bf16 masters themselves (one '
+            f'copy, read by every gather), so precision.compute_dtype must be "bf16", not '
+            f'{self.precision.compute_dtype!r}: set compute_dtype = "bf16", or master_dtype = "fp32", or '
+            f'offload.param = "cpu"',
+        )
 
     def _check_spill(self) -> None:
         """``offload.grad_spill = true`` only where there is a store to spill to and a shard
@@ -477,6 +497,13 @@ class Config:
                 items = value if isinstance(value, (tuple, list)) else (value,)
                 finite = all(math.isfinite(x) for x in items if isinstance(x, float))
                 _check(finite, f"{section.name}.{key.name}", value, "must be finite (a number, not inf or nan)")
+
+
+def shares_master(config: Config) -> bool:
+    """Whether the parameter tier reads each trained unit's shard from its bf16 master rather
+    than keeping a copy of its own: at stage 3, parameters on nvme (a copy on disk, rewritten
+    each step, is what the sharing saves; one in memory is cheap to keep)."""
+    return config.optim.master_dtype == "bf16" and config.zero.stage == 3 and config.offload.param == "nvme"
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:

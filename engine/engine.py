@@ -128,9 +128,8 @@ class Engine:
         )
         if config.offload.optimizer == "device":
             self.budget.charge(self.optimizer_state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
-        frozen = self.optimizer_state.frozen_store  # where the nvme parameter tier reads frozen values
         self.params = build.parameters(
-            config, self.layout, self.comm, self.device, self.dtype, self.budget, self.io, frozen
+            config, self.layout, self.comm, self.device, self.dtype, self.budget, self.io, self.optimizer_state
         )
         checkpoints.frozen = self.params.frozen_shards  # a checkpoint stores the frozen values they hold
 

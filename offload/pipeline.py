@@ -124,8 +124,9 @@ class Pipeline(Generic[T]):
         save: Callable[[T, HostBuffer], None],
         *,
         describe: Callable[[T], str] = str,
-    ) -> None:
+    ) -> Future[Any]:
         """Run ``save(item, buf)`` in the background; ``buf`` returns to the pool when it ends.
+        Returns its future, for a reader that must wait for this item's write alone.
 
         Blocks while pending write-backs hold more than the window (one always
         may be pending). If an earlier write-back failed, releases ``buf``,
@@ -153,6 +154,7 @@ class Pipeline(Generic[T]):
             self._write_settled(buf, None)
             raise
         future.add_done_callback(lambda f: self._write_settled(buf, f))
+        return future
 
     def release(self, buf: HostBuffer) -> None:
         """Return a consumed buffer that has nothing to write."""

@@ -20,7 +20,7 @@ from engine.tiers.parameters import PARAM_STORE
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import first_difference, naming_way_out
 from engine.tiers.store_io import StoreIO
-from engine.zero.moments import FP32_STATE, STATE_DTYPE_ATTR, StateForm, stored_form
+from engine.zero.moments import FP32_STATE, StateForm
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import Generations, ShardStore, generation_prefix, read_shard, write_shard_async
 
@@ -86,7 +86,7 @@ class MemoryCheckpoints:
         self._barrier = io.barrier
         self._leader = io.leader
         if self._leader and create and not (path / "zarr.json").exists():
-            attrs = {"layout": layout.to_dict(), STATE_DTYPE_ATTR: form.name, **io.host_attrs()}
+            attrs = {"layout": layout.to_dict(), **form.attrs(), **io.host_attrs()}
             ShardStore.create(  # beside the parameter tier's store, which offload.param = "nvme" puts there first
                 path,
                 attrs,
@@ -100,7 +100,7 @@ class MemoryCheckpoints:
         io.barrier()
         self.store = ShardStore.open(path, runner=io.runner, direct_io=io.direct_io, costs=io.costs, stripes=io.stripes)
         first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)
-        form.check_stored(stored_form(self.store.attrs), path)  # its checkpoints are of one form
+        form.check_stored(self.store.attrs, path)  # its checkpoints are of one form
         self.generations = Generations(self.store)
         if self._leader:  # a checkpoint a crash left pending in a live store is kept before it is looked for
             self.generations.tidy()

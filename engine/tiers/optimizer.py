@@ -1,6 +1,6 @@
 """Where a rank's optimizer shards live between steps, behind one lifecycle (add, read, write_back, commit, flush, save, close).
 
-The optimizer step asks for each unit's fp32 master and AdamW moments in a fixed order
+The optimizer step asks for each unit's master and AdamW moments in a fixed order
 and hands them back when updated. Held in memory (tier ``device`` or ``cpu``) the shards
 are simply yielded; on the ``nvme`` tier the same calls read them ahead from the store
 and write them back behind the update, so the step's code is the same on every tier.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ShardState:
-    """One unit's optimizer state on this rank (``shard_numel`` elements each: an fp32 master,
+    """One unit's optimizer state on this rank (``shard_numel`` elements each: a master and
     moments of the run's ``StateForm``)."""
 
     master: torch.Tensor
@@ -76,14 +77,21 @@ class OptimizerState(Protocol):
     survives a failed step, so a checkpoint can still be saved from it."""
 
     def add(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """Take a unit's initial fp32 master shard (copied) with zero moments. A frozen unit
+        """Take a unit's initial fp32 master shard (copied, in the form's master dtype) with zero moments. A frozen unit
         (``unit.trainable`` False) gives its compute-dtype shard instead: no moments, no master
         updated each step, just its values kept once (``engine.tiers.frozen``)."""
         ...
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
-        """Each unit's committed fp32 master shard, in layout order, then each frozen unit's
+        """Each unit's committed master shard, in layout order, then each frozen unit's
         values (to rebuild parameters on resume)."""
+        ...
+
+    def read_master_async(self, unit: UnitLayout, values: torch.Tensor) -> Future | None:
+        """Start reading this rank's newest master shard of a trained unit into ``values``
+        (the master's dtype), once the last ``write_back`` of it can be read; None if read
+        already. The nvme parameter tier reads bf16 masters as its shards this way
+        (``engine.config.shares_master``), keeping no copy of its own."""
         ...
 
     def frozen_store(self) -> ShardStore:
@@ -203,6 +211,11 @@ class MemoryOptimizerState:
             yield unit, self._states[unit.name].master
         if self.resumed_from is not None:
             yield from self._checkpoints(False).read_frozen()
+
+    def read_master_async(self, unit: UnitLayout, values: torch.Tensor) -> None:
+        """A copy of the held master (updated in place, so always the newest)."""
+        values.copy_(self._states[unit.name].master)
+        return None
 
     def frozen_store(self) -> ShardStore:
         return self._checkpoints(False).store

@@ -1,6 +1,6 @@
 """The ``nvme`` optimizer tier: masters and AdamW moments live in the store between steps.
 
-Each step reads every unit's three shards (master, exp_avg, exp_avg_sq, fp32) from the
+Each step reads every unit's three shards (master, exp_avg, exp_avg_sq) from the
 committed generation into pooled host buffers ahead of the update, and writes them to the
 step's target generation behind it; host memory for the state is bounded by the pool's
 budget, whatever the model's size. When every rank's writes are durable the leader commits
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ from engine.tiers.store_checks import (
 )
 from engine.tiers.store_io import StoreIO
 from engine.tiers.store_modes import store_mode
-from engine.zero.moments import FP32_STATE, STATE_DTYPE_ATTR, StateForm, stored_form
+from engine.zero.moments import FP32_STATE, StateForm
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import (
     BufferPool,
@@ -58,6 +59,7 @@ from offload import (
     array_name,
     generation_prefix,
     read_shard,
+    read_shard_async,
     write_shard,
 )
 
@@ -121,6 +123,7 @@ class StoreOptimizerState:
         self._layout_adopted = True  # the store's attributes and committed arrays are this layout
         self._deferred: dict | None = None  # the record of a step whose commit waits for ``flush``
         self._bytes_read = self._bytes_written = 0  # by the steps since ``take_io_bytes``
+        self._written: dict[str, tuple[str, Future]] = {}  # where and how this step wrote each unit
         self.resumed_from: dict | None = None
         if resume:
             with naming_way_out(self.generations):
@@ -130,7 +133,7 @@ class StoreOptimizerState:
         """Make the store of a new run (replacing one in which nothing can be resumed), once its
         folders are known to hold it."""
         check_nvme_path(path, layout, mode, scratch_bytes, self.form, io.stripes)
-        attrs = {"layout": layout.to_dict(), MODE_ATTR: mode, STATE_DTYPE_ATTR: self.form.name, **io.host_attrs()}
+        attrs = {"layout": layout.to_dict(), MODE_ATTR: mode, **self.form.attrs(), **io.host_attrs()}
         abandoned = check_new(path, self.runner)
         ShardStore.create(
             path,
@@ -161,7 +164,7 @@ class StoreOptimizerState:
         self.generations.checkpoints()  # every kept record is checked before retention or a fallback relies on it
         stored = ModelLayout.from_dict(self.store.attrs["layout"])
         first_difference(stored, layout, path)
-        self.form.check_stored(stored_form(self.store.attrs), path)
+        self.form.check_stored(self.store.attrs, path)
         if checkpoint is None:
             check_clean(self.generations)
         elif self.generations.dirty():
@@ -330,7 +333,25 @@ class StoreOptimizerState:
         self.mode.before_write(self)
         buf = self._held.pop(unit.name)
         self._bytes_written += buf.nbytes
-        self.pipeline.write_back(unit, buf, self._save, describe=lambda u: f"optimizer state of unit {u.name}")
+        written = self.pipeline.write_back(
+            unit, buf, self._save, describe=lambda u: f"optimizer state of unit {u.name}"
+        )
+        self._written[unit.name] = (generation_prefix(self.target_generation), written)
+
+    def read_master_async(self, unit: UnitLayout, values: torch.Tensor) -> Future | None:
+        """From the generation this step wrote the unit to (once that write has landed: a
+        deferred commit leaves it landing behind the next forward), else from the one the step
+        reads; one cut for another world size is read at once, range by range."""
+        prefix, written = self._written.get(unit.name, (self._read_prefix, None))
+        if written is not None:
+            written.result()
+        views = [("master", values)]
+        with naming_way_out(self.generations):
+            if array_in_layout(self.store, array_name(prefix, unit.name, "master"), unit):
+                [future] = read_shard_async(self.store, prefix, unit, self.rank, views)
+                return future
+            read_shard(self.store, prefix, unit, self.rank, views)
+        return None
 
     def commit(self, record: dict, *, defer: bool = False) -> None:
         """Wait for the step's writes, make them durable on every rank, then commit the target
@@ -373,6 +394,7 @@ class StoreOptimizerState:
         self.committed_generation = generation
         self.target_generation = self.mode.next_target(generation)
         self._read_prefix = generation_prefix(generation)
+        self._written.clear()  # every unit's newest state is the committed generation's
         self._layout_adopted = True
 
     def _adopt_layout(self, committed: int) -> None:

@@ -4,19 +4,23 @@
 accelerator exists, so the copy up is asynchronous), ``nvme`` in a store under
 ``<offload.nvme_path>/params``, read ahead into pooled host buffers. Either way a gather
 ``read``s a shard early and waits for its ``Fetch`` late, and every optimizer step hands
-the new fp32 masters back through ``write_back``, then ``flush``es.
+the new masters back through ``write_back``, then ``flush``es.
 
-The parameter shards are derived data: the fp32 masters are the truth, and a resume
+The parameter shards are derived data: the masters are the truth, and a resume
 rebuilds the shards from the committed masters. So the ``nvme`` tier keeps one copy
 outside the store's generations, rewritten in place each step: half the bytes of a
 versioned copy, and a crash mid-write loses nothing that resume does not recompute.
 A frozen unit's values are not derived, and never change: the store at ``offload.nvme_path``
 keeps them once (``engine.tiers.frozen``), and the ``nvme`` tier reads them from there rather
 than keeping a second copy.
+With bf16 masters and a bf16 compute dtype (``optim.master_dtype``) a trained unit's shard is
+its master, bit for bit: the ``nvme`` tier then keeps no copy at all, and reads each shard from
+the optimizer tier (``OptimizerState.read_master_async``), which writes it each step anyway.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -44,9 +48,10 @@ PARAM_STORE = "params"
 PARAM_KIND = "param"
 """The kind of state of the parameter shards' arrays, one per unit at the store's top."""
 
-FrozenReader = Callable[[UnitLayout, torch.Tensor], Future | None]
-"""Starts reading this rank's shard of a frozen unit's values into a tensor
-(``engine.tiers.frozen.read_frozen_async``); None if read already."""
+ShardReader = Callable[[UnitLayout, torch.Tensor], Future | None]
+"""Starts reading this rank's shard of a unit kept elsewhere into a tensor: a frozen unit's
+values (``engine.tiers.frozen.read_frozen_async``), a trained unit's bf16 master
+(``OptimizerState.read_master_async``); None if read already."""
 
 
 class Fetch:
@@ -79,7 +84,7 @@ class ParamTier(Protocol):
         ...
 
     def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """Store the unit's new shard, cast from its fp32 master (copied before returning)."""
+        """Store the unit's new shard, cast from its master (copied before returning)."""
         ...
 
     def flush(self) -> None:
@@ -148,8 +153,9 @@ class StoreParamTier:
     Reads for prefetch and writes of updated shards share the pool, so the host memory
     this tier holds is at most ``buffer_bytes`` (the prefetch window's share of this rank)
     plus two of the largest shards, whatever the model's size: one for a fetch the window
-    did not foresee and one for a write. The trainable units' shards are in its own store;
-    the frozen units' are read with ``read_frozen`` from where the run keeps them.
+    did not foresee and one for a write. The trainable units' shards are in its own store,
+    or with ``read_master`` read from their masters (no store of its own then); the frozen
+    units' are read with ``read_frozen`` from where the run keeps them.
     """
 
     def __init__(
@@ -161,11 +167,22 @@ class StoreParamTier:
         io: StoreIO,
         *,
         buffer_bytes: int,
-        read_frozen: FrozenReader,
+        read_frozen: ShardReader,
+        read_master: ShardReader | None = None,
     ):
         self._rank, self._dtype, self._read_frozen = rank, dtype, read_frozen
+        self._read_master = read_master
         self.pool = BufferPool(param_pool_bytes(layout.all_units, dtype, buffer_bytes))
         self.runner = io.runner
+        self._writes: list[Future] = []
+        self._bytes_read = 0
+        self._bytes_written = 0
+        self.store: ShardStore | None = None
+        if read_master is not None:
+            if io.leader and path.is_dir():
+                shutil.rmtree(path)  # an earlier run's copies, derived data that nothing reads now
+            io.barrier()
+            return
         if io.leader:
             # Derived data: whatever an earlier run left here is replaced, never resumed from.
             stripes = io.stripes_of(path.name)
@@ -186,23 +203,22 @@ class StoreParamTier:
         self.store = ShardStore.open(
             path, runner=self.runner, direct_io=io.direct_io, costs=io.costs, stripes=io.stripes_of(path.name)
         )
-        self._writes: list[Future] = []
-        self._bytes_read = 0
-        self._bytes_written = 0
 
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
-        if unit.trainable:  # a frozen unit's values are stored already, where it is read from
-            self._write(unit, shard)
+        if self.store is not None and unit.trainable:  # else stored already, where it is read from
+            self._write(self.store, unit, shard)
 
     def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        if unit.trainable:  # a frozen unit's are only handed back on resume, as stored
-            self._write(unit, master)
+        # A frozen unit's are only handed back on resume, as stored; a shared master is written
+        # by the optimizer tier.
+        if self.store is not None and unit.trainable:
+            self._write(self.store, unit, master)
 
-    def _write(self, unit: UnitLayout, values: torch.Tensor) -> None:
+    def _write(self, store: ShardStore, unit: UnitLayout, values: torch.Tensor) -> None:
         buf = self.pool.acquire(shard_bytes(unit, self._dtype))
         staged = buf.view(self._dtype, unit.shard_numel)
         staged.copy_(values)
-        [future] = write_shard_async(self.store, TOP, unit, self._rank, [(PARAM_KIND, staged)])
+        [future] = write_shard_async(store, TOP, unit, self._rank, [(PARAM_KIND, staged)])
         future.add_done_callback(lambda _: self.pool.release(buf))  # the next write may need it at once
         self._writes.append(future)
         self._bytes_written += buf.nbytes
@@ -213,16 +229,20 @@ class StoreParamTier:
         writes, self._writes = self._writes, []
         for future in writes:
             future.result()
-        self.store.sync()
+        if self.store is not None:
+            self.store.sync()
 
     def read(self, unit: UnitLayout) -> Fetch:
         buf = self.pool.acquire(shard_bytes(unit, self._dtype))
         shard = buf.view(self._dtype, unit.shard_numel)
         future: Future | None
-        if unit.trainable:
-            [future] = read_shard_async(self.store, TOP, unit, self._rank, [(PARAM_KIND, shard)])
-        else:
+        if not unit.trainable:
             future = self._read_frozen(unit, shard)
+        elif self._read_master is not None:
+            future = self._read_master(unit, shard)
+        else:
+            assert self.store is not None  # kept wherever the masters are not read
+            [future] = read_shard_async(self.store, TOP, unit, self._rank, [(PARAM_KIND, shard)])
         self._bytes_read += buf.nbytes
         return Fetch(shard, future, lambda: self.pool.release(buf))
 

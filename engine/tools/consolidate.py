@@ -42,6 +42,7 @@ from engine.tiers.frozen import frozen_array
 from engine.tiers.store_checks import naming_way_out
 from engine.tools.gather import gathered
 from engine.tools.inspect import IO_THREADS, committed_record, open_store, store_layout
+from engine.zero.moments import StateForm
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import ChunkReader, Generations, IORunner, ShardStore, array_name, generation_prefix
 
@@ -52,7 +53,8 @@ HEADER_ALIGN = 8  # safetensors pads its header with spaces so the data starts 8
 
 @dataclass
 class Masters:
-    """The fp32 masters of one step of a store (a generation or a checkpoint), read unit by unit, one chunk at a time."""
+    """The masters of one step of a store (a generation or a checkpoint), read unit by unit, one
+    chunk at a time, and handed out in fp32 (bf16 masters, ``optim.master_dtype``, widened exactly)."""
 
     layout: ModelLayout
     prefix: str
@@ -62,19 +64,22 @@ class Masters:
     metadata: dict[str, str]
     """What a weights file written from them says of them (source store, generation, step)."""
     reader: ChunkReader
+    master_dtype: torch.dtype = torch.float32
+    """The dtype the store records its masters in."""
 
     def pieces(self, units: Iterable[UnitLayout] | None = None) -> Iterator[tuple[UnitLayout, int, torch.Tensor]]:
-        """Each unit's master in layout order, then each frozen unit's values (cast to fp32),
+        """Each unit's master in layout order, then each frozen unit's values (both cast to fp32),
         padding dropped, as ``(unit, offset, values)``: the values of elements
         ``[offset, offset + len(values))`` of the unit, in one reused buffer (valid until the
         next piece). ``units``: those units alone."""
         for unit in self.layout.all_units if units is None else units:
             name = unit_array(self.prefix, unit)
             info = self.reader.infos[name]
-            if (unit.trainable and info.dtype != torch.float32) or not info.dtype.is_floating_point:
+            if (unit.trainable and info.dtype != self.master_dtype) or not info.dtype.is_floating_point:
                 raise ValueError(
                     f"array {name!r} in {self.reader.store.path} holds {info.dtype} elements, but unit {unit.name!r} "
-                    f"needs {'float32 masters' if unit.trainable else 'float values'}; the store does not match its layout"
+                    f"needs {f'{self.master_dtype} masters' if unit.trainable else 'float values'}; the store does "
+                    f"not match its layout"
                 )
             if info.numel < unit.numel:
                 raise ValueError(
@@ -122,7 +127,8 @@ def open_masters(stores: Stores, generation: int | None = None, checkpoint: str 
             prefix, what, metadata = _choose_generation(store, generation)
         metadata["source"] = ", ".join(map(str, paths))
         reader = ChunkReader(store, (unit_array(prefix, u) for u in layout.all_units))
-        yield Masters(layout, prefix, what, metadata, reader)
+        master_dtype = StateForm.stored(store.attrs).dtypes()[0]
+        yield Masters(layout, prefix, what, metadata, reader, master_dtype)
 
 
 def consolidate(

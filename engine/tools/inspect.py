@@ -34,7 +34,7 @@ from engine.tiers.store_checks import (
     naming_way_out,
 )
 from engine.tiers.store_io import HOSTS_ATTR, stored_chunk_mb
-from engine.zero.moments import STATE_DTYPE_ATTR, stored_form
+from engine.zero.moments import MASTER_DTYPE_ATTR, STATE_DTYPE_ATTR, StateForm
 from engine.zero.partition import ModelLayout
 from offload import (
     CHECKPOINTS,
@@ -123,6 +123,10 @@ def io_line(path: Path) -> str:
     return f"{cut}; a new store here: {auto.chunk_mb} MiB x {auto.io_threads} threads ({auto.why})"
 
 
+_SHOWN_ATTRS = ("layout", MODE_ATTR, HOSTS_ATTR, STATE_DTYPE_ATTR, MASTER_DTYPE_ATTR)
+"""The store attributes the report shows in lines of their own."""
+
+
 def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[str, Any]:
     """Describe the store at ``path`` as plain data (see ``format_report`` for the text form).
 
@@ -146,10 +150,9 @@ def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[st
             "dirty": dirty_status(store),
             "writer": read_holder(path),
             "world_size": layout.world_size,
-            "state_dtype": stored_form(store.attrs),
-            "attributes": {
-                k: v for k, v in store.attrs.items() if k not in ("layout", MODE_ATTR, HOSTS_ATTR, STATE_DTYPE_ATTR)
-            },
+            "state_dtype": StateForm.stored(store.attrs).name,
+            "master_dtype": StateForm.stored(store.attrs).master,
+            "attributes": {k: v for k, v in store.attrs.items() if k not in _SHOWN_ATTRS},
             "hosts": store.attrs.get(HOSTS_ATTR, {"node": 0, "nodes": 1}),
             "num_units": len(layout.units),
             "num_params": sum(len(u.params) for u in layout.units),
@@ -331,7 +334,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"stored once ({_size(frozen['bytes'])}), no optimizer state"
         )
     kinds = ", ".join(f"{kind} {_size(n)}" for kind, n in report["bytes_per_kind"].items()) or "none"
-    lines.append(f"state:       {kinds} (committed generation; optim.state_dtype = {report['state_dtype']!r})")
+    form = f"optim.state_dtype = {report['state_dtype']!r}, master_dtype = {report['master_dtype']!r}"
+    lines.append(f"state:       {kinds} (committed generation; {form})")
     lines.append(f"generations: {', '.join(map(str, report['generations'])) or 'none'}")
     lines.append(f"checkpoints: {', '.join(report['checkpoints']) or 'none'}")
     lines.append(f"on disk:     {_size(report['disk_bytes'])}")

@@ -3,15 +3,21 @@
 ``fp32`` holds the master and both moments in fp32 (12 B/param), bit-exact with torch.
 ``bf16`` holds the moments in bfloat16 (8 B/param, a third less to store and move each
 step on the ``nvme`` tier); ``int8`` in 8-bit blocks (about 6 B/param, half;
-``engine.zero.quantize``). The master stays fp32 in every form, so the parameters' own
-precision is untouched; the update upcasts the moments to fp32, runs the same AdamW
+``engine.zero.quantize``). The update upcasts the moments to fp32, runs the same AdamW
 kernel, and rounds them back.
+
+The master is fp32 unless ``optim.master_dtype = "bf16"`` (2 B/param fewer): the update widens
+it to fp32 too and rounds it back stochastically, so an update far below its ulp (lr times a
+step of about 1, against a weight of about 1, is below bfloat16's 2**-8 for any usual lr)
+still moves it on average instead of being lost. At stage 3 with a bf16 compute dtype such a
+master is the parameter itself (``engine.tiers.parameters``).
 
 Rounding is stochastic: a moment is an exponential average whose per-step change,
 ``(1 - beta2) * g**2`` against ``v``, is often below half a bfloat16 ulp (2**-9 relative),
 so rounding to nearest would freeze it; stochastic rounding keeps it unbiased. Its random
 bits are seeded by the step count (``engine.zero.quantize.add_noise_``), so a resumed run
-draws the same ones and stays bit-identical to an uninterrupted run.
+draws the same ones and stays bit-identical to an uninterrupted run; the master's draws are a
+stream of their own (``MASTER_SEED``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 
 import torch
 
+from engine.config import OptimConfig
 from engine.zero.optim import ShardAdamW
 from engine.zero.quantize import BLOCK, PACKED, add_noise_, dequantize, packed_bytes, quantize_
 from offload import array_bytes, shard_bytes
@@ -30,9 +37,18 @@ from offload.shards import ShardedUnit
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 """Each ``optim.state_dtype``'s moment dtype as stored (int8: packed blocks, ``engine.zero.quantize``)."""
 
+MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""Each ``optim.master_dtype``'s master dtype, held and stored."""
+
 STATE_DTYPE_ATTR = "state_dtype"
 """The store attribute recording the form its optimizer state was written in (absent: fp32,
 a store written before the option existed)."""
+MASTER_DTYPE_ATTR = "master_dtype"
+"""The store attribute recording its masters' dtype (absent: fp32, as above)."""
+
+MASTER_SEED = 1 << 62
+"""Offset of the master's rounding seeds, ``MASTER_SEED + step``: apart from the moments'
+``2 * step + i`` at any step count a run reaches."""
 
 
 @dataclass(frozen=True)
@@ -69,14 +85,31 @@ class PackedUnit:
 
 @dataclass(frozen=True)
 class StateForm:
-    """How one unit's optimizer state (master, exp_avg, exp_avg_sq) is held and stored."""
+    """How one unit's optimizer state (master, exp_avg, exp_avg_sq) is held and stored:
+    ``name`` is the moments' form (``optim.state_dtype``), ``master`` the master's
+    (``optim.master_dtype``)."""
 
     name: str = "fp32"
+    master: str = "fp32"
+
+    @classmethod
+    def of(cls, optim: OptimConfig) -> StateForm:
+        """The form a run's ``optim`` section asks for."""
+        return cls(optim.state_dtype, optim.master_dtype)
+
+    @classmethod
+    def stored(cls, attrs: dict) -> StateForm:
+        """The form a store's attributes record (fp32 for what a store written before an option lacks)."""
+        return cls(str(attrs.get(STATE_DTYPE_ATTR, "fp32")), str(attrs.get(MASTER_DTYPE_ATTR, "fp32")))
+
+    def attrs(self) -> dict[str, str]:
+        """The store attributes recording this form."""
+        return {STATE_DTYPE_ATTR: self.name, MASTER_DTYPE_ATTR: self.master}
 
     def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """Each kind's dtype, in ``STATE_KINDS`` order."""
         moment = STATE_DTYPES[self.name]
-        return torch.float32, moment, moment
+        return MASTER_DTYPES[self.master], moment, moment
 
     def geometries(self, unit: ShardedUnit) -> tuple[ShardedUnit, ShardedUnit, ShardedUnit]:
         """Each kind's array geometry, in ``STATE_KINDS`` order: the unit's own, or for int8
@@ -89,7 +122,7 @@ class StateForm:
         """Bytes of state per trainable parameter: held on its tier, and on the ``nvme`` tier
         read and written once each step."""
         moment = PACKED / BLOCK if self.name == "int8" else STATE_DTYPES[self.name].itemsize
-        return 4 + 2 * moment
+        return MASTER_DTYPES[self.master].itemsize + 2 * moment
 
     def unit_bytes(self, unit: ShardedUnit) -> int:
         """Host bytes of one rank's shard of one unit's whole state."""
@@ -101,7 +134,8 @@ class StateForm:
 
     def offsets(self, unit: ShardedUnit) -> list[int]:
         """Each kind's byte offset in one buffer holding the unit's shard of every kind (the
-        master first: every later offset stays a multiple of 4 bytes)."""
+        master first: every later offset stays a multiple of 4 bytes, a bf16 master's too, its
+        shard being a multiple of ``ALIGN_ELEMS`` elements)."""
         sizes = [shard_bytes(g, d) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)]
         return [sum(sizes[:i]) for i in range(len(sizes))]
 
@@ -112,21 +146,18 @@ class StateForm:
             for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)
         ]
 
-    def check_stored(self, stored: str, path: Path | str) -> None:
+    def check_stored(self, attrs: dict, path: Path | str) -> None:
         """Refuse resuming a store whose state is in another form: its arrays hold other dtypes."""
-        if stored != self.name:
-            raise ValueError(
-                f"store {path} holds its optimizer state with optim.state_dtype = {stored!r}, this run asks for "
-                f"{self.name!r}: set optim.state_dtype = {stored!r} to resume it (or start a new store)"
-            )
+        stored = StateForm.stored(attrs)
+        for key, held, asked in (("state_dtype", stored.name, self.name), ("master_dtype", stored.master, self.master)):
+            if held != asked:
+                raise ValueError(
+                    f"store {path} holds its optimizer state with optim.{key} = {held!r}, this run asks for "
+                    f"{asked!r}: set optim.{key} = {held!r} to resume it (or start a new store)"
+                )
 
 
 FP32_STATE = StateForm()
-
-
-def stored_form(attrs: dict) -> str:
-    """The form a store's attributes record (fp32 for a store written before the option)."""
-    return str(attrs.get(STATE_DTYPE_ATTR, "fp32"))
 
 
 def round_stochastic_(out: torch.Tensor, value: torch.Tensor, seed: int) -> None:
@@ -140,9 +171,9 @@ def round_stochastic_(out: torch.Tensor, value: torch.Tensor, seed: int) -> None
 
 
 class CompactAdamW(ShardAdamW):
-    """``ShardAdamW`` on moments of any form: fp32 ones go straight to torch's kernel (bit-exact
-    as before); bf16 and packed 8-bit ones are widened to fp32 for it and stored back, rounded
-    stochastically."""
+    """``ShardAdamW`` on state of any form: fp32 goes straight to torch's kernel (bit-exact as
+    before); bf16 and packed 8-bit moments, and a bf16 master, are widened to fp32 for it and
+    stored back, rounded stochastically."""
 
     def update(
         self,
@@ -153,6 +184,23 @@ class CompactAdamW(ShardAdamW):
         step: torch.Tensor,
         lr: float,
     ) -> None:
+        if master.dtype == torch.float32:
+            self._update_moments(master, grad, exp_avg, exp_avg_sq, step, lr)
+            return
+        wide = master.float()
+        self._update_moments(wide, grad, exp_avg, exp_avg_sq, step, lr)
+        round_stochastic_(master, wide, MASTER_SEED + int(step.item()))
+
+    def _update_moments(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: torch.Tensor,
+        lr: float,
+    ) -> None:
+        """The update on an fp32 master, with moments of any form."""
         if exp_avg.dtype == torch.float32:
             super().update(master, grad, exp_avg, exp_avg_sq, step, lr)
             return

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks import convergence, copies, optimizer, report, tiers
+from engine.zero.moments import StateForm
 
 TINY_TIERS = ["--quick", "--mb", "16", "--chunk-mb", "4", "16", "--threads", "2", "--reps", "1"]
 MACHINE_KEYS = {"cpu_count", "ram_bytes", "torch", "zarr", "date", "command"}
@@ -80,18 +81,22 @@ def test_tiers_moves_one_unit_as_the_tier_does(tmp_path: Path) -> None:
     assert list(disk.iterdir()) == []
 
 
-@pytest.mark.parametrize(("state_dtype", "state_bytes"), [("fp32", 3 * 4), ("int8", 4 + 2 * 260 / 256)])
-def test_optimizer_quick(tmp_path: Path, state_dtype: str, state_bytes: float) -> None:
+@pytest.mark.parametrize(
+    ("state_dtype", "master_dtype", "state_bytes"),
+    [("fp32", "fp32", 3 * 4), ("int8", "fp32", 4 + 2 * 260 / 256), ("int8", "bf16", 2 + 2 * 260 / 256)],
+)
+def test_optimizer_quick(tmp_path: Path, state_dtype: str, master_dtype: str, state_bytes: float) -> None:
     disk = tmp_path / "disk"
     host = ["--params", "200000", "--shard-params", "64000", "--reps", "1"]
     nvme_tier = ["--nvme-params", "320000", "--dir", str(disk), "--buffer-mb", "4"]
-    optimizer.main(["--quick", "--out", str(tmp_path), *host, *nvme_tier, "--state-dtype", state_dtype])
+    form = ["--state-dtype", state_dtype, "--master-dtype", master_dtype]
+    optimizer.main(["--quick", "--out", str(tmp_path), *host, *nvme_tier, *form])
     record = load_record(tmp_path, "optimizer")
     assert record["params"] == 200_000
     assert record["memcpy_gbps"] > 0 and record["bound_mparam_per_s"] > 0
     rows = record["sections"]["host memory"]["rows"]
     assert {(row["optimizer"], row["threads"]) for row in rows} == {
-        (name, threads) for name in optimizer.optimizers(state_dtype) for threads in (1, 2)
+        (name, threads) for name in optimizer.optimizers(StateForm(state_dtype, master_dtype)) for threads in (1, 2)
     }
     for row in rows:
         assert row["Mparam/s"] > 0 and row["of bound"] > 0

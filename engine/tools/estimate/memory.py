@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from engine.config import Tier
+from engine.config_parse import ConfigError
 from engine.tiers.sizing import optimizer_buffer_bytes
 from engine.tiers.store_checks import check_buffer
 from engine.tools.estimate.shape import Plan, RunShape, all_plans
@@ -154,7 +155,12 @@ def _heap_sized(buffers: Iterable[int]) -> int:
 
 
 def refusal(run: RunShape, plan: Plan) -> str:
-    """The engine's own refusal of ``plan`` for ``run`` whatever the machine, or ""."""
+    """The engine's own refusal of ``plan`` for ``run`` whatever the machine, or "": the
+    config's (say, bf16 masters shared at stage 3 with another compute dtype), or the tier's."""
+    try:
+        plan.apply(run.config)
+    except ConfigError as err:
+        return str(err)
     if plan.optimizer == "nvme":
         try:
             check_buffer(run.layout, optimizer_buffer_bytes(run.config.offload, run.layout.units, run.form), run.form)
@@ -182,8 +188,8 @@ class PlanEstimate:
     disk_bytes: int
     """The store under ``offload.nvme_path``, all ranks."""
     step_io_bytes: int
-    """Bytes one rank reads plus writes per step for the optimizer: the nvme tier's state and
-    the spilled gradient shards (``terms.step_io_bytes``)."""
+    """Bytes one rank reads plus writes per step: the nvme tiers' state and parameter shards,
+    and the spilled gradient shards (``terms.step_io_bytes``)."""
     peak_phase: str
     """When the peak RSS comes: construction, backward start or end, optimizer step."""
     phase_rss_bytes: dict[str, int] = field(default_factory=dict)
@@ -211,7 +217,7 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
     on a CPU build)."""
     if device_is_host is None:
         device_is_host = not torch.accelerator.is_available()
-    run = dataclasses.replace(run, config=plan.apply(run.config))
+    run = dataclasses.replace(run, config=plan.laid_over(run.config))
 
     def size(footprint: Footprint) -> int:
         return footprint.rss(device_is_host)

@@ -29,7 +29,7 @@ def format_table(
         run.io,
         state_line(run),
         "GiB; device, host and RSS per rank; node RAM for all ranks; disk for the store; I/O read plus written per "
-        "step and rank for the optimizer (state on nvme, spilled gradients)",
+        "step and rank (state and parameters on nvme, spilled gradients)",
         "",
         (
             f"{'stage':>5}  {'optimizer':<9}  {'param':<6}  {'device':>7}  {'activ.':>7}  {'host':>7}  "
@@ -58,10 +58,10 @@ def format_table(
 
 def state_line(run: RunShape) -> str:
     """The optimizer state's form, its bytes per parameter, and what the ``nvme`` tier moves each step."""
-    moved = optimizer_state_bytes(run)
+    moved, form = optimizer_state_bytes(run), run.form
     return (
-        f"optimizer state: optim.state_dtype = {run.form.name!r}, {run.form.bytes_per_param:g} B/param "
-        f"(fp32 master and two moments); on the nvme tier each step reads "
+        f"optimizer state: optim.state_dtype = {form.name!r}, master_dtype = {form.master!r}, "
+        f"{form.bytes_per_param:g} B/param (master and two moments); on the nvme tier each step reads "
         f"{gib(moved)} GiB and writes {gib(moved)} GiB per rank"
     )
 
@@ -82,12 +82,19 @@ def report_json(run: RunShape, estimates: Sequence[PlanEstimate], machine: Machi
             "io": run.io,
             "optimizer_state": {
                 "state_dtype": run.form.name,
+                "master_dtype": run.form.master,
                 "bytes_per_param": run.form.bytes_per_param,
                 "nvme_bytes_per_step": {"read": optimizer_state_bytes(run), "written": optimizer_state_bytes(run)},
             },
             "headroom": HEADROOM,
-            "plans": [e.to_dict() | {"fits": machine.fits(e)} for e in estimates],
+            "plans": [e.to_dict() | {"fits": machine.fits(e), "bytes_per_param": per_param(run, e)} for e in estimates],
             "recommended": dataclasses.asdict(choice.plan) if choice else None,
         },
         indent=2,
     )
+
+
+def per_param(run: RunShape, est: PlanEstimate) -> dict[str, float]:
+    """A plan's disk (all ranks) and step I/O (all ranks' reads plus writes) per trained parameter."""
+    params = run.layout.numel
+    return {"stored": est.disk_bytes / params, "moved": est.step_io_bytes * run.layout.world_size / params}

@@ -49,14 +49,20 @@ class Plan:
     param: Tier = "device"
 
     def apply(self, config: Config) -> Config:
-        """A copy of ``config`` with this plan's stage and tiers."""
+        """A copy of ``config`` with this plan's stage and tiers, validated (a ``ConfigError``
+        says why the engine would refuse it)."""
+        planned = self.laid_over(config)
+        planned.validate()
+        return planned
+
+    def laid_over(self, config: Config) -> Config:
+        """A copy of ``config`` with this plan's stage and tiers, not validated: what the
+        estimate sizes, even for a plan the engine refuses (``refusal`` says why)."""
         zero = dataclasses.replace(config.zero, stage=self.stage)
         offload = dataclasses.replace(config.offload, optimizer=self.optimizer, param=self.param)
         if offload.grad_spill is True and (self.optimizer != "nvme" or self.stage < 2):
             offload = dataclasses.replace(offload, grad_spill="auto")  # a plan that cannot spill keeps its shards
-        planned = dataclasses.replace(config, zero=zero, offload=offload)
-        planned.validate()
-        return planned
+        return dataclasses.replace(config, zero=zero, offload=offload)
 
     def __str__(self) -> str:
         return f"stage {self.stage}, optimizer {self.optimizer}, param {self.param}"
@@ -147,8 +153,8 @@ class RunShape:
 
     @property
     def form(self) -> StateForm:
-        """The optimizer state's form (``optim.state_dtype``)."""
-        return StateForm(self.config.optim.state_dtype)
+        """The optimizer state's form (``optim.state_dtype``, ``optim.master_dtype``)."""
+        return StateForm.of(self.config.optim)
 
     @property
     def itemsize(self) -> int:

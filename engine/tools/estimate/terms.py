@@ -5,6 +5,7 @@ the engine when it changes."""
 
 from __future__ import annotations
 
+from engine.config import shares_master
 from engine.runtime.heap import MMAP_THRESHOLD
 from engine.runtime.sizes import FP32
 from engine.tiers.optimizer import STATE_KINDS
@@ -96,9 +97,9 @@ def param_staging_bytes(run: RunShape) -> int:
 
 
 def optimizer_state_bytes(run: RunShape) -> int:
-    """``device`` and ``cpu`` optimizer tiers: fp32 master, exp_avg and exp_avg_sq (in
-    ``optim.state_dtype``) of the rank's shards; on the ``nvme`` tier, what a step reads and
-    writes."""
+    """``device`` and ``cpu`` optimizer tiers: master (in ``optim.master_dtype``), exp_avg and
+    exp_avg_sq (in ``optim.state_dtype``) of the rank's shards; on the ``nvme`` tier, what a
+    step reads and writes."""
     return sum(run.form.unit_bytes(u) for u in run.layout.units)
 
 
@@ -137,14 +138,27 @@ def spill_staging_bytes(run: RunShape) -> int:
 
 def scratch_bytes(run: RunShape, plan: Plan) -> int:
     """Disk of the gradients ``plan`` spills, all ranks, in the store's scratch folder during the run."""
-    return FP32 * run.padded if spills_gradients(plan.apply(run.config)) else 0
+    return FP32 * run.padded if spills_gradients(plan.laid_over(run.config)) else 0
 
 
 def step_io_bytes(run: RunShape, plan: Plan) -> int:
-    """Bytes one rank reads plus writes per step for the optimizer under ``plan``: the ``nvme``
-    tier's state read and written back, and the gradient shards spilled and read back."""
+    """Bytes one rank reads plus writes per step under ``plan``: the ``nvme`` optimizer tier's
+    state read and written back, the gradient shards spilled and read back, and the ``nvme``
+    parameter tier's shards (``param_io_bytes``)."""
     state = optimizer_state_bytes(run) if plan.optimizer == "nvme" else 0
-    return 2 * (state + scratch_bytes(run, plan) // run.layout.world_size)
+    return 2 * (state + scratch_bytes(run, plan) // run.layout.world_size) + param_io_bytes(run, plan)
+
+
+def param_io_bytes(run: RunShape, plan: Plan) -> int:
+    """Stage 3, ``offload.param = "nvme"``: each unit's shard read for its forward's and its
+    backward's gather in every micro-batch (at most: a unit still gathered is not read again),
+    and the trained units' copy written each step, unless their bf16 masters are the copy
+    (``shares_master``: the optimizer tier writes those anyway)."""
+    if plan.param != "nvme":
+        return 0
+    reads = 2 * run.config.zero.grad_accum_steps * sum(shard_bytes(u, run.dtype) for u in run.layout.all_units)
+    shared = shares_master(plan.laid_over(run.config))
+    return reads + (0 if shared else sum(shard_bytes(u, run.dtype) for u in run.layout.units))
 
 
 def grad_bucket_bytes(run: RunShape) -> int:
@@ -199,13 +213,14 @@ def store_bytes(run: RunShape, plan: Plan) -> int:
     """Disk under ``offload.nvme_path`` for all ranks: the nvme tier's generations of optimizer
     state (two with ``store.mode = "generations"``, one ``"in-place"``), one copy of the trained
     compute-dtype parameters under ``params`` for the nvme parameter tier (derived data, not
-    versioned), the checkpoints ``[checkpoint]`` keeps (any tier writes those), the frozen
+    versioned; none where the bf16 masters are the parameters, ``shares_master``), the checkpoints ``[checkpoint]`` keeps (any tier writes those), the frozen
     units' values, once, when the store keeps a step or the parameters are on disk
     (``engine.tiers.frozen``), and the spilled gradients' scratch stores."""
     config, layout = run.config, run.layout
     live = optimizer_store_bytes(layout, config.store.mode, run.form) if plan.optimizer == "nvme" else 0
     on_disk = plan.param == "nvme"
-    params = sum(array_bytes(u, run.dtype) for u in layout.units) if on_disk else 0
+    copied = on_disk and not shares_master(plan.laid_over(config))
+    params = sum(array_bytes(u, run.dtype) for u in layout.units) if copied else 0
     ckpt = config.checkpoint
     kept = ckpt.keep if ckpt.keep else (config.train.steps // ckpt.interval if ckpt.interval else 0)
     frozen = sum(array_bytes(u, run.dtype) for u in layout.frozen) if live or kept or on_disk else 0
