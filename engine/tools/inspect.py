@@ -321,12 +321,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"model:       {report['num_units']} units, {report['num_params']} parameters, {report['numel']:,} elements"
     )
-    width = max((len(u["name"]) for u in report["units"]), default=4)
-    lines.append(f"  {'unit':<{width}} {'params':>6} {'numel':>12} {'shard':>12} {'chunk':>12}")
-    lines += [
-        f"  {u['name']:<{width}} {u['params']:>6} {u['numel']:>12,} {u['shard_numel']:>12,} {u['chunk_numel']:>12,}"
-        for u in report["units"]
-    ]
+    lines += _unit_table(report["units"])
     frozen = report["frozen"]
     if frozen["units"]:
         lines.append(
@@ -339,16 +334,29 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"generations: {', '.join(map(str, report['generations'])) or 'none'}")
     lines.append(f"checkpoints: {', '.join(report['checkpoints']) or 'none'}")
     lines.append(f"on disk:     {_size(report['disk_bytes'])}")
-    verify = report["verify"]
-    if verify is not None:
-        failures = verify["failures"]
-        if committed is None:
-            lines.append("checksum:    nothing to verify (no committed generation)")
-        elif not failures:
-            lines.append(f"checksum:    ok ({verify['chunks']} chunks read)")
-        else:
-            lines.append(f"checksum:    FAILED: {len(failures)} problem(s) in {verify['chunks']} chunks")
-            for f in failures:
-                where = "whole array" if f["chunk"] is None else f"chunk {f['chunk']}"
-                lines.append(f"  unit {f['unit']} {f['kind']} {where}: {f['file']}: {f['error']}")
+    if report["verify"] is not None:
+        lines += _verify_lines(report["verify"], committed is not None)
     return "\n".join(lines)
+
+
+def _unit_table(units: list[dict[str, Any]]) -> list[str]:
+    """One line per unit: its parameters, elements, shard and chunk."""
+    width = max((len(u["name"]) for u in units), default=4)
+    return [f"  {'unit':<{width}} {'params':>6} {'numel':>12} {'shard':>12} {'chunk':>12}"] + [
+        f"  {u['name']:<{width}} {u['params']:>6} {u['numel']:>12,} {u['shard_numel']:>12,} {u['chunk_numel']:>12,}"
+        for u in units
+    ]
+
+
+def _verify_lines(verify: dict[str, Any], committed: bool) -> list[str]:
+    """What ``--verify`` found: nothing to check, every chunk good, or each problem."""
+    failures = verify["failures"]
+    if not committed:
+        return ["checksum:    nothing to verify (no committed generation)"]
+    if not failures:
+        return [f"checksum:    ok ({verify['chunks']} chunks read)"]
+    lines = [f"checksum:    FAILED: {len(failures)} problem(s) in {verify['chunks']} chunks"]
+    for f in failures:
+        where = "whole array" if f["chunk"] is None else f"chunk {f['chunk']}"
+        lines.append(f"  unit {f['unit']} {f['kind']} {where}: {f['file']}: {f['error']}")
+    return lines

@@ -1,0 +1,214 @@
+"""The checks of a run's configuration: ranges and combinations, each refused with a
+``ConfigError`` that names the key, its value and the fix, before any work starts (no process
+group, no model, no disk touched)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+from engine.config import NODE, Config, shares_master
+from engine.config_parse import ConfigError
+
+
+def validate(config: Config) -> None:
+    """Ranges and combinations; raises ConfigError naming the key and the fix."""
+    _check_finite(config)
+    z, o, p, opt = config.zero, config.offload, config.precision, config.optim
+    _check(z.stage in (1, 2, 3), "zero.stage", z.stage, "must be 1, 2 or 3")
+    _check(z.grad_accum_steps >= 1, "zero.grad_accum_steps", z.grad_accum_steps, "must be >= 1")
+    _check(
+        z.stage == 3 or o.param == "device",
+        "offload.param",
+        o.param,
+        'offloading parameters needs zero.stage = 3 (set zero.stage = 3, or offload.param = "device")',
+    )
+    _check(z.prefetch_mb >= 0, "zero.prefetch_mb", z.prefetch_mb, "must be >= 0 (0: no prefetch)")
+    _check(z.persistence_threshold >= 0, "zero.persistence_threshold", z.persistence_threshold, "must be >= 0")
+    _check(
+        z.device_memory_limit_mb >= 0,
+        "zero.device_memory_limit_mb",
+        z.device_memory_limit_mb,
+        "must be >= 0 (0: no limit)",
+    )
+    chunk_mb = 1 if o.chunk_mb == "auto" else o.chunk_mb  # auto stays within buffer_mb / 3
+    _check(chunk_mb >= 1, "offload.chunk_mb", o.chunk_mb, 'must be >= 1 (or "auto")')
+    if o.buffer_mb != "auto":
+        _check(o.buffer_mb >= 1, "offload.buffer_mb", o.buffer_mb, 'must be >= 1 (or "auto")')
+        _check(
+            o.buffer_mb >= 3 * chunk_mb,
+            "offload.buffer_mb",
+            o.buffer_mb,
+            f"must hold at least one unit's master and moments of one chunk each (3 x offload.chunk_mb = "
+            f'{3 * chunk_mb}), or be "auto"',
+        )
+    _check(
+        o.io_threads == "auto" or 1 <= o.io_threads <= 64,
+        "offload.io_threads",
+        o.io_threads,
+        'must be in [1, 64] (or "auto")',
+    )
+    _check_spill(config)
+    _check(
+        p.compute_dtype != "fp16" or p.loss_scaling != "none",
+        "precision.loss_scaling",
+        p.loss_scaling,
+        "fp16 needs loss scaling to keep small gradients from flushing to zero: set "
+        'precision.loss_scaling = "dynamic" (or use compute_dtype = "bf16")',
+    )
+    _check_masters(config)
+    _check(p.initial_scale > 0, "precision.initial_scale", p.initial_scale, "must be > 0")
+    _check(p.growth_interval >= 1, "precision.growth_interval", p.growth_interval, "must be >= 1")
+    _check(p.growth_factor > 1, "precision.growth_factor", p.growth_factor, "must be > 1")
+    _check(0 < p.backoff_factor < 1, "precision.backoff_factor", p.backoff_factor, "must be in (0, 1)")
+    _check(opt.lr > 0, "optim.lr", opt.lr, "must be > 0")
+    _check(all(0 <= b < 1 for b in opt.betas), "optim.betas", opt.betas, "each must be in [0, 1)")
+    _check(opt.eps > 0, "optim.eps", opt.eps, "must be > 0")
+    _check(opt.weight_decay >= 0, "optim.weight_decay", opt.weight_decay, "must be >= 0")
+    _check(opt.grad_clip >= 0, "optim.grad_clip", opt.grad_clip, "must be >= 0 (0 disables clipping)")
+    _check(opt.warmup_steps >= 0, "optim.warmup_steps", opt.warmup_steps, "must be >= 0")
+    _check(opt.decay_steps >= 0, "optim.decay_steps", opt.decay_steps, "must be >= 0")
+    _check(0 <= opt.min_lr_ratio <= 1, "optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")
+    _check_run(config)
+
+
+def _check_masters(config: Config) -> None:
+    """bf16 masters that are the parameters themselves (``shares_master``) must be of the
+    compute dtype: a gather reads them as they are."""
+    _check(
+        not shares_master(config) or config.precision.compute_dtype == "bf16",
+        "optim.master_dtype",
+        config.optim.master_dtype,
+        f'at zero.stage = 3 with offload.param = "nvme" the parameters are the bf16 masters themselves (one '
+        f'copy, read by every gather), so precision.compute_dtype must be "bf16", not '
+        f'{config.precision.compute_dtype!r}: set compute_dtype = "bf16", or master_dtype = "fp32", or '
+        f'offload.param = "cpu"',
+    )
+
+
+def _check_spill(config: Config) -> None:
+    """``offload.grad_spill = true`` only where there is a store to spill to and a shard
+    that waits for the step."""
+    from engine.zero.update import overlaps_backward  # the update's own rule, which imports this module
+
+    spill = config.offload.grad_spill
+    if spill is not True:
+        return
+    key = "offload.grad_spill"
+    _check(
+        config.offload.optimizer == "nvme",
+        key,
+        spill,
+        f'spills gradients to the nvme store, but offload.optimizer = "{config.offload.optimizer}": set '
+        f'offload.optimizer = "nvme", or grad_spill = "auto"',
+    )
+    _check(
+        config.zero.stage >= 2,
+        key,
+        spill,
+        "needs zero.stage >= 2 (stage 1 reduces every gradient at the step, so none is final before it); "
+        'set zero.stage = 2, or grad_spill = "auto"',
+    )
+    _check(
+        not overlaps_backward(config),
+        key,
+        spill,
+        "has nothing to spill: without clipping or loss scaling each unit is updated as its gradient is "
+        'reduced (optim.overlap); set grad_spill = "auto"',
+    )
+
+
+def _check_run(config: Config) -> None:
+    """The model, data, loop and checkpoint sections, and where the store is."""
+    _check_model(config)
+    _check(config.data.seq_len >= 1, "data.seq_len", config.data.seq_len, "must be >= 1")
+    _check(config.data.micro_batch >= 1, "data.micro_batch", config.data.micro_batch, "must be >= 1")
+    _check(config.data.vocab_size >= 257, "data.vocab_size", config.data.vocab_size, "must be > 256 for a BPE")
+    _check(config.train.steps >= 1, "train.steps", config.train.steps, "must be >= 1")
+    _check(config.train.log_every >= 1, "train.log_every", config.train.log_every, "must be >= 1")
+    _check(0 <= config.data.val_fraction < 1, "data.val_fraction", config.data.val_fraction, "must be in [0, 1)")
+    _check(config.train.eval_every >= 0, "train.eval_every", config.train.eval_every, "must be >= 0")
+    _check(config.train.eval_batches >= 1, "train.eval_batches", config.train.eval_batches, "must be >= 1")
+    _check(
+        config.train.eval_every == 0 or config.data.val_fraction > 0,
+        "train.eval_every",
+        config.train.eval_every,
+        "needs held-out tokens: set data.val_fraction (for example 0.05)",
+    )
+    _check(
+        not config.train.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+        "train.tensorboard",
+        config.train.tensorboard,
+        "needs the tensorboard package: pip install tensorboard (or leave train.tensorboard empty)",
+    )
+    _check_nvme_paths(config)
+    ckpt = config.checkpoint
+    _check(ckpt.interval >= 0, "checkpoint.interval", ckpt.interval, "must be >= 0 (0: no periodic checkpoints)")
+    _check(ckpt.keep >= 0, "checkpoint.keep", ckpt.keep, "must be >= 0 (0 keeps every checkpoint)")
+
+
+def _check_nvme_paths(config: Config) -> None:
+    paths = config.offload.nvme_paths
+    for path in paths:
+        _check(path != "", "offload.nvme_path", config.offload.nvme_path, "names an empty folder: give every folder")
+        _check(
+            not set("{}") & set(path.replace(NODE, "")),
+            "offload.nvme_path",
+            config.offload.nvme_path,
+            f"the only placeholder it may hold is {NODE} (the host's index, for a store on each host)",
+        )
+    _check(
+        len({NODE in p for p in paths}) == 1,
+        "offload.nvme_path",
+        config.offload.nvme_path,
+        f"holds {NODE} in some folders only: put it in every one (each host stripes its store across its own drives)",
+    )
+    _check(
+        len(set(paths)) == len(paths),
+        "offload.nvme_path",
+        config.offload.nvme_path,
+        "names a folder twice: give each drive's folder once",
+    )
+
+
+def _check_model(config: Config) -> None:
+    _check(config.model.params >= 0, "model.params", config.model.params, "must be >= 0")
+    hf = config.model.hf
+    _check(
+        not hf or (Path(hf) / "config.json").is_file(),
+        "model.hf",
+        hf,
+        "is not a folder holding config.json: give the folder save_pretrained wrote (weights, config, tokenizer)",
+    )
+    lora = config.lora
+    _check(lora.r >= 0, "lora.r", lora.r, "must be >= 0 (0: no LoRA)")
+    if lora.r:
+        _check(hf != "", "lora.r", lora.r, "LoRA fine-tunes a pretrained model: set model.hf = FOLDER (or lora.r = 0)")
+        _check(
+            importlib.util.find_spec("peft") is not None,
+            "lora.r",
+            lora.r,
+            "needs the peft library: pip install peft (or lora.r = 0)",
+        )
+    _check(lora.alpha > 0, "lora.alpha", lora.alpha, "must be > 0")
+    _check(0 <= lora.dropout < 1, "lora.dropout", lora.dropout, "must be in [0, 1)")
+
+
+def _check_finite(config: Config) -> None:
+    """Refuse inf and nan in every float (TOML, JSON and overrides all spell them): no setting
+    means either, and the range checks alone would let inf through (``inf > 0``)."""
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        for key in dataclasses.fields(values):
+            value = getattr(values, key.name)
+            items = value if isinstance(value, (tuple, list)) else (value,)
+            finite = all(math.isfinite(x) for x in items if isinstance(x, float))
+            _check(finite, f"{section.name}.{key.name}", value, "must be finite (a number, not inf or nan)")
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {value!r}: {why}")
