@@ -13,7 +13,7 @@ not depend on when it ran: results accumulate in one JSON per setting, and a lat
 `--forms F` adds (or replaces) form F's curve beside the earlier ones. Each run's log and
 metrics file stay in `<out>/convergence-runs/`.
 
-    python -m benchmarks.convergence [--quick] [--forms fp32 bf16 int8] [--steps 1000]
+    python -m benchmarks.convergence [--quick] [--forms fp32 bf16 int8 bf16-master] [--steps 1000]
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ FORMS: dict[str, list[str]] = {
     "fp32": [],
     "bf16": ["--optim.state_dtype", "bf16"],
     "int8": ["--optim.state_dtype", "int8"],
+    "bf16-master": ["--optim.master_dtype", "bf16"],
 }
-"""Each form's name and the overrides that select it (fp32 is the default)."""
-BOUNDS = {"bf16": 0.01, "int8": 0.02}
+"""Each form's name and the overrides that select it (fp32 moments and masters are the default;
+``bf16-master``: fp32 moments, bf16 masters rounded stochastically)."""
+BOUNDS = {"bf16": 0.01, "int8": 0.02, "bf16-master": 0.02}
 """The largest relative excess of a form's final validation loss over fp32's that counts as
 converging as well (the goals of the compact forms)."""
 
