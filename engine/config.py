@@ -85,6 +85,11 @@ class OffloadConfig:
     gradient (clipping, loss scaling): host memory then holds no gradient shard of the whole
     model. ``auto``: whenever the optimizer is on ``nvme`` and the update waits (stages 2 and 3;
     stage 1 reduces every gradient at the step)."""
+    host_worker: bool | Literal["auto"] = "auto"
+    """Run AdamW on the host shards (optimizer on ``cpu`` or ``nvme``) on a host thread of its
+    own while the training thread goes on with backward; bit-identical either way. ``auto``: on
+    where the device is not the host (an accelerator, or the simulated one); on a CPU-only
+    machine the worker takes the cores backward computes on."""
 
     @property
     def node_local(self) -> bool:
@@ -344,8 +349,16 @@ class Config:
 
     def _check_spill(self) -> None:
         """``offload.grad_spill = true`` only where there is a store to spill to and a shard
-        that waits for the step."""
+        that waits for the step; ``offload.host_worker = true`` only where AdamW runs on the host."""
         from engine.zero.update import overlaps_backward  # the update's own rule, which imports this module
+
+        _check(
+            self.offload.host_worker is not True or self.offload.optimizer != "device",
+            "offload.host_worker",
+            self.offload.host_worker,
+            'runs AdamW on the host, but offload.optimizer = "device" updates on the device: set '
+            'offload.optimizer = "cpu" or "nvme", or host_worker = "auto"',
+        )
 
         spill = self.offload.grad_spill
         if spill is not True:

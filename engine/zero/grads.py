@@ -49,6 +49,25 @@ def grad_shard_bytes(unit: UnitLayout) -> int:
 
 
 @dataclass
+class PendingShard:
+    """A unit's accumulated gradient shard with the copy that may still be filling it: read it
+    only through ``wait``, on any thread (the host optimizer worker waits here, not the
+    training thread)."""
+
+    shard: torch.Tensor
+    copied: Event | None = None
+    reduced: torch.Tensor | None = None
+    """The reduced shard on the device that the copy reads, kept alive until it is done."""
+
+    def wait(self) -> torch.Tensor:
+        """The shard, once the copy filling it is done."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = self.reduced = None
+        return self.shard
+
+
+@dataclass
 class _Bucket:
     unit: UnitLayout
     expected: int
@@ -202,10 +221,13 @@ class GradientShards:
 
     def ready(self, unit_name: str) -> torch.Tensor:
         """The unit's accumulated shard, once the copy filling it is done."""
-        copy = self._copies.pop(unit_name, None)
-        if copy is not None:
-            copy[0].synchronize()
-        return self.shards[unit_name]
+        return self.take(unit_name).wait()
+
+    def take(self, unit_name: str) -> PendingShard:
+        """The unit's accumulated shard with the copy still filling it, if any, for another
+        thread to wait on: from here the copy is the caller's to wait for before reading."""
+        event, reduced = self._copies.pop(unit_name, (None, None))
+        return PendingShard(self.shards[unit_name], event, reduced)
 
     def _shard(self, unit: UnitLayout) -> torch.Tensor:
         """The unit's accumulated shard, made at its first gradient of the window."""
