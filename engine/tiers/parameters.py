@@ -55,6 +55,12 @@ class Fetch:
     def __init__(self, shard: torch.Tensor, future: Future | None = None, free: Callable[[], None] | None = None):
         self._shard, self._future, self._free = shard, future, free
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether the shard was in memory already, with no read to wait for: the same on every
+        rank, unlike whether a read has landed yet."""
+        return self._future is None
+
     def wait(self) -> torch.Tensor:
         if self._future is not None:
             self._future.result()

@@ -68,6 +68,16 @@ class PendingShard:
 
 
 @dataclass
+class _Reduction:
+    """A unit's reduction in flight, and whether its shard's copy has been queued already."""
+
+    unit: UnitLayout
+    work: Work
+    shard: torch.Tensor
+    folded: bool = False
+
+
+@dataclass
 class _Bucket:
     unit: UnitLayout
     expected: int
@@ -107,7 +117,7 @@ class GradientShards:
         self.order = TracedOrder("the order gradient shards complete in")
         self._last_micro_batch = False
         self._first_micro_batch = True
-        self._in_flight: collections.deque[tuple[UnitLayout, Work, torch.Tensor]] = collections.deque()
+        self._in_flight: collections.deque[_Reduction] = collections.deque()
         self._trains = [(name, p, unit.trainable) for unit in layout.all_units for name, p in params[unit.name]]
         """Each parameter with whether it was trainable when the engine was built."""
         self._handles = []
@@ -159,7 +169,7 @@ class GradientShards:
     def _reduce(self, bucket: _Bucket) -> None:
         assert bucket.flat is not None  # a bucket is reduced once it holds gradients
         work, shard = self._comm.reduce_scatter(bucket.flat, bucket.unit.shard_numel)
-        self._in_flight.append((bucket.unit, work, shard))
+        self._in_flight.append(_Reduction(bucket.unit, work, shard))
         bucket.flat = None
         self._after_reduce(bucket.unit.name)
         self._collect(keep=MAX_IN_FLIGHT - 1)
@@ -189,21 +199,35 @@ class GradientShards:
         return [self.ready(b.unit.name) for b in self._buckets if b.unit.name in self.shards]
 
     def _collect(self, keep: int = 0) -> None:
-        """Fold finished reductions into the accumulated shards, oldest first, leaving ``keep`` in flight."""
+        """Fold finished reductions into the accumulated shards, oldest first, leaving ``keep`` in
+        flight. A reduction already complete is folded at once, whatever ``keep``: its copy
+        then goes on behind the next unit's backward rather than after it. That is this rank's
+        own decision, so nothing that depends on it is collective: the budget's credit and the
+        unit's announcement (``on_ready``, whose update gathers) wait for the fixed point."""
         for name, (event, reduced) in self._copies.items():
             if reduced is not None and event.query():
                 self._copies[name] = (event, None)
+        for reduction in self._in_flight:
+            if not reduction.folded and reduction.work.is_completed():
+                self._finish_reduction(reduction)
         while len(self._in_flight) > keep:
-            unit, work, shard = self._in_flight.popleft()
-            work.wait()
-            if self._comm.world_size > 1:
-                shard.div_(self._comm.world_size)
-            self._fold(unit, shard)
+            reduction = self._in_flight.popleft()
+            if not reduction.folded:
+                self._finish_reduction(reduction)
+            unit = reduction.unit
             self._budget.credit(bucket_bytes(unit))
             if self._last_micro_batch and self._early:
                 self.order.visit(unit.name)
                 if self.on_ready is not None:
                     self.on_ready(unit.name)
+
+    def _finish_reduction(self, reduction: _Reduction) -> None:
+        """Wait for the reduction, average it over ranks and fold it into the unit's shard."""
+        reduction.work.wait()
+        if self._comm.world_size > 1:
+            reduction.shard.div_(self._comm.world_size)
+        self._fold(reduction.unit, reduction.shard)
+        reduction.folded = True
 
     def _fold(self, unit: UnitLayout, reduced: torch.Tensor) -> None:
         """Copy (first micro-batch) or add the reduced shard into the unit's accumulated one. A
