@@ -363,9 +363,8 @@ class ShardedParams:
         """Move each unit next in the traced order one stage on, while their bytes fit the
         window and the device budget: fetch it, copy a fetched one into place, all-gather a
         copied one (a copy is given a pass to land before its gather waits for it, unless
-        copies are synchronous, as on the CPU, where it is gathered at once). A fetch that is
-        done at once (a shard held in host memory) goes on to its copy in the same pass, so
-        the copy stream has the upcoming units queued from the step's first gather.
+        copies are synchronous, as on the CPU, where it is gathered at once); a shard held in
+        memory is copied in the pass that fetches it, queued from the step's first gather.
 
         Every rank takes the same decisions from the same trace and the same byte counts,
         so the all-gathers are issued in the same order everywhere."""
@@ -381,11 +380,9 @@ class ShardedParams:
                 return
             if entry.state is UnitState.COPYING:
                 self._start_gather(entry)
-                continue
-            if entry.state is UnitState.SHARDED:
+            elif entry.state is UnitState.SHARDED:
                 self._fetch(entry)
-                assert entry.fetch is not None  # FETCHING holds it
-                if not entry.fetch.in_memory:
+                if not (entry.fetch and entry.fetch.in_memory):
                     continue  # a read from disk: copied at a later call (on every rank alike: gathers follow)
             if entry.state is UnitState.FETCHING:
                 if not self._budget.fits(entry.nbytes + self._reserve):
