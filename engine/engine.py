@@ -88,6 +88,7 @@ class Engine:
         if tier == "nvme" or (config.zero.stage == 3 and config.offload.param == "nvme") or checkpoint is not None:
             self._lock_store(create=not resume)
         hosts.roll_back(config.offload.nvme_path, step, self.comm, self.io)  # to the step all hosts hold
+        build.bound_pinned(config, self.layout, self.device, self.dtype)  # before any tier allocates
         self._build_tiers(opt_device, resume, checkpoint)
         build.build_units(
             self.layout,
@@ -124,7 +125,8 @@ class Engine:
             self.io,
             checkpoints,
             device=opt_device,
-            pin_memory=self.device.pin_memory,
+            allocate=self.device.empty_host,
+            pin=self.device.pin_memory,
             resume=resume,
             checkpoint=checkpoint,
         )

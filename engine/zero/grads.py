@@ -99,16 +99,16 @@ class GradientShards:
         reduce_per_micro_batch: bool,
         budget: DeviceBudget,
         shards_on_device: bool,
-        pin_memory: bool = False,
         after_reduce: Callable[[str], None] = lambda unit_name: None,
     ):
         self._comm, self._device = comm, device
-        self._shard_device, self._pin = shard_device, pin_memory
+        self._shard_device = shard_device
         self._budget, self._shards_on_device = budget, shards_on_device
         self._early = reduce_per_micro_batch
         self._after_reduce = after_reduce
         self._buckets = [_Bucket(u, len(params[u.name])) for u in layout.units]
         self.shards: dict[str, torch.Tensor] = {}
+        self._staged: torch.Tensor | None = None
         self._copies: dict[str, tuple[Event, torch.Tensor | None]] = {}
         """Each unit's copy to its shard not yet waited for, with the reduced shard it reads
         until it is done (then dropped, so the device memory returns at once)."""
@@ -239,7 +239,7 @@ class GradientShards:
             self._copies[unit.name] = (copied, None if copied.query() else reduced)
             return
         self.ready(unit.name)
-        staged = torch.empty_like(target)
+        staged = self._staging(unit)
         self._device.copy(staged, reduced).synchronize()
         target.add_(staged)
 
@@ -257,7 +257,7 @@ class GradientShards:
         """The unit's accumulated shard, made at its first gradient of the window."""
         shard = self.shards.get(unit.name)
         if shard is None:
-            shard = torch.empty(unit.shard_numel, dtype=torch.float32, device=self._shard_device, pin_memory=self._pin)
+            shard = self._empty_shard(unit, f"the gradient shard of unit {unit.name!r}")
             if self._shards_on_device:
                 self._budget.charge(grad_shard_bytes(unit), f"the gradient shard of unit {unit.name!r}")
             self.shards[unit.name] = shard
@@ -269,6 +269,26 @@ class GradientShards:
         shard = self.shards.pop(unit_name)
         if self._shards_on_device:
             self._budget.credit(shard.nbytes)
+        self._free_shard(shard)
+
+    def _staging(self, unit: UnitLayout) -> torch.Tensor:
+        """Where a later micro-batch's reduced shard lands before it is added: one buffer of the
+        largest shard, made at the first such addition and kept for the run."""
+        if self._staged is None:
+            largest = max(self._buckets, key=lambda b: b.unit.shard_numel).unit
+            self._staged = self._empty_shard(largest, "the gradient shard being added")
+        return self._staged[: unit.shard_numel]
+
+    def _empty_shard(self, unit: UnitLayout, what: str) -> torch.Tensor:
+        """A gradient shard's memory: on the device with the optimizer, else from the host's
+        pinned pool, which the shard's copy fills asynchronously."""
+        if self._shards_on_device:
+            return torch.empty(unit.shard_numel, dtype=torch.float32, device=self._shard_device)
+        return self._device.empty_host(unit.shard_numel, torch.float32, what)
+
+    def _free_shard(self, shard: torch.Tensor) -> None:
+        if not self._shards_on_device:
+            self._device.free_host(shard)
 
     def zero(self) -> None:
         """Start a new accumulation window."""
