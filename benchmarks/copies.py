@@ -31,7 +31,11 @@ from benchmarks.runs import RunResult, Schedule, add_schedule_arguments, run_alt
 
 FULL = Schedule(warmup=2, steps=8)
 QUICK = Schedule(warmup=1, steps=3)
-STAGE3 = [key for key, plan in PLANS.items() if plan.stage == 3]
+STAGE3 = {key: plan for key, plan in PLANS.items() if plan.stage == 3} | {
+    "s3-cpu-cpu": TierPlan("s3-cpu-cpu", 3, "cpu", "cpu")
+}
+"""The stage-3 plans of the step benchmarks, and parameters and optimizer both in host memory (the
+copy stream's own case: no disk in the step)."""
 
 
 def device_spec(gbps: float, sync: bool) -> str:
@@ -70,7 +74,9 @@ def copy_rate(plan: TierPlan, sections: dict[str, Any], schedule: Schedule, work
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--plans", nargs="+", choices=STAGE3, default=STAGE3, help="stage-3 tier plans (default all)")
+    parser.add_argument(
+        "--plans", nargs="+", choices=list(STAGE3), default=list(STAGE3), help="stage-3 tier plans (default all)"
+    )
     parser.add_argument("--preset", help='GPT preset (default the config\'s, "small"; --quick "tiny")')
     parser.add_argument("--gbps", type=float, help="copy bandwidth, GB/s (default: a quarter of each plan's rate)")
     add_schedule_arguments(parser, FULL, QUICK)
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows, runs = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-copies-") as work:
         for key in args.plans:
-            plan = PLANS[key]
+            plan = STAGE3[key]
             gbps = args.gbps or copy_rate(plan, sections, schedule, Path(work))
             plain, async_run, sync_run = measure(plan, sections, schedule, gbps, Path(work))
             rows.append(plan_row(plan, plain, async_run, sync_run, gbps) | {"GB/s": gbps})

@@ -55,11 +55,17 @@ SEARCH_PLAN = PLANS["s3-nvme-nvme"]
 """The plan that offloads the most, so the largest model is bounded by its units alone."""
 DIRECTIONS = ("to device", "to host")
 HOST_MEMORY: dict[str, Callable[[Device, int], torch.Tensor]] = {
-    "engine pinned": lambda device, nbytes: device.empty_host(nbytes, torch.uint8),
+    "engine pinned": lambda device, nbytes: pinned_for(device, nbytes).empty_host(nbytes, torch.uint8),
     "torch pinned": lambda device, nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
     "pageable": lambda device, nbytes: torch.empty(nbytes, dtype=torch.uint8),
 }
 """The host buffers copies are timed from and to, by name."""
+
+
+def pinned_for(device: Device, nbytes: int) -> Device:
+    """``device`` with a pinned pool of ``nbytes`` of its own (the engine's slab, sized to one buffer)."""
+    device.bound_pinned(nbytes)
+    return device
 
 
 @dataclasses.dataclass(frozen=True)

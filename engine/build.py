@@ -26,12 +26,19 @@ from engine.tiers.grad_spill import GradSpill
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
-from engine.tiers.sizing import optimizer_buffer_bytes, param_window_bytes, prefetch_bytes, spill_buffer_bytes
+from engine.tiers.sizing import (
+    optimizer_buffer_bytes,
+    param_window_bytes,
+    pinned_bytes,
+    pinned_limit_bytes,
+    prefetch_bytes,
+    spill_buffer_bytes,
+)
 from engine.tiers.store_checks import check_buffer_memory
 from engine.tiers.store_io import StoreIO
 from engine.zero.buffers import materialize_buffers_
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
-from engine.zero.moments import StateForm
+from engine.zero.moments import HostAllocator, StateForm
 from engine.zero.params import ReplicatedParams, ShardedParams
 from engine.zero.partition import (
     ROOT_UNIT,
@@ -143,7 +150,8 @@ def optimizer_state(
     checkpoints: CheckpointStore,
     *,
     device: torch.device,
-    pin_memory: bool,
+    allocate: HostAllocator | None,
+    pin: bool,
     resume: bool,
     checkpoint: str | None,
 ) -> OptimizerState:
@@ -151,8 +159,8 @@ def optimizer_state(
     offload, form = config.offload, StateForm.of(config.optim)
     if offload.optimizer != "nvme":
         frozen_on_disk = config.zero.stage == 3 and offload.param == "nvme"
-        pin = device.type == "cpu" and pin_memory
-        state = MemoryOptimizerState(device, checkpoints, pin_memory=pin, store_frozen=frozen_on_disk, form=form)
+        host = allocate if offload.optimizer == "cpu" else None  # the device tier's state is no host's
+        state = MemoryOptimizerState(device, checkpoints, allocate=host, store_frozen=frozen_on_disk, form=form)
         if resume:
             assert checkpoint is not None  # the engine refuses resuming a memory tier without one
             state.restore(checkpoint)
@@ -171,7 +179,22 @@ def optimizer_state(
         mode=config.store.mode,
         scratch_bytes=FP32 * sum(u.padded_numel for u in layout.units) if spills_gradients(config) else 0,
         form=form,
+        pin=pin,
     )
+
+
+def bound_pinned(config: Config, layout: ModelLayout, device: Device, dtype: torch.dtype) -> None:
+    """Give the device its pinned pool (``engine.runtime.pinned``) before any tier allocates: sized
+    by ``offload.pinned_mb``, refused if below what the plan copies through, with the nvme
+    tiers' staging reserved in it. Nothing where the device is the host."""
+    need = pinned_bytes(config, layout, dtype, StateForm.of(config.optim))
+    pool = device.bound_pinned(pinned_limit_bytes(config.offload, need))
+    if pool is None:
+        return
+    pool.check_fits(need)
+    for term in ("optimizer staging", "parameter staging"):
+        if term in need:
+            pool.reserve(need[term], f"the {term}")
 
 
 def parameters(
@@ -203,6 +226,7 @@ def parameters(
             buffer_bytes=buffer_bytes,
             read_frozen=lambda unit, values: read_frozen_async(optimizer_state.frozen_store(), unit, comm.rank, values),
             read_master=optimizer_state.read_master_async if shares_master(config) else None,
+            pin=device.pin_memory,
         )
     else:
         tier = MemoryParamTier(offload.param == "device", device, dtype, budget)
@@ -251,7 +275,6 @@ def gradients(
         reduce_per_micro_batch=config.zero.stage >= 2,
         budget=budget,
         shards_on_device=config.offload.optimizer == "device",
-        pin_memory=device.pin_memory and opt_device.type == "cpu",
         after_reduce=params.release_after_backward,
     )
     return shards, grad_spill(config, layout, comm.rank, io)

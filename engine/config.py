@@ -86,6 +86,16 @@ class OffloadConfig:
     gradient (clipping, loss scaling): host memory then holds no gradient shard of the whole
     model. ``auto``: whenever the optimizer is on ``nvme`` and the update waits (stages 2 and 3;
     stage 1 reduces every gradient at the step)."""
+    pinned_mb: float | Literal["auto"] = "auto"
+    """Host memory, in MiB, that copies between host and device go through: one bounded pool
+    (pinned on an accelerator) of the host tensors a copy reads or fills and the nvme tiers'
+    staging. ``auto``: what the plan needs (``python -m engine estimate`` prints it); a number
+    below that is refused at start with the size that fits. Nothing is pinned on a CPU-only machine."""
+    host_worker: bool | Literal["auto"] = "auto"
+    """Run AdamW on the host shards (optimizer on ``cpu`` or ``nvme``) on a host thread of its
+    own while the training thread goes on with backward; bit-identical either way. ``auto``: on
+    where the device is not the host (an accelerator, or the simulated one); on a CPU-only
+    machine the worker takes the cores backward computes on."""
 
     @property
     def nvme_paths(self) -> list[str]:

@@ -45,6 +45,7 @@ def validate(config: Config) -> None:
             f"must hold at least one unit's master and moments of one chunk each (3 x offload.chunk_mb = "
             f'{3 * chunk_mb}), or be "auto"',
         )
+    _check(o.pinned_mb == "auto" or o.pinned_mb > 0, "offload.pinned_mb", o.pinned_mb, 'must be > 0 (or "auto")')
     _check(
         o.io_threads == "auto" or 1 <= o.io_threads <= 64,
         "offload.io_threads",
@@ -91,8 +92,16 @@ def _check_masters(config: Config) -> None:
 
 def _check_spill(config: Config) -> None:
     """``offload.grad_spill = true`` only where there is a store to spill to and a shard
-    that waits for the step."""
+    that waits for the step; ``offload.host_worker = true`` only where AdamW runs on the host."""
     from engine.zero.update import overlaps_backward  # the update's own rule, which imports this module
+
+    _check(
+        config.offload.host_worker is not True or config.offload.optimizer != "device",
+        "offload.host_worker",
+        config.offload.host_worker,
+        'runs AdamW on the host, but offload.optimizer = "device" updates on the device: set '
+        'offload.optimizer = "cpu" or "nvme", or host_worker = "auto"',
+    )
 
     spill = config.offload.grad_spill
     if spill is not True:

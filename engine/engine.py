@@ -34,10 +34,10 @@ from engine.config import Config
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
+from engine.runtime.host_worker import HostWorker, uses_host_worker
 from engine.runtime.sizes import MIB
 from engine.tiers import hosts, rng
 from engine.tiers.checkpoint import PendingCheckpoint
-from engine.tiers.optimizer import ShardState
 from engine.tiers.store_io import StoreIO, settle_for_ranks
 from engine.zero.divergence import DivergedError, diverged_message
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
@@ -88,6 +88,7 @@ class Engine:
         if tier == "nvme" or (config.zero.stage == 3 and config.offload.param == "nvme") or checkpoint is not None:
             self._lock_store(create=not resume)
         hosts.roll_back(config.offload.store_path, step, self.comm, self.io)  # to the step all hosts hold
+        build.bound_pinned(config, self.layout, self.device, self.dtype)  # before any tier allocates
         self._build_tiers(opt_device, resume, checkpoint)
         build.build_units(
             self.layout,
@@ -108,6 +109,8 @@ class Engine:
         self.params.check_fits({u.name: bucket_bytes(u) * u.trainable for u in self.layout.all_units}, MAX_IN_FLIGHT)
         self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, model, opt_device, spill)
         self.scaler = LossScaler(config.precision)
+        self.worker = HostWorker() if uses_host_worker(config, not self.device.copies_are_synchronous) else None
+        """The host optimizer worker that AdamW runs on, if any (``engine.runtime.host_worker``)."""
         self._begin(resume)
         build.log_start(config, self.layout, self.comm)
 
@@ -122,7 +125,8 @@ class Engine:
             self.io,
             checkpoints,
             device=opt_device,
-            pin_memory=self.device.pin_memory,
+            allocate=self.device.empty_host,
+            pin=self.device.pin_memory,
             resume=resume,
             checkpoint=checkpoint,
         )
@@ -289,8 +293,8 @@ class Engine:
                 self.optimizer_state.flush()
                 lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
                 self.last_lr = lr
-                self._update = Update(self._update_order(), self.optimizer_state, lambda *u: self._apply(*u, lr=lr))
-                self.grads.on_ready = self.math.begin(self._update, self.scaler)
+                self._update = Update(self._update_order(), self.optimizer_state, self.math, self.worker)
+                self.grads.on_ready = self.math.begin(self._update, self.scaler, lr)
             scaled = self.scaler.scale_loss(loss)
             (scaled / accum if accum > 1 else scaled).backward()
             self.grads.end_backward()
@@ -382,10 +386,6 @@ class Engine:
         self._diverged = diverged_message(self.global_step + 1, what, where, self.config)
         self._phase = StepPhase.DIVERGED
         raise DivergedError(self._diverged)
-
-    def _apply(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor | None, *, lr: float) -> None:
-        """One unit's update (``StepMath.apply``), as the step's ``Update`` calls it."""
-        self.math.apply(unit, state, lr, grad)
 
     def _record_stats(self, update: Update) -> None:
         started, self._step_started = self._step_started or StepClock.now(), None
@@ -479,6 +479,8 @@ class Engine:
             self.optimizer_state.close()
         finally:
             self._phase = StepPhase.CLOSED
+            if self.worker is not None:
+                self.worker.close()
             self.grads.close()
             self.params.close()
             self.math.close()  # removes the spilled gradients

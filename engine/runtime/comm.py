@@ -31,6 +31,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatte
 class Work(Protocol):
     def wait(self) -> object: ...
 
+    def is_completed(self) -> bool: ...
+
 
 def node_of_env() -> int:
     """The index of the host (node) this process runs on, as torchrun numbers them: its
@@ -46,6 +48,9 @@ class Done:
 
     def wait(self) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class Comm:

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from engine.runtime.pinned import PinnedPool
+
 
 class Event(Protocol):
     """A point in a stream's queue of work."""
@@ -47,6 +49,9 @@ class Device:
         self.device = device
         self._copy_stream = None
         self._copied = 0
+        self.pinned: PinnedPool | None = None
+        """The bounded pool of host tensors that copies read or fill (``bound_pinned``); None
+        where the device is the host."""
 
     @classmethod
     def detect(cls, local_rank: int | None = None) -> Device:
@@ -123,9 +128,26 @@ class Device:
     def synchronize(self) -> None:
         self.module.synchronize()
 
-    def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor that the device can copy from asynchronously (pinned where that exists)."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+    def bound_pinned(self, limit_bytes: int) -> PinnedPool | None:
+        """Give the device its one pool of ``limit_bytes`` for host tensors that copies read or
+        fill, where it is apart from the host (pinned on an accelerator; plain memory on the
+        simulated device, bounded and counted the same); None where copies are synchronous."""
+        if self.copies_are_synchronous:
+            return None
+        self.pinned = PinnedPool(limit_bytes, pin=self.pin_memory)
+        return self.pinned
+
+    def empty_host(self, numel: int, dtype: torch.dtype, what: str = "a host buffer") -> torch.Tensor:
+        """A host tensor for ``what`` that the device can copy from and into asynchronously: from
+        the pinned pool, where there is one."""
+        if self.pinned is None:
+            return torch.empty(numel, dtype=dtype)
+        return self.pinned.empty(numel, dtype, what)
+
+    def free_host(self, tensor: torch.Tensor) -> None:
+        """Give a tensor from ``empty_host`` back (after the copies using it are done)."""
+        if self.pinned is not None:
+            self.pinned.free(tensor)
 
     def memory_allocated(self) -> int:
         """Bytes the caching allocator holds for tensors on the device (0 on CPU: the engine counts its own)."""

@@ -67,7 +67,7 @@ class GradSpill:
         )
         for unit in layout.units:
             self.store.create_array(array_name(TOP, unit.name, GRAD), unit.shard_numel, unit.chunk_numel, torch.float32)
-        self.pool = BufferPool(buffer_bytes)
+        self.pool = BufferPool(buffer_bytes, pin=False)  # host only: no copy to the device reads it
         self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, io.runner, window_bytes=buffer_bytes // 2)
         self._bytes_read = self._bytes_written = 0
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.zero.moments import FP32_STATE, StateForm
+from engine.zero.moments import FP32_STATE, HostAllocator, StateForm
 from engine.zero.partition import UnitLayout
 from offload import ShardedUnit, ShardStore, create_arrays
 
@@ -162,11 +162,13 @@ class MemoryOptimizerState:
         self,
         device: torch.device,
         checkpoints: Callable[[bool], MemoryCheckpoints],
-        pin_memory: bool = False,
+        allocate: HostAllocator | None = None,
         store_frozen: bool = False,
         form: StateForm = FP32_STATE,
     ):
-        self._device, self._pin, self._form = device, pin_memory, form
+        self._device, self._allocate, self._form = device, allocate, form
+        """``allocate``: the pinned pool the host state comes from (tier ``cpu`` with the device
+        apart from the host: the masters are copied to it), else None."""
         self._checkpoints = checkpoints
         """Opens the store of checkpoints (creating it if asked), on first use."""
         self._store_frozen = store_frozen
@@ -180,7 +182,7 @@ class MemoryOptimizerState:
 
     def _new_state(self, unit: UnitLayout) -> ShardState:
         """A unit's zeroed state, held on this tier."""
-        state = ShardState(*self._form.empty(unit, device=self._device, pin_memory=self._pin))
+        state = ShardState(*self._form.empty(unit, self._allocate, device=self._device))
         for tensor in state.tensors():
             tensor.zero_()
         self._units.append(unit)

@@ -84,10 +84,11 @@ class StoreOptimizerState:
         mode: str = GENERATIONS,
         scratch_bytes: int = 0,
         form: StateForm = FP32_STATE,
+        pin: bool = False,
     ):
         """``scratch_bytes``: the disk the run's spilled gradients take beside the store, all ranks
         (``engine.tiers.grad_spill``), checked with the store's own before a new store is made;
-        ``form``: the optimizer state's (``optim.state_dtype``)."""
+        ``form``: the optimizer state's; ``pin``: pin the staging (masters are copied from it)."""
         if io.hosts > 1 and mode != GENERATIONS:
             raise ValueError(
                 f'store.mode = "{mode}" keeps one generation, so hosts whose stores a crash left one step apart '
@@ -99,7 +100,7 @@ class StoreOptimizerState:
         check_buffer(layout, buffer_bytes, form)
         self.layout, self.rank = layout, rank
         self.barrier, self.leader, self.runner = io.barrier, io.leader, io.runner
-        self.pool = BufferPool(buffer_bytes)
+        self.pool = BufferPool(buffer_bytes, pin=pin)
         window = read_ahead_bytes(buffer_bytes)
         self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, window_bytes=window)
         self.last_stats = PipelineStats()

@@ -60,6 +60,12 @@ class Fetch:
     def __init__(self, shard: torch.Tensor, future: Future | None = None, free: Callable[[], None] | None = None):
         self._shard, self._future, self._free = shard, future, free
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether the shard was in memory already, with no read to wait for: the same on every
+        rank, unlike whether a read has landed yet."""
+        return self._future is None
+
     def wait(self) -> torch.Tensor:
         if self._future is not None:
             self._future.result()
@@ -114,12 +120,14 @@ class MemoryParamTier:
 
     def __init__(self, on_device: bool, device: Device, dtype: torch.dtype, budget: DeviceBudget):
         self._on_device, self._budget, self._copier = on_device, budget, device
-        self._device = device.device if on_device else torch.device("cpu")
-        self._dtype, self._pin = dtype, device.pin_memory and not on_device
+        self._device, self._dtype = device.device, dtype
         self._shards: dict[str, torch.Tensor] = {}
 
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
-        held = torch.empty(unit.shard_numel, dtype=self._dtype, device=self._device, pin_memory=self._pin)
+        if self._on_device:
+            held = torch.empty(unit.shard_numel, dtype=self._dtype, device=self._device)
+        else:  # from the pinned pool: copied to the device asynchronously
+            held = self._copier.empty_host(unit.shard_numel, self._dtype, f"the parameter shard of unit {unit.name!r}")
         if self._on_device:
             self._budget.charge(held.nbytes, f"the parameter shard of unit {unit.name!r}")
         self._shards[unit.name] = held.copy_(shard)
@@ -169,10 +177,13 @@ class StoreParamTier:
         buffer_bytes: int,
         read_frozen: ShardReader,
         read_master: ShardReader | None = None,
+        pin: bool = False,
     ):
+        """``pin``: pin the staging buffers, which shards are copied to the device from (their
+        budget is reserved in the engine's pinned pool, ``engine.runtime.pinned``)."""
         self._rank, self._dtype, self._read_frozen = rank, dtype, read_frozen
         self._read_master = read_master
-        self.pool = BufferPool(param_pool_bytes(layout.all_units, dtype, buffer_bytes))
+        self.pool = BufferPool(param_pool_bytes(layout.all_units, dtype, buffer_bytes), pin=pin)
         self.runner = io.runner
         self._writes: list[Future] = []
         self._bytes_read = 0

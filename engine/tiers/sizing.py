@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.config import OffloadConfig, ZeroConfig
+from engine.config import Config, OffloadConfig, ZeroConfig
+from engine.runtime.pinned import aligned
 from engine.runtime.sizes import MIB
 from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.store_checks import IN_PLACE, store_bytes
@@ -75,3 +76,37 @@ def checkpoint_bytes(layout: ModelLayout, form: StateForm = FP32_STATE) -> int:
     """Disk of one kept checkpoint, all ranks: one generation of optimizer state (what the
     in-place mode keeps live), whichever tier wrote it."""
     return store_bytes(layout, IN_PLACE, form)
+
+
+def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype, form: StateForm) -> dict[str, int]:
+    """What a rank's host<->device copies go through, by term, on a device apart from the host
+    (``engine.runtime.pinned``): the host state a copy reads or fills (masters on the ``cpu``
+    optimizer tier, gradient shards beside any host optimizer, parameter shards on the ``cpu``
+    tier), each tensor aligned as the pool cuts it, and the staging pools of the ``nvme`` tiers,
+    whose masters and shards are copied from their buffers."""
+    offload, zero = config.offload, config.zero
+    trained = [u for u in layout.all_units if u.trainable]
+    terms: dict[str, int] = {}
+    if offload.optimizer == "cpu":
+        terms["optimizer state"] = sum(
+            aligned(g.shard_numel * d.itemsize)
+            for u in trained
+            for g, d in zip(form.geometries(u), form.dtypes(), strict=True)
+        )
+    elif offload.optimizer == "nvme":
+        terms["optimizer staging"] = optimizer_buffer_bytes(offload, layout.units, form)
+    if offload.optimizer != "device" and trained:
+        grads = [aligned(shard_bytes(u, torch.float32)) for u in trained]
+        terms["gradient shards"] = sum(grads) + (max(grads) if zero.grad_accum_steps > 1 else 0)  # one being added
+    if zero.stage == 3 and offload.param == "cpu":
+        terms["parameter shards"] = sum(aligned(shard_bytes(u, dtype)) for u in layout.all_units)
+    elif zero.stage == 3 and offload.param == "nvme":
+        terms["parameter staging"] = param_pool_bytes(
+            layout.all_units, dtype, param_window_bytes(zero, layout.world_size)
+        )
+    return terms
+
+
+def pinned_limit_bytes(offload: OffloadConfig, need: dict[str, int]) -> int:
+    """The pinned pool's bound: ``offload.pinned_mb``, or for ``"auto"`` what the plan needs."""
+    return sum(need.values()) if offload.pinned_mb == "auto" else round(offload.pinned_mb * MIB)

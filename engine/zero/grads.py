@@ -49,6 +49,35 @@ def grad_shard_bytes(unit: UnitLayout) -> int:
 
 
 @dataclass
+class PendingShard:
+    """A unit's accumulated gradient shard with the copy that may still be filling it: read it
+    only through ``wait``, on any thread (the host optimizer worker waits here, not the
+    training thread)."""
+
+    shard: torch.Tensor
+    copied: Event | None = None
+    reduced: torch.Tensor | None = None
+    """The reduced shard on the device that the copy reads, kept alive until it is done."""
+
+    def wait(self) -> torch.Tensor:
+        """The shard, once the copy filling it is done."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = self.reduced = None
+        return self.shard
+
+
+@dataclass
+class _Reduction:
+    """A unit's reduction in flight, and whether its shard's copy has been queued already."""
+
+    unit: UnitLayout
+    work: Work
+    shard: torch.Tensor
+    folded: bool = False
+
+
+@dataclass
 class _Bucket:
     unit: UnitLayout
     expected: int
@@ -70,16 +99,16 @@ class GradientShards:
         reduce_per_micro_batch: bool,
         budget: DeviceBudget,
         shards_on_device: bool,
-        pin_memory: bool = False,
         after_reduce: Callable[[str], None] = lambda unit_name: None,
     ):
         self._comm, self._device = comm, device
-        self._shard_device, self._pin = shard_device, pin_memory
+        self._shard_device = shard_device
         self._budget, self._shards_on_device = budget, shards_on_device
         self._early = reduce_per_micro_batch
         self._after_reduce = after_reduce
         self._buckets = [_Bucket(u, len(params[u.name])) for u in layout.units]
         self.shards: dict[str, torch.Tensor] = {}
+        self._staged: torch.Tensor | None = None
         self._copies: dict[str, tuple[Event, torch.Tensor | None]] = {}
         """Each unit's copy to its shard not yet waited for, with the reduced shard it reads
         until it is done (then dropped, so the device memory returns at once)."""
@@ -88,7 +117,7 @@ class GradientShards:
         self.order = TracedOrder("the order gradient shards complete in")
         self._last_micro_batch = False
         self._first_micro_batch = True
-        self._in_flight: collections.deque[tuple[UnitLayout, Work, torch.Tensor]] = collections.deque()
+        self._in_flight: collections.deque[_Reduction] = collections.deque()
         self._trains = [(name, p, unit.trainable) for unit in layout.all_units for name, p in params[unit.name]]
         """Each parameter with whether it was trainable when the engine was built."""
         self._handles = []
@@ -140,7 +169,7 @@ class GradientShards:
     def _reduce(self, bucket: _Bucket) -> None:
         assert bucket.flat is not None  # a bucket is reduced once it holds gradients
         work, shard = self._comm.reduce_scatter(bucket.flat, bucket.unit.shard_numel)
-        self._in_flight.append((bucket.unit, work, shard))
+        self._in_flight.append(_Reduction(bucket.unit, work, shard))
         bucket.flat = None
         self._after_reduce(bucket.unit.name)
         self._collect(keep=MAX_IN_FLIGHT - 1)
@@ -170,21 +199,35 @@ class GradientShards:
         return [self.ready(b.unit.name) for b in self._buckets if b.unit.name in self.shards]
 
     def _collect(self, keep: int = 0) -> None:
-        """Fold finished reductions into the accumulated shards, oldest first, leaving ``keep`` in flight."""
+        """Fold finished reductions into the accumulated shards, oldest first, leaving ``keep`` in
+        flight. A reduction already complete is folded at once, whatever ``keep``: its copy
+        then goes on behind the next unit's backward rather than after it. That is this rank's
+        own decision, so nothing that depends on it is collective: the budget's credit and the
+        unit's announcement (``on_ready``, whose update gathers) wait for the fixed point."""
         for name, (event, reduced) in self._copies.items():
             if reduced is not None and event.query():
                 self._copies[name] = (event, None)
+        for reduction in self._in_flight:
+            if not reduction.folded and reduction.work.is_completed():
+                self._finish_reduction(reduction)
         while len(self._in_flight) > keep:
-            unit, work, shard = self._in_flight.popleft()
-            work.wait()
-            if self._comm.world_size > 1:
-                shard.div_(self._comm.world_size)
-            self._fold(unit, shard)
+            reduction = self._in_flight.popleft()
+            if not reduction.folded:
+                self._finish_reduction(reduction)
+            unit = reduction.unit
             self._budget.credit(bucket_bytes(unit))
             if self._last_micro_batch and self._early:
                 self.order.visit(unit.name)
                 if self.on_ready is not None:
                     self.on_ready(unit.name)
+
+    def _finish_reduction(self, reduction: _Reduction) -> None:
+        """Wait for the reduction, average it over ranks and fold it into the unit's shard."""
+        reduction.work.wait()
+        if self._comm.world_size > 1:
+            reduction.shard.div_(self._comm.world_size)
+        self._fold(reduction.unit, reduction.shard)
+        reduction.folded = True
 
     def _fold(self, unit: UnitLayout, reduced: torch.Tensor) -> None:
         """Copy (first micro-batch) or add the reduced shard into the unit's accumulated one. A
@@ -196,22 +239,25 @@ class GradientShards:
             self._copies[unit.name] = (copied, None if copied.query() else reduced)
             return
         self.ready(unit.name)
-        staged = torch.empty_like(target)
+        staged = self._staging(unit)
         self._device.copy(staged, reduced).synchronize()
         target.add_(staged)
 
     def ready(self, unit_name: str) -> torch.Tensor:
         """The unit's accumulated shard, once the copy filling it is done."""
-        copy = self._copies.pop(unit_name, None)
-        if copy is not None:
-            copy[0].synchronize()
-        return self.shards[unit_name]
+        return self.take(unit_name).wait()
+
+    def take(self, unit_name: str) -> PendingShard:
+        """The unit's accumulated shard with the copy still filling it, if any, for another
+        thread to wait on: from here the copy is the caller's to wait for before reading."""
+        event, reduced = self._copies.pop(unit_name, (None, None))
+        return PendingShard(self.shards[unit_name], event, reduced)
 
     def _shard(self, unit: UnitLayout) -> torch.Tensor:
         """The unit's accumulated shard, made at its first gradient of the window."""
         shard = self.shards.get(unit.name)
         if shard is None:
-            shard = torch.empty(unit.shard_numel, dtype=torch.float32, device=self._shard_device, pin_memory=self._pin)
+            shard = self._empty_shard(unit, f"the gradient shard of unit {unit.name!r}")
             if self._shards_on_device:
                 self._budget.charge(grad_shard_bytes(unit), f"the gradient shard of unit {unit.name!r}")
             self.shards[unit.name] = shard
@@ -223,6 +269,26 @@ class GradientShards:
         shard = self.shards.pop(unit_name)
         if self._shards_on_device:
             self._budget.credit(shard.nbytes)
+        self._free_shard(shard)
+
+    def _staging(self, unit: UnitLayout) -> torch.Tensor:
+        """Where a later micro-batch's reduced shard lands before it is added: one buffer of the
+        largest shard, made at the first such addition and kept for the run."""
+        if self._staged is None:
+            largest = max(self._buckets, key=lambda b: b.unit.shard_numel).unit
+            self._staged = self._empty_shard(largest, "the gradient shard being added")
+        return self._staged[: unit.shard_numel]
+
+    def _empty_shard(self, unit: UnitLayout, what: str) -> torch.Tensor:
+        """A gradient shard's memory: on the device with the optimizer, else from the host's
+        pinned pool, which the shard's copy fills asynchronously."""
+        if self._shards_on_device:
+            return torch.empty(unit.shard_numel, dtype=torch.float32, device=self._shard_device)
+        return self._device.empty_host(unit.shard_numel, torch.float32, what)
+
+    def _free_shard(self, shard: torch.Tensor) -> None:
+        if not self._shards_on_device:
+            self._device.free_host(shard)
 
     def zero(self) -> None:
         """Start a new accumulation window."""

@@ -22,6 +22,7 @@ stream of their own (``MASTER_SEED``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ from engine.zero.optim import ShardAdamW
 from engine.zero.quantize import BLOCK, PACKED, add_noise_, dequantize, packed_bytes, quantize_
 from offload import array_bytes, shard_bytes
 from offload.shards import ShardedUnit
+
+HostAllocator = Callable[[int, torch.dtype, str], torch.Tensor]
+"""``Device.empty_host``: ``numel`` elements of ``dtype`` for what the string names."""
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 """Each ``optim.state_dtype``'s moment dtype as stored (int8: packed blocks, ``engine.zero.quantize``)."""
@@ -139,8 +143,12 @@ class StateForm:
         sizes = [shard_bytes(g, d) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)]
         return [sum(sizes[:i]) for i in range(len(sizes))]
 
-    def empty(self, unit: ShardedUnit, **where: Any) -> list[torch.Tensor]:
-        """One rank's uninitialised shard of each kind, allocated as ``torch.empty`` is (``where``)."""
+    def empty(self, unit: ShardedUnit, allocate: HostAllocator | None = None, **where: Any) -> list[torch.Tensor]:
+        """One rank's uninitialised shard of each kind, from ``allocate`` (the pinned pool) if
+        given, else as ``torch.empty`` allocates (``where``)."""
+        if allocate is not None:
+            what = f"the optimizer state of unit {unit.name!r}"
+            return [allocate(g.shard_numel, d, what) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)]
         return [
             torch.empty(g.shard_numel, dtype=d, **where)
             for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)

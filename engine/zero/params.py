@@ -363,7 +363,8 @@ class ShardedParams:
         """Move each unit next in the traced order one stage on, while their bytes fit the
         window and the device budget: fetch it, copy a fetched one into place, all-gather a
         copied one (a copy is given a pass to land before its gather waits for it, unless
-        copies are synchronous, as on the CPU, where it is gathered at once).
+        copies are synchronous, as on the CPU, where it is gathered at once); a shard held in
+        memory is copied in the pass that fetches it, queued from the step's first gather.
 
         Every rank takes the same decisions from the same trace and the same byte counts,
         so the all-gathers are issued in the same order everywhere."""
@@ -379,14 +380,16 @@ class ShardedParams:
                 return
             if entry.state is UnitState.COPYING:
                 self._start_gather(entry)
-            elif entry.state is UnitState.FETCHING:
+            elif entry.state is UnitState.SHARDED:
+                self._fetch(entry)
+                if not (entry.fetch and entry.fetch.in_memory):
+                    continue  # a read from disk: copied at a later call (on every rank alike: gathers follow)
+            if entry.state is UnitState.FETCHING:
                 if not self._budget.fits(entry.nbytes + self._reserve):
                     return
                 self._start_copy(entry)
                 if self._device.copies_are_synchronous:
                     self._start_gather(entry)
-            elif entry.state is UnitState.SHARDED:
-                self._fetch(entry)
 
     def _release_unless_next(self, name: str) -> None:
         """Release after use, unless the unit is used again within the prefetch window

@@ -22,7 +22,7 @@ from engine.runtime.comm import Comm
 from engine.tiers.grad_spill import GradSpill
 from engine.tiers.optimizer import ShardState
 from engine.zero.divergence import nonfinite_units
-from engine.zero.grads import GradientShards
+from engine.zero.grads import GradientShards, PendingShard
 from engine.zero.moments import CompactAdamW
 from engine.zero.optim import clip_grads_, global_norm, grad_norm, norm_of_norms, piece_norms
 from engine.zero.params import ReplicatedParams, ShardedParams
@@ -72,12 +72,15 @@ class StepMath:
         """Whether a spilled gradient held inf/nan (loss scaling), for ``LossScaler.unscale_and_check``."""
         self._clip_norm: torch.Tensor | None = None
         """The global norm the spilled gradients are clipped with as they come back."""
+        self.lr = 0.0
+        """The learning rate of the step being updated (``begin``)."""
 
-    def begin(self, update: Update, scaler: LossScaler) -> Callable[[str], None] | None:
-        """The step's last backward starts: what to call with each unit's name as its gradient
-        shard becomes final (``GradientShards.on_ready``): its update inside backward, its
-        spill (unscaled by ``scaler`` first), or nothing (the shards wait in memory)."""
-        self.unit_norms, self._piece_norms, self._clip_norm = {}, {}, None
+    def begin(self, update: Update, scaler: LossScaler, lr: float) -> Callable[[str], None] | None:
+        """The step's last backward starts, its update to be made at learning rate ``lr``: what
+        to call with each unit's name as its gradient shard becomes final
+        (``GradientShards.on_ready``): its update inside backward, its spill (unscaled by
+        ``scaler`` first), or nothing (the shards wait in memory)."""
+        self.unit_norms, self._piece_norms, self._clip_norm, self.lr = {}, {}, None, lr
         if self.overlap:
             return update.ready
         if self.spill is None:
@@ -108,26 +111,34 @@ class StepMath:
         for counter in self._counters.values():
             counter.fill_(optimizer_steps)
 
-    def apply(self, unit: UnitLayout, state: ShardState, lr: float, grad: torch.Tensor | None = None) -> None:
-        """AdamW on one unit's shard, then hand the new master to the parameters. ``grad`` is the
-        unit's spilled gradient shard read back (clipped here), else it is in memory.
+    def take_grad(self, unit: UnitLayout) -> PendingShard:
+        """The unit's gradient shard in memory, with the copy that may still be filling it
+        (on the training thread: the copies' bookkeeping is its own)."""
+        return self._grads.take(unit.name)
+
+    def compute(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor, spilled: bool) -> None:
+        """AdamW on one unit's shard, at the step's learning rate (``begin``); on the host
+        optimizer worker or the training thread, touching nothing but the unit's own tensors.
+        A ``spilled`` gradient was read back from disk and is clipped here.
 
         Inside backward (overlap) nothing has seen every gradient, so the unit's own gradient
         norm is taken first, and a unit whose norm is not finite is left as it was (the step
         then stops on every rank, see ``check_unit_norms``; raising here, in an autograd hook,
-        would leave the other ranks waiting in their collectives). Its unchanged master is still
-        handed on: every rank must take part in the same parameter gathers."""
-        spilled = grad is not None
-        if grad is None:
-            grad = self._grads.ready(unit.name)
-        elif self._clip_norm is not None:
+        would leave the other ranks waiting in their collectives)."""
+        if spilled and self._clip_norm is not None:
             clip_grads_([grad], self._config.optim.grad_clip, self._clip_norm)
         finite = True
         if self.overlap:
             norm = self.unit_norms[unit.name] = float(torch.linalg.vector_norm(grad))
             finite = math.isfinite(norm)
         if finite:
-            self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._counters[unit.name], lr)
+            self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._counters[unit.name], self.lr)
+
+    def hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None:
+        """On the training thread, after ``compute``: hand the new master to the parameters (its
+        copy to the device and any gather, in the same order on every rank; a unit left
+        unchanged is still handed on, since every rank must take part in the same gathers),
+        and free a gradient shard held in memory."""
         self._params.write_back(unit, state.master)
         if not spilled:
             self._grads.release_shard(unit.name)

@@ -9,18 +9,30 @@ backward of the units still to come. Otherwise the units wait for ``apply_remain
 clipping; with the optimizer on nvme their gradient shards wait on disk meanwhile, and are
 read back beside the state (``read_grads``, ``engine.tiers.grad_spill``). Every unit sees the
 same arithmetic either way, so the result is the same.
+
+With a host optimizer worker (``engine.runtime.host_worker``) each unit's AdamW runs there
+while the training thread goes on: the worker waits for the gradient shard's copy event
+before reading it. Everything else stays on the training thread, in a schedule that depends
+only on the calls every rank makes (never on which thread finished first): the optimizer
+state's reads and writes, and handing the new master on (its copy to the device and its
+gathers). An update started at one ``ready`` is handed on at the next ``ready`` (or at
+``apply_remaining``), so the parameters' collectives keep one order on every rank.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from typing import Protocol
 
 import torch
 
 from engine.config import Config
+from engine.runtime.host_worker import HostWorker
 from engine.tiers.optimizer import OptimizerState, ShardState
+from engine.zero.grads import PendingShard
 from engine.zero.partition import ROOT_UNIT, ModelLayout, UnitLayout
 
 
@@ -57,6 +69,17 @@ def update_order(recorded: Sequence[str], layout: ModelLayout) -> list[UnitLayou
     return [u for u in reversed(units) if u.name != ROOT_UNIT] + [u for u in units if u.name == ROOT_UNIT]
 
 
+class UnitUpdate(Protocol):
+    """What updating one unit takes (``engine.zero.step.StepMath``): its gradient shard taken on
+    the training thread, AdamW on any thread, and the new master handed on on the training thread."""
+
+    def take_grad(self, unit: UnitLayout) -> PendingShard: ...
+
+    def compute(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor, spilled: bool) -> None: ...
+
+    def hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None: ...
+
+
 class Update:
     """The units of one step, updated in a fixed order as they become ready."""
 
@@ -64,29 +87,36 @@ class Update:
         self,
         order: Sequence[UnitLayout],
         optimizer_state: OptimizerState,
-        apply: Callable[[UnitLayout, ShardState, torch.Tensor | None], None],
+        unit_update: UnitUpdate,
+        worker: HostWorker | None = None,
     ):
         self.order = list(order)
         self._pending = collections.deque(order)
         self._ready: set[str] = set()
         self._state = optimizer_state
-        self._apply = apply
+        self._unit = unit_update
+        self._worker = worker
+        self._running: collections.deque[tuple[UnitLayout, ShardState, bool, Future]] = collections.deque()
+        """Units whose AdamW the worker was handed, in order, not yet handed on."""
         self._grads: Iterator[tuple[UnitLayout, torch.Tensor]] | None = None
         """Spilled gradient shards read back in ``order`` (``read_grads``), else None: the
         gradient shards are in memory."""
         self.wait_s = 0.0
-        """Seconds blocked on the optimizer tier: reads not ready, writes backed up."""
+        """Seconds the training thread was blocked on the optimizer: its tier's reads not ready,
+        writes backed up, or the worker's update not done."""
         self.compute_s = 0.0
-        """Seconds in the update itself."""
+        """Seconds in the update itself (on the worker, or the training thread)."""
         start = time.perf_counter()
         self._reads = optimizer_state.read(order)  # its first reads start now
         self.wait_s += time.perf_counter() - start
 
     def ready(self, unit_name: str) -> None:
-        """The unit's gradient shard is final: update it and any after it that were waiting."""
+        """The unit's gradient shard is final: hand on the updates started before, then update
+        it and any after it that were waiting."""
         self._ready.add(unit_name)
+        self._hand_on_running()
         while self._pending and self._pending[0].name in self._ready:
-            self._update_next()
+            self._start_next()
 
     def read_grads(self, grads: Iterator[tuple[UnitLayout, torch.Tensor]]) -> None:
         """Take each unit's gradient shard from ``grads`` (spilled ones read back in ``order``)
@@ -94,14 +124,21 @@ class Update:
         self._grads = grads
 
     def apply_remaining(self) -> None:
-        """Every gradient is final: update the units still pending."""
+        """Every gradient is final: update the units still pending. A worker's error is raised
+        here (or at the ``ready`` after it), as the worker raised it."""
         while self._pending:
-            self._update_next()
+            self._start_next()
+            self._hand_on_running()
+        self._hand_on_running()
         self._close(self._grads)
 
     def abandon(self) -> None:
-        """Skip the step (overflowed gradients): drop the reads, touch nothing."""
+        """Skip the step (overflowed gradients): let the worker finish what it holds, drop the
+        reads, hand nothing on."""
         self._pending.clear()
+        running, self._running = self._running, collections.deque()
+        for *_, future in running:
+            future.result()
         self._close(self._reads)
         self._close(self._grads)
 
@@ -112,18 +149,46 @@ class Update:
         if close is not None:
             close()
 
-    def _update_next(self) -> None:
+    def _start_next(self) -> None:
+        """Read the next unit's state and gradient and start its AdamW: on the worker, or here
+        and handed on at once."""
         unit = self._pending.popleft()
         start = time.perf_counter()
         arrived, state = next(self._reads)
         assert arrived is unit, f"the optimizer state read {arrived.name!r} where {unit.name!r} was due"
-        grad = None
+        spilled = self._grads is not None
         if self._grads is not None:
             arrived, grad = next(self._grads)
             assert arrived is unit, f"the spilled gradient read {arrived.name!r} where {unit.name!r} was due"
-        computed = time.perf_counter()
-        self._apply(unit, state, grad)
-        applied = time.perf_counter()
+            pending = PendingShard(grad)
+        else:
+            pending = self._unit.take_grad(unit)
+        self.wait_s += time.perf_counter() - start
+        if self._worker is None:
+            self._compute(unit, state, pending, spilled)
+            self._hand_on(unit, state, spilled)
+        else:
+            future = self._worker.submit(self._compute, unit, state, pending, spilled)
+            self._running.append((unit, state, spilled, future))
+
+    def _compute(self, unit: UnitLayout, state: ShardState, pending: PendingShard, spilled: bool) -> None:
+        """AdamW on the unit, once its gradient's copy has landed (on the worker's thread, if any)."""
+        grad = pending.wait()
+        start = time.perf_counter()
+        self._unit.compute(unit, state, grad, spilled)
+        self.compute_s += time.perf_counter() - start
+
+    def _hand_on_running(self) -> None:
+        """Wait for the worker's updates handed over so far, in order, and hand each on."""
+        while self._running:
+            unit, state, spilled, future = self._running.popleft()
+            start = time.perf_counter()
+            future.result()  # the worker's exception, if it raised, with its own message
+            self.wait_s += time.perf_counter() - start
+            self._hand_on(unit, state, spilled)
+
+    def _hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None:
+        self._unit.hand_on(unit, state, spilled)
+        start = time.perf_counter()
         self._state.write_back(unit, state)
-        self.compute_s += applied - computed
-        self.wait_s += (computed - start) + (time.perf_counter() - applied)
+        self.wait_s += time.perf_counter() - start

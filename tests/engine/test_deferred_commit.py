@@ -74,13 +74,13 @@ def test_a_background_write_failure_surfaces_at_the_next_step_and_keeps_the_last
     ops = FailingOps("write", errno.ENOSPC)
     eng.optimizer_state.store._ops = ops
     last = eng._update_order()[-1].name
-    apply = eng._apply
+    hand_on = eng.math.hand_on
 
-    def fail_the_last_writes(unit, state, grad, *, lr) -> None:  # only the step's final write-back fails
-        apply(unit, state, grad, lr=lr)
+    def fail_the_last_writes(unit, state, spilled) -> None:  # only the step's final write-back fails
+        hand_on(unit, state, spilled)
         ops.armed = unit.name == last
 
-    eng._apply = fail_the_last_writes
+    eng.math.hand_on = fail_the_last_writes  # type: ignore[method-assign]
     run(eng, 1)  # step 2 returns before its last writes land
     with pytest.raises(OffloadIOError, match=r"write gen-\d+/.*injected"):
         run(eng, 1)  # step 3 reads step 2's state: the failure surfaces before anything is read

@@ -18,7 +18,7 @@ import torch
 from engine.runtime.device import SIM_ENV, Device
 from engine.runtime.sim_device import CopyRaceError, SimDevice
 from engine.zero.divergence import DivergedError
-from engine.zero.grads import GradientShards
+from engine.zero.grads import PendingShard
 from engine.zero.params import ShardedParams, UnitState
 from tests.ranks import run_ranks
 from tests.training import config, rel_diff, train_engine, train_engine_on_ranks, train_reference
@@ -102,14 +102,15 @@ def train_gathering_before_the_copy(cfg, steps: int, micro_batch: int) -> dict:
     return train_engine_on_ranks(cfg, steps, micro_batch)
 
 
-def gradient_not_waited_for(self: GradientShards, unit_name: str) -> torch.Tensor:
-    self._copies.pop(unit_name, None)
-    return self.shards[unit_name]
+def gradient_not_waited_for(self: PendingShard) -> torch.Tensor:
+    """``PendingShard.wait`` without waiting for the copy: the optimizer (on the host worker,
+    which the simulated device turns on) reads the shard at once."""
+    return self.shard
 
 
 @pytest.mark.parametrize(
     ("owner", "name", "broken", "stage"),
-    [(GradientShards, "ready", gradient_not_waited_for, 2)],
+    [(PendingShard, "wait", gradient_not_waited_for, 2)],
     ids=["update before the gradient copy"],
 )
 def test_a_missing_wait_is_caught(owner, name, broken, stage, tmp_path, monkeypatch) -> None:

@@ -1,13 +1,19 @@
 """``Update`` on its own: each unit is updated once, in the order given, as soon as it and
-every unit before it are ready; the rest at ``apply_remaining``; none after ``abandon``."""
+every unit before it are ready; the rest at ``apply_remaining``; none after ``abandon``. With
+the host worker an update started at one ``ready`` is handed on (written back, its master
+handed to the parameters) at the next call, on the calling thread."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 from torch import nn
 
+from engine.runtime.host_worker import WORKER_THREAD, HostWorker
 from engine.tiers.optimizer import MemoryOptimizerState, ShardState
+from engine.zero.grads import PendingShard
 from engine.zero.partition import ROOT_UNIT, ModelLayout, UnitLayout, build_layout
 from engine.zero.update import Update, overlaps_backward, update_order
 from tests.training import config
@@ -31,46 +37,73 @@ class Recorded(MemoryOptimizerState):
         self.written.append(unit.name)
 
 
-def opened(names: tuple[str, ...], order: list[str]):
-    layout = layout_of(*names)
-    tier = Recorded(layout)
-    applied: list[str] = []
+class Recorder:
+    """A ``UnitUpdate`` that adds 10 to each master and records which thread did what."""
 
-    def apply(unit: UnitLayout, state: ShardState, grad: torch.Tensor | None) -> None:
-        applied.append(unit.name)
+    def __init__(self) -> None:
+        self.applied: list[str] = []
+        self.handed_on: list[str] = []
+        self.threads: set[str] = set()
+
+    def take_grad(self, unit: UnitLayout) -> PendingShard:
+        return PendingShard(torch.zeros(unit.shard_numel))
+
+    def compute(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor, spilled: bool) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.applied.append(unit.name)
         state.master.add_(10)
 
-    update = Update([layout.unit(n) for n in order], tier, apply)
-    return layout, tier, update, applied
+    def hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None:
+        assert threading.current_thread() is threading.main_thread(), "handed on on the calling thread"
+        self.handed_on.append(unit.name)
 
 
-def test_a_unit_waits_for_the_units_due_before_it() -> None:
-    _, tier, update, applied = opened(("a", "b", "c"), ["c", "b", "a"])
+@pytest.fixture(params=[False, True], ids=["inline", "worker"])
+def worker(request):
+    host_worker = HostWorker() if request.param else None
+    yield host_worker
+    if host_worker is not None:
+        host_worker.close()
+
+
+def opened(names: tuple[str, ...], order: list[str], worker: HostWorker | None):
+    layout = layout_of(*names)
+    tier = Recorded(layout)
+    recorder = Recorder()
+    update = Update([layout.unit(n) for n in order], tier, recorder, worker)
+    return layout, tier, update, recorder
+
+
+def test_a_unit_waits_for_the_units_due_before_it(worker) -> None:
+    _, tier, update, recorder = opened(("a", "b", "c"), ["c", "b", "a"], worker)
     update.ready("b")
-    assert applied == []
+    assert recorder.applied == []
     update.ready("c")
-    assert applied == ["c", "b"] and tier.written == ["c", "b"]
+    assert tier.written == ([] if worker else ["c", "b"]), "the worker's updates are handed on at the next call"
     update.ready("a")
-    assert applied == ["c", "b", "a"] and tier.written == ["c", "b", "a"]
+    assert tier.written == ["c", "b"] + ([] if worker else ["a"])
     update.apply_remaining()
-    assert applied == ["c", "b", "a"], "a unit is updated once"
+    assert recorder.applied == ["c", "b", "a"], "a unit is updated once"
+    assert tier.written == recorder.handed_on == ["c", "b", "a"]
+    expected_thread = threading.current_thread().name if worker is None else f"{WORKER_THREAD}_0"
+    assert recorder.threads == {expected_thread}
     masters = {u.name: m for u, m in tier.read_masters()}
     assert [float(masters[n][0]) for n in ("a", "b", "c")] == [10.0, 11.0, 12.0]
 
 
-def test_apply_remaining_updates_every_unit_still_pending() -> None:
-    _, tier, update, applied = opened(("a", "b", "c"), ["a", "b", "c"])
+def test_apply_remaining_updates_every_unit_still_pending(worker) -> None:
+    _, tier, update, recorder = opened(("a", "b", "c"), ["a", "b", "c"], worker)
     update.ready("a")
     update.apply_remaining()
-    assert applied == ["a", "b", "c"] and tier.written == ["a", "b", "c"]
+    assert recorder.applied == ["a", "b", "c"] and tier.written == ["a", "b", "c"]
     assert update.compute_s >= 0 and update.wait_s >= 0
 
 
-def test_abandon_updates_nothing() -> None:
-    _, tier, update, applied = opened(("a", "b"), ["a", "b"])
+def test_abandon_updates_nothing(worker) -> None:
+    _, tier, update, recorder = opened(("a", "b"), ["a", "b"], worker)
     update.abandon()
     update.apply_remaining()
-    assert applied == [] and tier.written == []
+    assert recorder.applied == [] and tier.written == []
     masters = {u.name: m for u, m in tier.read_masters()}
     assert float(masters["a"][0]) == 0.0 and float(masters["b"][0]) == 1.0
 

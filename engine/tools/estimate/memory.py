@@ -14,6 +14,7 @@ import torch
 from engine.config import Tier
 from engine.config_parse import ConfigError
 from engine.tiers.sizing import optimizer_buffer_bytes
+from engine.tiers.sizing import pinned_bytes as pinned_need
 from engine.tiers.store_checks import check_buffer
 from engine.tools.estimate.shape import Plan, RunShape, all_plans
 from engine.tools.estimate.terms import (
@@ -187,6 +188,9 @@ class PlanEstimate:
     build everything on the "device" too."""
     disk_bytes: int
     """The store under ``offload.nvme_path``, all ranks."""
+    pinned_bytes: int
+    """Of ``host_bytes``, what the pinned pool holds where the device is apart from the host
+    (``offload.pinned_mb = "auto"``; ``engine.tiers.sizing.pinned_bytes``); 0 on a CPU build."""
     step_io_bytes: int
     """Bytes one rank reads plus writes per step: the nvme tiers' state and parameter shards,
     and the spilled gradient shards (``terms.step_io_bytes``)."""
@@ -246,6 +250,7 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
         host_bytes=max(f.host for f in phases.values()),
         peak_rss_bytes=baseline_bytes + size(phases[peak]),
         disk_bytes=store_bytes(run, plan),
+        pinned_bytes=0 if device_is_host else sum(pinned_need(run.config, run.layout, run.dtype, run.form).values()),
         step_io_bytes=step_io_bytes(run, plan),
         peak_phase=peak,
         phase_rss_bytes={name: size(footprint) for name, footprint in phases.items()},

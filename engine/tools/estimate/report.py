@@ -28,12 +28,13 @@ def format_table(
         + (f"{gib(machine.device_bytes)} GiB per device" if machine.device_bytes else "device memory is host memory"),
         run.io,
         state_line(run),
-        "GiB; device, host and RSS per rank; node RAM for all ranks; disk for the store; I/O read plus written per "
-        "step and rank (state and parameters on nvme, spilled gradients)",
+        "GiB; device, host (pinned: of it, the copies' pool, offload.pinned_mb) and RSS per rank; node RAM for all "
+        "ranks; disk for the store; I/O read plus written per step and rank (state and parameters on nvme, spilled "
+        "gradients)",
         "",
         (
             f"{'stage':>5}  {'optimizer':<9}  {'param':<6}  {'device':>7}  {'activ.':>7}  {'host':>7}  "
-            f"{'peak RSS':>8}  {'node RAM':>8}  {'disk':>7}  {'I/O':>7}  fits"
+            f"{'pinned':>7}  {'peak RSS':>8}  {'node RAM':>8}  {'disk':>7}  {'I/O':>7}  fits"
         ),
     ]
     for est in estimates:
@@ -41,7 +42,8 @@ def format_table(
         mark = " <- recommended" if choice is not None and est.plan == choice.plan else ""
         lines.append(
             f"{p.stage:>5}  {p.optimizer:<9}  {p.param:<6}  {gib(est.device_bytes):>7}  {gib(est.activation_bytes):>7}  "
-            f"{gib(est.host_bytes):>7}  {gib(est.peak_rss_bytes):>8}  {gib(est.node_rss_bytes):>8}  "
+            f"{gib(est.host_bytes):>7}  {gib(est.pinned_bytes):>7}  {gib(est.peak_rss_bytes):>8}  "
+            f"{gib(est.node_rss_bytes):>8}  "
             f"{gib(est.disk_bytes):>7}  {gib(est.step_io_bytes):>7}  {'yes' if machine.fits(est) else 'no'}{mark}"
         )
     lines.append("")

@@ -1,0 +1,90 @@
+"""The one pinned pool: every host tensor a copy reads or fills is cut from one bounded slab.
+
+Nothing can be pinned on a CPU build, so the pool's bound and accounting are proven on the
+simulated device, which cuts the same slab from plain memory: the engine's own tensors come
+from it and stay within ``offload.pinned_mb`` (``auto``: the plan's need, which ``estimate``
+reports too), a bound below the need is refused at start with the size that fits, and a
+freed tensor's bytes are reused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import ConfigError
+from engine.engine import Engine
+from engine.runtime.device import SIM_ENV
+from engine.runtime.pinned import PinnedMemoryError, PinnedPool, aligned
+from engine.runtime.sizes import MIB
+from engine.tiers.sizing import pinned_bytes
+from engine.tools.estimate.memory import estimate
+from engine.tools.estimate.shape import Plan, run_shape
+from engine.zero.moments import StateForm
+from tests.training import batches, config, tiny_gpt
+
+PLANS = [(2, "cpu", "device"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "device", "cpu")]
+
+
+def plan_config(stage: int, optimizer: str, param: str, store: str, **offload):
+    return config(zero={"stage": stage}, offload={"optimizer": optimizer, "param": param, "nvme_path": store} | offload)
+
+
+def test_the_pool_cuts_reuses_and_refuses() -> None:
+    pool = PinnedPool(4096, pin=False)
+    pool.reserve(1024, "a staging pool")
+    first = pool.empty(100, torch.float32, "a shard")  # 400 bytes, cut as 448
+    second = pool.empty(10, torch.bfloat16, "another")
+    assert first.numel() == 100 and second.dtype == torch.bfloat16
+    assert pool.used_bytes == 1024 + aligned(400) + aligned(20)
+    first.fill_(1.0)
+    second.fill_(2.0)
+    assert torch.equal(first, torch.ones(100)), "the pieces do not overlap"
+    pool.free(first)
+    again = pool.empty(100, torch.float32, "the next step's shard")
+    assert again.data_ptr() == first.data_ptr() and pool.used_bytes == 1024 + aligned(400) + aligned(20)
+    with pytest.raises(PinnedMemoryError, match=r"a big shard needs .* over offload.pinned_mb = .*: set offload"):
+        pool.empty(1000, torch.float32, "a big shard")
+    assert pool.peak_bytes == pool.used_bytes
+
+
+def test_the_need_is_refused_before_anything_is_cut() -> None:
+    pool = PinnedPool(MIB, pin=False)
+    with pytest.raises(PinnedMemoryError, match=r"offload.pinned_mb = 1 is below the 2.00 MiB .* at least 2 "):
+        pool.check_fits({"optimizer state": MIB, "gradient shards": MIB})
+
+
+@pytest.mark.parametrize(("stage", "optimizer", "param"), PLANS)
+def test_the_engine_stays_within_the_plans_need(stage, optimizer, param, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=0.2")
+    cfg = plan_config(stage, optimizer, param, str(tmp_path / "store"))
+    eng = Engine(tiny_gpt(), cfg, total_steps=2)
+    pool = eng.device.pinned
+    assert pool is not None, "the simulated device has a pool"
+    need = pinned_bytes(cfg, eng.layout, eng.dtype, StateForm("fp32"))
+    assert pool.limit_bytes == sum(need.values()), "auto: what the plan needs"
+    data = batches(4)
+    for _ in range(2):
+        eng.backward(eng(*data.next()))
+        eng.step()
+    assert need, "every plan here copies through host memory"
+    assert 0 < pool.peak_bytes <= pool.limit_bytes
+    eng.close()
+    run = run_shape(cfg, 1, model=tiny_gpt())
+    predicted = estimate(run, Plan(stage, optimizer, param), baseline_bytes=0, device_is_host=False)
+    assert predicted.pinned_bytes == sum(need.values()), "estimate counts the same bytes"
+
+
+def test_a_bound_below_the_need_is_refused_at_start(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=0.2")
+    store = tmp_path / "store"
+    with pytest.raises(PinnedMemoryError, match=r"offload.pinned_mb = 0.01 is below .* set offload.pinned_mb to at"):
+        Engine(tiny_gpt(), plan_config(3, "cpu", "cpu", str(store), pinned_mb=0.01), total_steps=1)
+    with pytest.raises(ConfigError, match=r"offload\.pinned_mb"):
+        plan_config(3, "cpu", "cpu", str(store), pinned_mb=0)
+
+
+def test_nothing_is_pooled_where_the_device_is_the_host(tmp_path) -> None:
+    eng = Engine(tiny_gpt(), plan_config(3, "cpu", "cpu", str(tmp_path / "store"), pinned_mb=0.01), total_steps=1)
+    assert eng.device.pinned is None, "copies are synchronous: nothing is pinned, no bound applies"
+    eng.close()
