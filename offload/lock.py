@@ -21,6 +21,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from offload.metadata import store_marker
+from offload.stripes import refuse_share
+
 LOCK_FILE = "LOCK"
 
 
@@ -80,6 +83,8 @@ class StoreLock:
                 errno.ENOTDIR,
                 f"offload store path {store_dir} is a file, not a folder; choose another offload.nvme_path",
             )
+        if store_dir.is_dir():
+            refuse_share(store_dir, store_marker(store_dir))  # a share's writer is its store's, never its own
         made = [p for p in (store_dir, *store_dir.parents) if not p.exists()]
         if made and not create:
             raise FileNotFoundError(

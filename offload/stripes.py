@@ -197,16 +197,22 @@ def create_stripes(root: Path, extra: tuple[Path, ...], marker: dict[str, Any]) 
         create_group(stripe, {FORMAT_KEY: stripe_marker(marker, identity, position)})
 
 
+def refuse_share(root: Path, marker: dict[str, Any] | None) -> None:
+    """Refuse to treat ``root`` as a store when its ``marker`` (the format marker found there)
+    says it holds another store's share of chunks: a run, its lock or a reader belongs there."""
+    if marker is not None and STRIPE_KEY in marker:
+        raise ValueError(
+            f"{root} holds a share of the chunks of offload store {marker[STRIPE_KEY]}, not a store: open that one"
+        )
+
+
 def open_stripes(
     root: Path, marker: dict[str, Any], given: Sequence[str | os.PathLike[str]] | None
 ) -> tuple[Path, ...]:
     """The other folders of the store at ``root`` as its ``marker`` records them, each checked
     to hold its share; refused if ``given`` (not None) is another list, or if ``root`` is
     itself another store's share."""
-    if STRIPE_KEY in marker:
-        raise ValueError(
-            f"{root} holds a share of the chunks of offload store {marker[STRIPE_KEY]}, not a store: open that one"
-        )
+    refuse_share(root, marker)
     here = absolute([root])[0]
     paths = recorded(here, marker)
     extra = paths[1:]

@@ -98,6 +98,7 @@ def test_another_list_of_folders_is_refused_by_name_and_changes_nothing(tmp_path
         Engine.resume(tiny_gpt(), striped([first, second]), total_steps=4)
     with pytest.raises(ValueError, match=rf"{second} holds a share of the chunks of offload store {first}"):
         Engine.resume(tiny_gpt(), striped([second, first, third]), total_steps=4)
+    assert not (second / "LOCK").exists(), "a share is never locked as if it were a store"
     shutil.move(third, tmp_path / "unmounted")
     with pytest.raises(FileNotFoundError, match=rf"path 3 of offload store {first}, {third}, is missing.*mount"):
         Engine.resume(tiny_gpt(), striped(paths), total_steps=4)
