@@ -19,10 +19,9 @@ from engine.config import Config, shares_master
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
-from engine.runtime.sizes import FP32
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.frozen import read_frozen_async
-from engine.tiers.grad_spill import GradSpill
+from engine.tiers.grad_spill import GradSpill, spill_dtype
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
@@ -177,7 +176,9 @@ def optimizer_state(
         resume=resume,
         checkpoint=checkpoint,
         mode=config.store.mode,
-        scratch_bytes=FP32 * sum(u.padded_numel for u in layout.units) if spills_gradients(config) else 0,
+        scratch_bytes=spill_dtype(config.offload).itemsize * sum(u.padded_numel for u in layout.units)
+        if spills_gradients(config)
+        else 0,
         form=form,
         pin=pin,
     )
@@ -286,8 +287,9 @@ def grad_spill(config: Config, layout: ModelLayout, rank: int, io: StoreIO) -> G
     optimizer tier, whose writer has swept the last run's scratch folder by then."""
     if not spills_gradients(config):
         return None
-    buffer = spill_buffer_bytes(config.offload, layout.units)
-    return GradSpill(config.offload.store_path, layout, rank, io, buffer_bytes=buffer)
+    dtype = spill_dtype(config.offload)
+    buffer = spill_buffer_bytes(config.offload, layout.units, dtype)
+    return GradSpill(config.offload.store_path, layout, rank, io, buffer_bytes=buffer, dtype=dtype)
 
 
 def build_units(

@@ -86,6 +86,10 @@ class OffloadConfig:
     gradient (clipping, loss scaling): host memory then holds no gradient shard of the whole
     model. ``auto``: whenever the optimizer is on ``nvme`` and the update waits (stages 2 and 3;
     stage 1 reduces every gradient at the step)."""
+    grad_spill_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the spilled gradient shards on disk: ``bf16`` halves their disk and I/O (2 B/param
+    each way), rounded stochastically with seeds of the step and the unit, and widened back to
+    fp32 for the update; the norm and the overflow check are taken from the fp32 shard first."""
     pinned_mb: float | Literal["auto"] = "auto"
     """Host memory, in MiB, that copies between host and device go through: one bounded pool
     (pinned on an accelerator) of the host tensors a copy reads or fills and the nvme tiers'

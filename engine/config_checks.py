@@ -92,8 +92,9 @@ def _check_masters(config: Config) -> None:
 
 def _check_spill(config: Config) -> None:
     """``offload.grad_spill = true`` only where there is a store to spill to and a shard
-    that waits for the step; ``offload.host_worker = true`` only where AdamW runs on the host."""
-    from engine.zero.update import overlaps_backward  # the update's own rule, which imports this module
+    that waits for the step, ``grad_spill_dtype = "bf16"`` only where gradients spill;
+    ``offload.host_worker = true`` only where AdamW runs on the host."""
+    from engine.zero.update import overlaps_backward, spills_gradients  # the update's rules; it imports this module
 
     _check(
         config.offload.host_worker is not True or config.offload.optimizer != "device",
@@ -103,6 +104,13 @@ def _check_spill(config: Config) -> None:
         'offload.optimizer = "cpu" or "nvme", or host_worker = "auto"',
     )
 
+    _check(
+        config.offload.grad_spill_dtype == "fp32" or spills_gradients(config),
+        "offload.grad_spill_dtype",
+        config.offload.grad_spill_dtype,
+        'has no spilled gradient to store: gradients spill only with offload.optimizer = "nvme", '
+        'zero.stage >= 2 and clipping or loss scaling (offload.grad_spill); set grad_spill_dtype = "fp32"',
+    )
     spill = config.offload.grad_spill
     if spill is not True:
         return

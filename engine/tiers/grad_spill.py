@@ -13,6 +13,11 @@ checkpoint, never fsynced, rewritten every step, removed at ``close`` and swept 
 writer on resume (``offload.nodes``), so no crash can leave it where a commit would read it.
 Bytes move through the same pipeline (``offload.pipeline``) and chunk route (O_DIRECT, CRC-32C)
 as the optimizer state's, through the run's one I/O runner.
+
+With ``offload.grad_spill_dtype = "bf16"`` a shard is stored as bfloat16, rounded
+stochastically (``engine.zero.moments.round_stochastic_``) with a seed of the step and the
+unit (``SPILL_SEED``), so a resumed run rounds alike; it is widened back to fp32 as it is
+handed to the update. Disk, I/O and the pool then take 2 bytes a parameter, not 4.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from pathlib import Path
 
 import torch
 
+from engine.config import OffloadConfig
 from engine.tiers.store_io import StoreIO
+from engine.zero.moments import SPILL_SEED, round_stochastic_
 from engine.zero.partition import ModelLayout, UnitLayout
 from offload import SCRATCH, TOP, BufferPool, HostBuffer, Pipeline, ReadAhead, ShardStore, array_name, shard_bytes
 
@@ -41,15 +48,36 @@ def scratch_path(nvme_path: str | Path, rank: int) -> Path:
     return Path(nvme_path) / SCRATCH / f"rank-{rank}"
 
 
-def grad_bytes(unit: UnitLayout) -> int:
-    """Host (and disk) bytes of one rank's spilled fp32 gradient shard of ``unit``."""
-    return shard_bytes(unit, torch.float32)
+SPILL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""Each ``offload.grad_spill_dtype``'s dtype of the spilled shards, on disk and in the pool."""
+
+
+def spill_dtype(offload: OffloadConfig) -> torch.dtype:
+    """The dtype ``offload.grad_spill_dtype`` stores spilled gradient shards in."""
+    return SPILL_DTYPES[offload.grad_spill_dtype]
+
+
+def grad_bytes(unit: UnitLayout, dtype: torch.dtype = torch.float32) -> int:
+    """Host (and disk) bytes of one rank's spilled gradient shard of ``unit``, stored as ``dtype``."""
+    return shard_bytes(unit, dtype)
 
 
 class GradSpill:
     """One rank's spilled gradient shards: written during backward, read back at the step."""
 
-    def __init__(self, nvme_path: str | Path, layout: ModelLayout, rank: int, io: StoreIO, *, buffer_bytes: int):
+    def __init__(
+        self,
+        nvme_path: str | Path,
+        layout: ModelLayout,
+        rank: int,
+        io: StoreIO,
+        *,
+        buffer_bytes: int,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.dtype = dtype
+        self._unit_index = {u.name: i for i, u in enumerate(layout.units)}
+        """Each unit's place in the seed of its rounding (bf16)."""
         self.root = scratch_path(nvme_path, rank)
         stripes = io.stripes_of(str(self.root.relative_to(nvme_path)))  # spread like the store's own chunks
         for folder in (self.root, *stripes):
@@ -66,13 +94,13 @@ class GradSpill:
             stripes=stripes,
         )
         for unit in layout.units:
-            self.store.create_array(array_name(TOP, unit.name, GRAD), unit.shard_numel, unit.chunk_numel, torch.float32)
+            self.store.create_array(array_name(TOP, unit.name, GRAD), unit.shard_numel, unit.chunk_numel, dtype)
         self.pool = BufferPool(buffer_bytes, pin=False)  # host only: no copy to the device reads it
         self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, io.runner, window_bytes=buffer_bytes // 2)
         self._bytes_read = self._bytes_written = 0
 
     def _view(self, unit: UnitLayout, buf: HostBuffer) -> torch.Tensor:
-        return buf.view(torch.float32, unit.shard_numel)
+        return buf.view(self.dtype, unit.shard_numel)
 
     def _save(self, unit: UnitLayout, buf: HostBuffer) -> None:
         self.store.write_from(array_name(TOP, unit.name, GRAD), 0, self._view(unit, buf))
@@ -85,12 +113,17 @@ class GradSpill:
         overflow) land first, so that none lands over this step's shards."""
         self.pipeline.drain()
 
-    def write(self, unit: UnitLayout, grad: torch.Tensor) -> float:
+    def write(self, unit: UnitLayout, grad: torch.Tensor, step: int) -> float:
         """Copy the unit's final shard into a pool buffer and write it behind backward (the
-        caller frees ``grad`` at once); the seconds this waited for room in the pool."""
+        caller frees ``grad`` at once: rounding to bf16 overwrites it), ``step`` the optimizer
+        steps taken so far (the rounding's seed); the seconds this waited for room in the pool."""
         start = time.perf_counter()
-        buf = self.pool.acquire(grad_bytes(unit))
-        self._view(unit, buf).copy_(grad)
+        buf = self.pool.acquire(grad_bytes(unit, self.dtype))
+        if self.dtype == torch.float32:
+            self._view(unit, buf).copy_(grad)
+        else:
+            seed = SPILL_SEED + step * len(self._unit_index) + self._unit_index[unit.name]
+            round_stochastic_(self._view(unit, buf), grad, seed)
         waited = time.perf_counter() - start
         self._bytes_written += buf.nbytes
         start = time.perf_counter()
@@ -103,7 +136,10 @@ class GradSpill:
         the iterator is closed."""
         self.pipeline.drain()  # the spill's writes have landed (a failed one raises here)
         reads = self.pipeline.read_ahead(
-            units, nbytes=grad_bytes, load=self._load, describe=lambda u: f"spilled gradient of unit {u.name}"
+            units,
+            nbytes=lambda u: grad_bytes(u, self.dtype),
+            load=self._load,
+            describe=lambda u: f"spilled gradient of unit {u.name}",
         )
         return self._hand_over(reads)
 
@@ -112,7 +148,7 @@ class GradSpill:
             for unit, buf in reads:
                 self._bytes_read += buf.nbytes
                 try:
-                    yield unit, self._view(unit, buf)
+                    yield unit, self._view(unit, buf).float()  # widened (a copy) only if stored as bf16
                 finally:
                     self.pipeline.release(buf)
 

@@ -62,14 +62,15 @@ def read_ahead_bytes(buffer_bytes: int) -> int:
     return buffer_bytes // 2
 
 
-def spill_buffer_bytes(offload: OffloadConfig, units: Iterable[UnitLayout]) -> int:
-    """The host pool of gradient shards spilled to the store (``engine.tiers.grad_spill``): a
-    third of the optimizer tier's, as a gradient is a third of a unit's optimizer state, so its
-    read-ahead keeps pace with the state's; at least two of the largest shards (one written
-    while the next is filled)."""
+def spill_buffer_bytes(offload: OffloadConfig, units: Iterable[UnitLayout], dtype: torch.dtype = torch.float32) -> int:
+    """The host pool of gradient shards spilled to the store (``engine.tiers.grad_spill``) as
+    ``dtype``: a third of the optimizer tier's for fp32 (half that for bf16), as an fp32
+    gradient is a third of a unit's optimizer state, so its read-ahead keeps pace with the
+    state's; at least two of the largest shards (one written while the next is filled)."""
     units = list(units)
-    largest = max(shard_bytes(u, torch.float32) for u in units)
-    return max(optimizer_buffer_bytes(offload, units) // len(STATE_KINDS), 2 * largest)
+    largest = max(shard_bytes(u, dtype) for u in units)
+    share = optimizer_buffer_bytes(offload, units) * dtype.itemsize // (len(STATE_KINDS) * torch.float32.itemsize)
+    return max(share, 2 * largest)
 
 
 def checkpoint_bytes(layout: ModelLayout, form: StateForm = FP32_STATE) -> int:

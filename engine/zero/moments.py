@@ -53,6 +53,9 @@ MASTER_DTYPE_ATTR = "master_dtype"
 MASTER_SEED = 1 << 62
 """Offset of the master's rounding seeds, ``MASTER_SEED + step``: apart from the moments'
 ``2 * step + i`` at any step count a run reaches."""
+SPILL_SEED = 1 << 61
+"""Offset of the spilled gradients' rounding seeds (``offload.grad_spill_dtype = "bf16"``),
+``SPILL_SEED + step * units + unit``: apart from the moments' and the masters' streams."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from engine.zero.partition import (
     find_units,
 )
 from engine.zero.precision import compute_dtype
+from engine.zero.update import spills_gradients
 
 TIER_ORDER: tuple[tuple[Tier, Tier], ...] = (
     ("device", "device"),
@@ -62,7 +63,10 @@ class Plan:
         offload = dataclasses.replace(config.offload, optimizer=self.optimizer, param=self.param)
         if offload.grad_spill is True and (self.optimizer != "nvme" or self.stage < 2):
             offload = dataclasses.replace(offload, grad_spill="auto")  # a plan that cannot spill keeps its shards
-        return dataclasses.replace(config, zero=zero, offload=offload)
+        planned = dataclasses.replace(config, zero=zero, offload=offload)
+        if not spills_gradients(planned):  # nor does it store spilled shards in any dtype
+            planned = dataclasses.replace(planned, offload=dataclasses.replace(offload, grad_spill_dtype="fp32"))
+        return planned
 
     def __str__(self) -> str:
         return f"stage {self.stage}, optimizer {self.optimizer}, param {self.param}"

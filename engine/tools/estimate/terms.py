@@ -8,6 +8,7 @@ from __future__ import annotations
 from engine.config import shares_master
 from engine.runtime.heap import MMAP_THRESHOLD
 from engine.runtime.sizes import FP32
+from engine.tiers.grad_spill import grad_bytes, spill_dtype
 from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.sizing import (
     checkpoint_bytes,
@@ -127,18 +128,19 @@ def spill_staging_bytes(run: RunShape) -> int:
     """Spilled gradients (``engine.tiers.grad_spill``): the spill's buffer pool, which keeps what it
     allocated: the shards its pipeline's window holds (writes behind backward, reads ahead of the
     update; one always may be, however large) and the one being filled or used, and never more
-    than every shard; 0 when the gradients are not spilled."""
+    than every shard, in ``offload.grad_spill_dtype``; 0 when the gradients are not spilled."""
     if not spills_gradients(run.config):
         return 0
-    units = run.layout.units
-    shards = [unit_grad_shard_bytes(u) for u in units]
-    window = spill_buffer_bytes(run.config.offload, units) // 2  # the pipeline's, as ``GradSpill`` opens it
+    units, dtype = run.layout.units, spill_dtype(run.config.offload)
+    shards = [grad_bytes(u, dtype) for u in units]
+    window = spill_buffer_bytes(run.config.offload, units, dtype) // 2  # the pipeline's, as ``GradSpill`` opens it
     return min(max(window, max(shards)) + max(shards), sum(shards))
 
 
 def scratch_bytes(run: RunShape, plan: Plan) -> int:
-    """Disk of the gradients ``plan`` spills, all ranks, in the store's scratch folder during the run."""
-    return FP32 * run.padded if spills_gradients(plan.laid_over(run.config)) else 0
+    """Disk of the gradients ``plan`` spills, all ranks, in the store's scratch folder during the
+    run: 4 or 2 bytes a parameter (``offload.grad_spill_dtype``)."""
+    return spill_dtype(run.config.offload).itemsize * run.padded if spills_gradients(plan.laid_over(run.config)) else 0
 
 
 def step_io_bytes(run: RunShape, plan: Plan) -> int:
