@@ -6,9 +6,11 @@ it mid-run, resume it from the store, and finish.
 
 The run is ``python -m engine train`` itself (a subprocess, as a user runs it): the built-in
 GPT at ``--params``, built on the ``meta`` device and materialised unit by unit into the
-store (a unit per ``nn.Linear``, so that one unit's optimizer state fits the staging buffer), stage 3 with the parameter shards, masters and AdamW moments on nvme, no clipping, so
+store (a unit per ``nn.Linear``, so that one unit's optimizer state fits the staging buffer), stage 3 with the parameter shards, masters and AdamW moments on nvme. By default no clipping, so
 that each unit's gradient shard is consumed by its update as soon as it is reduced (the
-gradients never exist for the whole model at once). After step ``--stop-after`` the run is
+gradients never exist for the whole model at once); with ``--grad-clip`` they are spilled to
+the store until the norm is known (``--grad-spill-dtype bf16`` halves those bytes).
+``--state-dtype`` and ``--master-dtype`` choose the compact state forms. After step ``--stop-after`` the run is
 stopped once: with ``store.mode = "generations"`` by ``kill -9`` half-way into the next step
 (a crash: the store resumes at its last commit, the last finished step or, if the kill came
 before that step's deferred commit, the one before), ``"in-place"`` by SIGTERM (a
@@ -71,7 +73,10 @@ def run_config(args: argparse.Namespace, store: Path, metrics: Path) -> list[str
         "model.params": args.params,
         "data.micro_batch": args.micro_batch,
         "data.seq_len": args.seq_len,
-        "optim.grad_clip": 0.0,
+        "optim.grad_clip": args.grad_clip,
+        "optim.state_dtype": args.state_dtype,
+        "optim.master_dtype": args.master_dtype,
+        "offload.grad_spill_dtype": args.grad_spill_dtype,
         "optim.lr": args.lr,
         "optim.warmup_steps": 0,
         "optim.schedule": "constant",
@@ -218,6 +223,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per step (default 1)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--buffer-mb", type=int, default=1024, help="offload.buffer_mb (default 1024)")
+    parser.add_argument(
+        "--grad-clip", type=float, default=0.0, help="optim.grad_clip (default 0: each unit updated in backward)"
+    )
+    parser.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32", help="optim.state_dtype")
+    parser.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32", help="optim.master_dtype")
+    parser.add_argument(
+        "--grad-spill-dtype", choices=("fp32", "bf16"), default="fp32", help="offload.grad_spill_dtype (with clipping)"
+    )
     # Adam's first steps move every weight by about lr: at d_model 2560, 3e-5 already overshoots.
     parser.add_argument("--lr", type=float, default=3e-6, help="learning rate (default 3e-6, constant)")
     args = parser.parse_args(argv)
@@ -245,7 +258,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n_params = gpt.num_params()
     print(
         f"model: {n_params / 1e9:.2f}B params ({gpt.n_layer} layers, d_model {gpt.d_model}), "
-        f"state {16 * n_params / GIB:.1f} GiB (fp32 master + 2 moments + bf16 params + fp32 grads) vs "
+        f"state {16 * n_params / GIB:.1f} GiB in fp32 (master + 2 moments + bf16 params + fp32 grads), stored as "
+        f"{config.optim.state_dtype} moments and {config.optim.master_dtype} masters, vs "
         f"RAM {psutil.virtual_memory().total / GIB:.1f} GiB; predicted peak RSS {predicted.peak_rss_bytes / GIB:.2f} GiB, "
         f"store {predicted.disk_bytes / GIB:.1f} GiB"
     )
