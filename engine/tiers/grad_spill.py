@@ -35,6 +35,7 @@ from engine.config import OffloadConfig
 from engine.tiers.store_io import StoreIO
 from engine.zero.moments import SPILL_SEED, round_stochastic_
 from engine.zero.partition import ModelLayout, UnitLayout
+from engine.zero.precision import DTYPES
 from offload import SCRATCH, TOP, BufferPool, HostBuffer, Pipeline, ReadAhead, ShardStore, array_name, shard_bytes
 
 logger = logging.getLogger(__name__)
@@ -48,13 +49,9 @@ def scratch_path(nvme_path: str | Path, rank: int) -> Path:
     return Path(nvme_path) / SCRATCH / f"rank-{rank}"
 
 
-SPILL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""Each ``offload.grad_spill_dtype``'s dtype of the spilled shards, on disk and in the pool."""
-
-
 def spill_dtype(offload: OffloadConfig) -> torch.dtype:
     """The dtype ``offload.grad_spill_dtype`` stores spilled gradient shards in."""
-    return SPILL_DTYPES[offload.grad_spill_dtype]
+    return DTYPES[offload.grad_spill_dtype]
 
 
 def grad_bytes(unit: UnitLayout, dtype: torch.dtype = torch.float32) -> int:

@@ -31,6 +31,7 @@ import torch
 
 from engine.config import OptimConfig
 from engine.zero.optim import ShardAdamW
+from engine.zero.precision import DTYPES
 from engine.zero.quantize import BLOCK, PACKED, add_noise_, dequantize, packed_bytes, quantize_
 from offload import array_bytes, shard_bytes
 from offload.shards import ShardedUnit
@@ -40,9 +41,6 @@ HostAllocator = Callable[[int, torch.dtype, str], torch.Tensor]
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 """Each ``optim.state_dtype``'s moment dtype as stored (int8: packed blocks, ``engine.zero.quantize``)."""
-
-MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""Each ``optim.master_dtype``'s master dtype, held and stored."""
 
 STATE_DTYPE_ATTR = "state_dtype"
 """The store attribute recording the form its optimizer state was written in (absent: fp32,
@@ -116,7 +114,7 @@ class StateForm:
     def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """Each kind's dtype, in ``STATE_KINDS`` order."""
         moment = STATE_DTYPES[self.name]
-        return MASTER_DTYPES[self.master], moment, moment
+        return DTYPES[self.master], moment, moment
 
     def geometries(self, unit: ShardedUnit) -> tuple[ShardedUnit, ShardedUnit, ShardedUnit]:
         """Each kind's array geometry, in ``STATE_KINDS`` order: the unit's own, or for int8
@@ -129,7 +127,7 @@ class StateForm:
         """Bytes of state per trainable parameter: held on its tier, and on the ``nvme`` tier
         read and written once each step."""
         moment = PACKED / BLOCK if self.name == "int8" else STATE_DTYPES[self.name].itemsize
-        return MASTER_DTYPES[self.master].itemsize + 2 * moment
+        return DTYPES[self.master].itemsize + 2 * moment
 
     def unit_bytes(self, unit: ShardedUnit) -> int:
         """Host bytes of one rank's shard of one unit's whole state."""
