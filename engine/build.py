@@ -21,7 +21,7 @@ from engine.runtime.comm import Comm
 from engine.runtime.device import Device
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.frozen import read_frozen_async
-from engine.tiers.grad_spill import GradSpill, spill_dtype
+from engine.tiers.grad_spill import GradSpill, scratch_disk_bytes, spill_dtype
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
@@ -176,9 +176,7 @@ def optimizer_state(
         resume=resume,
         checkpoint=checkpoint,
         mode=config.store.mode,
-        scratch_bytes=spill_dtype(config.offload).itemsize * sum(u.padded_numel for u in layout.units)
-        if spills_gradients(config)
-        else 0,
+        scratch_bytes=scratch_disk_bytes(config, layout.units),
         form=form,
         pin=pin,
     )

@@ -31,11 +31,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import OffloadConfig
+from engine.config import Config, OffloadConfig
 from engine.tiers.store_io import StoreIO
 from engine.zero.moments import SPILL_SEED, round_stochastic_
 from engine.zero.partition import ModelLayout, UnitLayout
 from engine.zero.precision import DTYPES
+from engine.zero.update import spills_gradients
 from offload import SCRATCH, TOP, BufferPool, HostBuffer, Pipeline, ReadAhead, ShardStore, array_name, shard_bytes
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,12 @@ def scratch_path(nvme_path: str | Path, rank: int) -> Path:
 def spill_dtype(offload: OffloadConfig) -> torch.dtype:
     """The dtype ``offload.grad_spill_dtype`` stores spilled gradient shards in."""
     return DTYPES[offload.grad_spill_dtype]
+
+
+def scratch_disk_bytes(config: Config, units: Sequence[UnitLayout]) -> int:
+    """Disk the run's spilled gradients take in the scratch folder, all ranks: 4 or 2 bytes a
+    parameter (``offload.grad_spill_dtype``), or none where nothing is spilled."""
+    return spill_dtype(config.offload).itemsize * sum(u.padded_numel for u in units) if spills_gradients(config) else 0
 
 
 def grad_bytes(unit: UnitLayout, dtype: torch.dtype = torch.float32) -> int:

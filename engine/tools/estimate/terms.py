@@ -8,7 +8,7 @@ from __future__ import annotations
 from engine.config import shares_master
 from engine.runtime.heap import MMAP_THRESHOLD
 from engine.runtime.sizes import FP32
-from engine.tiers.grad_spill import grad_bytes, spill_dtype
+from engine.tiers.grad_spill import grad_bytes, scratch_disk_bytes, spill_dtype
 from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.sizing import (
     checkpoint_bytes,
@@ -140,7 +140,7 @@ def spill_staging_bytes(run: RunShape) -> int:
 def scratch_bytes(run: RunShape, plan: Plan) -> int:
     """Disk of the gradients ``plan`` spills, all ranks, in the store's scratch folder during the
     run: 4 or 2 bytes a parameter (``offload.grad_spill_dtype``)."""
-    return spill_dtype(run.config.offload).itemsize * run.padded if spills_gradients(plan.laid_over(run.config)) else 0
+    return scratch_disk_bytes(plan.laid_over(run.config), run.layout.units)
 
 
 def step_io_bytes(run: RunShape, plan: Plan) -> int:
