@@ -15,7 +15,7 @@ master is the parameter itself (``engine.tiers.parameters``).
 Rounding is stochastic: a moment is an exponential average whose per-step change,
 ``(1 - beta2) * g**2`` against ``v``, is often below half a bfloat16 ulp (2**-9 relative),
 so rounding to nearest would freeze it; stochastic rounding keeps it unbiased. Its random
-bits are seeded by the step count (``engine.zero.quantize.add_noise_``), so a resumed run
+bits are seeded by the step count (``engine.zero.quantize.noise_table``), so a resumed run
 draws the same ones and stays bit-identical to an uninterrupted run; the master's draws are a
 stream of their own (``MASTER_SEED``).
 """
@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from engine.config import OptimConfig
+from engine.zero.compact_update import compact_step
 from engine.zero.optim import ShardAdamW
 from engine.zero.precision import DTYPES
-from engine.zero.quantize import BLOCK, PACKED, add_noise_, dequantize, packed_bytes, quantize_
+from engine.zero.quantize import BLOCK, PACKED, add_noise_, packed_bytes
 from offload import array_bytes, shard_bytes
 from offload.shards import ShardedUnit
 
@@ -170,9 +171,8 @@ FP32_STATE = StateForm()
 
 
 def round_stochastic_(out: torch.Tensor, value: torch.Tensor, seed: int) -> None:
-    """``out`` (bfloat16) = ``value`` (fp32, scratch: overwritten) rounded stochastically:
-    uniform 16-bit noise added to the bits below bfloat16's mantissa, then those bits dropped,
-    so the result is exact and rounds up with probability equal to the dropped fraction."""
+    """``out`` (bfloat16) = ``value`` (fp32, scratch: overwritten) rounded stochastically
+    (``engine.zero.quantize.round_bits``), with the noise of ``seed``."""
     bits = value.view(torch.int32)
     add_noise_(bits, seed)
     bits.bitwise_and_(-(1 << 16))
@@ -181,8 +181,9 @@ def round_stochastic_(out: torch.Tensor, value: torch.Tensor, seed: int) -> None
 
 class CompactAdamW(ShardAdamW):
     """``ShardAdamW`` on state of any form: fp32 goes straight to torch's kernel (bit-exact as
-    before); bf16 and packed 8-bit moments, and a bf16 master, are widened to fp32 for it and
-    stored back, rounded stochastically."""
+    before); bf16 and packed 8-bit moments, and a bf16 master, go through one fused pass that
+    widens them to fp32, updates and rounds them back stochastically
+    (``engine.zero.compact_update``)."""
 
     def update(
         self,
@@ -193,34 +194,10 @@ class CompactAdamW(ShardAdamW):
         step: torch.Tensor,
         lr: float,
     ) -> None:
-        if master.dtype == torch.float32:
-            self._update_moments(master, grad, exp_avg, exp_avg_sq, step, lr)
-            return
-        wide = master.float()
-        self._update_moments(wide, grad, exp_avg, exp_avg_sq, step, lr)
-        round_stochastic_(master, wide, MASTER_SEED + int(step.item()))
-
-    def _update_moments(
-        self,
-        master: torch.Tensor,
-        grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        step: torch.Tensor,
-        lr: float,
-    ) -> None:
-        """The update on an fp32 master, with moments of any form."""
-        if exp_avg.dtype == torch.float32:
+        if master.dtype == exp_avg.dtype == torch.float32:
             super().update(master, grad, exp_avg, exp_avg_sq, step, lr)
             return
-        packed = exp_avg.dtype == torch.uint8
-        held = (exp_avg, exp_avg_sq)
-        signs = (True, False)  # exp_avg is signed, exp_avg_sq is not
-        wide = [dequantize(t, s) if packed else t.float() for t, s in zip(held, signs, strict=True)]
-        super().update(master, grad, wide[0], wide[1], step, lr)
-        seed = 2 * int(step.item())  # a distinct stream per step and per moment
-        for i, (out, value, signed) in enumerate(zip(held, wide, signs, strict=True)):
-            if packed:
-                quantize_(out, value, signed, seed + i)
-            else:
-                round_stochastic_(out, value, seed + i)
+        step.add_(1)  # as torch's kernels count it
+        count = int(step.item())
+        seeds = (2 * count, 2 * count + 1, MASTER_SEED + count)  # a distinct stream per step and per tensor
+        compact_step(self.config, master, grad, (exp_avg, exp_avg_sq), count, lr, seeds)

@@ -12,9 +12,11 @@ largest; ``exp_avg_sq`` (non-negative) keeps ``(v / absmax) ** (1/4)`` on 255 le
 Both play the part of bitsandbytes' dynamic quantisation map, with a closed-form encode and
 decode instead of a search over its 256 values, so the code is a few vectorised torch ops.
 
-Rounding to a code is stochastic, with noise seeded by the step count (``add_noise_``; as
+Rounding to a code is stochastic, with noise seeded by the step count (``noise_table``; as
 for bf16 moments, ``engine.zero.moments``): small per-step changes to a moment survive on
-average, and a resumed run draws the same noise.
+average, and a resumed run draws the same noise. ``encode`` and ``decode`` are pure tensor
+functions, so the update fuses them with AdamW into one compiled pass
+(``engine.zero.compact_update``).
 """
 
 from __future__ import annotations
@@ -31,24 +33,44 @@ _POWER = {True: 2.0, False: 4.0}  # value / absmax = (code / levels) ** power
 
 
 NOISE_PERIOD = 1 << 16
-"""Random draws made per rounding call, repeated along the tensor (``add_noise_``)."""
+"""Random draws made per rounding call, repeated along the tensor (``noise_table``)."""
+
+
+def noise_table(seed: int, integer: bool, device: torch.device) -> torch.Tensor:
+    """``NOISE_PERIOD`` uniform draws from a generator seeded by ``seed``: integers in [0, 2**16)
+    (int32) to add to an fp32 value's bits below bfloat16's mantissa, or floats in [0, 1) to add
+    to a code before flooring. The table repeats along the tensor it rounds (element ``i`` takes
+    draw ``i % NOISE_PERIOD``): each element still gets a fresh uniform draw at each call, which
+    is all stochastic rounding needs for each value's rounding to be unbiased over the steps, at
+    a small fraction of the cost of one draw per element."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if integer:
+        return torch.randint(0, 1 << 16, (NOISE_PERIOD,), dtype=torch.int32, device=device, generator=generator)
+    return torch.rand(NOISE_PERIOD, device=device, generator=generator)
+
+
+def periodic(table: torch.Tensor, numel: int) -> torch.Tensor:
+    """``numel`` draws (a multiple of ``BLOCK``): ``table`` repeated, element ``i`` taking draw
+    ``i % NOISE_PERIOD``, as ``add_noise_`` adds them. Indexed a row of ``BLOCK`` at a time, so
+    that compiled code reads each row's draws contiguously (an index per element, 3x slower)."""
+    rows = table.view(-1, BLOCK)
+    return rows[torch.arange(numel // BLOCK, device=table.device) % rows.shape[0]].view(-1)
 
 
 def add_noise_(flat: torch.Tensor, seed: int) -> None:
-    """Add uniform noise to each element of ``flat``: integers in [0, 2**16) to int32, floats in
-    [0, 1) to float32, drawn from a generator seeded by ``seed``. One table of ``NOISE_PERIOD``
-    draws repeats along the tensor: each element still gets a fresh uniform draw at each call,
-    which is all stochastic rounding needs for each value's rounding to be unbiased over the
-    steps, at a small fraction of the cost of one draw per element (which made the update
-    several times slower than the AdamW kernel itself)."""
-    generator = torch.Generator(device=flat.device).manual_seed(seed)
-    if flat.dtype == torch.int32:
-        table = torch.randint(0, 1 << 16, (NOISE_PERIOD,), dtype=torch.int32, device=flat.device, generator=generator)
-    else:
-        table = torch.rand(NOISE_PERIOD, device=flat.device, generator=generator)
+    """Add ``noise_table(seed)``, repeated, to ``flat``: int32 takes integer draws, float32 floats."""
+    table = noise_table(seed, flat.dtype == torch.int32, flat.device)
     whole = flat.numel() // NOISE_PERIOD * NOISE_PERIOD
     flat[:whole].view(-1, NOISE_PERIOD).add_(table)
     flat[whole:].add_(table[: flat.numel() - whole])
+
+
+def round_bits(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``value`` (fp32) rounded stochastically to bfloat16, given integer ``noise`` in [0, 2**16)
+    per element: the noise added to the bits below bfloat16's mantissa, then those bits dropped,
+    so the result is exact and rounds up with probability equal to the dropped fraction."""
+    bits = (value.view(torch.int32) + noise) & -(1 << 16)
+    return bits.view(torch.float32).to(torch.bfloat16)
 
 
 def packed_bytes(numel: int) -> int:
@@ -56,43 +78,35 @@ def packed_bytes(numel: int) -> int:
     return numel // BLOCK * PACKED
 
 
-def _blocks(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def blocks(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The codes (blocks x ``BLOCK`` bytes) and scales (blocks x 1 fp32) of a packed tensor."""
     rows = packed.view(-1, PACKED)
     return rows[:, :BLOCK], rows[:, BLOCK:].view(torch.float32)
 
 
-def dequantize(packed: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The fp32 values a packed tensor (uint8, ``packed_bytes(n)``) holds, as a new flat tensor."""
-    codes, scales = _blocks(packed)
+def decode(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The fp32 values (blocks x ``BLOCK``) that ``blocks`` hold."""
     levels = _LEVELS[signed]
-    values = (codes.view(torch.int8) if signed else codes).float()
     if signed:
-        values.square_().copysign_(codes.view(torch.int8)).mul_(scales / levels**2)  # sign * code**2
-    else:
-        values.square_().square_().mul_(scales / levels**4)
-    return values.view(-1)
+        code = codes.view(torch.int8).float()
+        return code * code.abs() * (scales / levels**2)  # sign * code**2
+    code = codes.float()
+    return (code * code) * (code * code) * (scales / levels**4)
 
 
-def quantize_(packed: torch.Tensor, values: torch.Tensor, signed: bool, seed: int) -> None:
-    """Store fp32 ``values`` (flat, a multiple of ``BLOCK``) into ``packed``, rounding each code
-    stochastically; ``values`` is overwritten (non-negative) or kept (signed)."""
-    rows = values.view(-1, BLOCK)
-    codes, scales = _blocks(packed)
+def encode(rows: torch.Tensor, noise: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes (uint8, as ``blocks`` holds them) and scales of fp32 ``rows`` (blocks x
+    ``BLOCK``), each code rounded up with probability its fraction, ``noise`` being uniform in
+    [0, 1) per element."""
     levels = _LEVELS[signed]
     magnitude = rows.abs() if signed else rows
     absmax = magnitude.amax(dim=1, keepdim=True)
-    scales.copy_(absmax)
     factor = torch.where(absmax > 0, levels ** _POWER[signed] / absmax, 0.0)
-    companded = magnitude.mul_(factor).sqrt_()  # code = levels * (x / absmax) ** (1/p)
-    if not signed:
-        companded.sqrt_()
-    add_noise_(companded.view(-1), seed)
-    companded.floor_()
+    companded = (magnitude * factor).sqrt()  # code = levels * (x / absmax) ** (1/p)
     if signed:
-        codes.view(torch.int8).copy_(companded.clamp_(max=levels).copysign_(rows))
-    else:
-        # No code 0: a v decoded as 0 would make ``m / (sqrt(v) + eps)`` a step of m / eps; the
-        # least code keeps sqrt(v) at 1/255**2 of the block's largest (for a v that is truly 0,
-        # m is 0 too, and so is the step).
-        codes.copy_(companded.clamp_(1.0, levels))
+        code = (companded + noise).floor().clamp(max=levels).copysign(rows)
+        return code.to(torch.int8).view(torch.uint8), absmax
+    # No code 0: a v decoded as 0 would make ``m / (sqrt(v) + eps)`` a step of m / eps; the
+    # least code keeps sqrt(v) at 1/255**2 of the block's largest (for a v that is truly 0,
+    # m is 0 too, and so is the step).
+    return (companded.sqrt() + noise).floor().clamp(1.0, levels).to(torch.uint8), absmax

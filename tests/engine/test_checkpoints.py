@@ -27,8 +27,9 @@ def kept(root: Path) -> list[str]:
 
 
 def file_hashes(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
-
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
 
 
 def assert_resumes_identically(cfg, expected_losses: list[float], expected: dict[str, torch.Tensor]) -> None:
@@ -39,6 +40,7 @@ def assert_resumes_identically(cfg, expected_losses: list[float], expected: dict
     got = params(resumed)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     resumed.close()
+
 
 def test_resume_from_a_checkpoint_is_bit_identical_and_never_modifies_it(tmp_path) -> None:
     cfg, store = nvme(tmp_path), tmp_path / "store"
@@ -130,7 +132,9 @@ def test_errors_name_the_tag_and_the_fix(tmp_path) -> None:
         eng.save("first")
     eng.save("second")
     eng.close()
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint 'third' in store .*: it holds first, second \(pending\)"):
+    with pytest.raises(
+        FileNotFoundError, match=r"no checkpoint 'third' in store .*: it holds first, second \(pending\)"
+    ):
         Engine.resume(tiny_gpt(), cfg, total_steps=6, checkpoint="third")
     resumed = Engine.resume(tiny_gpt(), cfg, total_steps=6, checkpoint="first")
     with pytest.raises(ValueError, match="resumed from checkpoints/first and has not stepped since"):

@@ -45,13 +45,22 @@ def test_three_steps_exit_cleanly(tmp_path) -> None:
 
 
 def test_fifty_steps_lower_the_loss(tmp_path) -> None:
-    steps, first, last = losses(run(["--steps", "50", "--seq_len", "64", "--lr", "3e-3", "--log_every", "25"], tmp_path))
+    steps, first, last = losses(
+        run(["--steps", "50", "--seq_len", "64", "--lr", "3e-3", "--log_every", "25"], tmp_path)
+    )
     assert steps == 50 and last < first - 1.0
 
 
 def torchrun(ranks: int) -> list[str]:
     """The launcher of ``python -m engine`` on ``ranks`` local processes."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}", "-m"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        f"--master-port={free_port()}",
+        "-m",
+    ]
 
 
 def test_torchrun_two_ranks(tmp_path) -> None:
@@ -64,7 +73,10 @@ def test_a_two_rank_run_resumes_on_one_rank_keeping_its_global_batch(tmp_path) -
     assert losses(run([*args, "--steps", "2"], tmp_path, torchrun(2)))[0] == 2
     resumed = run([*args, "--steps", "4"], tmp_path)
     assert losses(resumed)[0] == 4, "on to step 4, from the two steps saved"
-    assert "resuming a 2-rank run on 1 rank(s): keeping its global batch of 4 rows, data.micro_batch 4 per rank" in resumed.stderr
+    assert (
+        "resuming a 2-rank run on 1 rank(s): keeping its global batch of 4 rows, data.micro_batch 4 per rank"
+        in resumed.stderr
+    )
     three = run([*args, "--steps", "5"], tmp_path, torchrun(3))
     assert three.returncode == 1
     refused = "global batch of 4 rows on 1 rank(s), which 3 ranks cannot share evenly: resume on a number of ranks that divides 4"
@@ -150,7 +162,20 @@ def test_second_run_resumes_from_the_store(tmp_path) -> None:
 
 def test_sigterm_finishes_the_step_commits_and_exits_cleanly(tmp_path) -> None:
     env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "engine", "train", "--preset", "tiny", "--seq_len", "64", "--steps", "100000", "--log_every", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "engine",
+        "train",
+        "--preset",
+        "tiny",
+        "--seq_len",
+        "64",
+        "--steps",
+        "100000",
+        "--log_every",
+        "1",
+    ]
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in proc.stderr:

@@ -18,7 +18,7 @@ def test_defaults_are_valid_and_round_trip_through_a_file(tmp_path) -> None:
 
 def test_toml_file_and_overrides(tmp_path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text('[zero]\nstage = 1\n[optim]\nlr = 1e-3\nbetas = [0.8, 0.9]\n')
+    path.write_text("[zero]\nstage = 1\n[optim]\nlr = 1e-3\nbetas = [0.8, 0.9]\n")
     config = Config.load(path, ["optim.lr=2e-3", "steps=7", "offload.optimizer=device"])
     assert (config.zero.stage, config.optim.lr, config.optim.betas) == (1, 2e-3, (0.8, 0.9))
     assert config.train.steps == 7 and config.offload.optimizer == "device"

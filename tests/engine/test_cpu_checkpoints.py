@@ -40,7 +40,10 @@ def test_cpu_checkpoint_resumes_bit_identically(tmp_path, stage: int) -> None:
     assert kept(store) == ["step-3"]
     assert read_committed(store / "checkpoints" / "step-3")["step"] == 3
     assert not (store / "COMMITTED").exists(), "the cpu tier commits no live state"
-    names = {p.relative_to(store / "checkpoints" / "step-3").as_posix() for p in (store / "checkpoints" / "step-3").glob("*/*")}
+    names = {
+        p.relative_to(store / "checkpoints" / "step-3").as_posix()
+        for p in (store / "checkpoints" / "step-3").glob("*/*")
+    }
     assert {"blocks.0/master", "blocks.0/exp_avg", "blocks.0/exp_avg_sq"} <= names
     assert_resumes_identically(cfg, expected_losses, expected)
 

@@ -100,7 +100,15 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     "bad checkpoint record": (edit_checkpoint, "field 'generation' holds 'x'"),
 }
 # Read-only commands read what they need, not every field a resume checks.
-READ_ONLY_SKIPS = {"string step", "no step", "bad rng", "bad loss scale", "linked chunk", "linked folder", "bad checkpoint record"}
+READ_ONLY_SKIPS = {
+    "string step",
+    "no step",
+    "bad rng",
+    "bad loss scale",
+    "linked chunk",
+    "linked folder",
+    "bad checkpoint record",
+}
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +165,10 @@ def test_a_crafted_store_is_refused_and_left_untouched(tmp_path, pristine, caplo
     assert snapshot(outside) == before
 
     if case not in READ_ONLY_SKIPS:
-        for command in (["inspect", str(store), "--verify"], ["consolidate", str(store), str(tmp_path / "out.safetensors")]):
+        for command in (
+            ["inspect", str(store), "--verify"],
+            ["consolidate", str(store), str(tmp_path / "out.safetensors")],
+        ):
             caplog.clear()
             assert cli(command) == 1, command
             assert message in refusal(caplog, capsys)

@@ -30,7 +30,15 @@ from engine.tiers.store_checks import resume_point
 from offload.manifest import read_committed
 
 # decay_steps fixes the schedule, so the last run may stop at any step and stay on the trajectory.
-OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=64", "micro_batch=4", "log_every=1", "checkpoint.interval=3", "optim.decay_steps=100000"]
+OVERRIDES = [
+    "preset=tiny",
+    "compute_dtype=fp32",
+    "seq_len=64",
+    "micro_batch=4",
+    "log_every=1",
+    "checkpoint.interval=3",
+    "optim.decay_steps=100000",
+]
 
 
 def fingerprint(eng: Engine) -> str:
@@ -69,7 +77,9 @@ def train(eng: Engine, data: TokenBatches, steps: int) -> list[str]:
         pytest.param("in-place", 50, 2, marks=pytest.mark.slow),
     ],
 )
-def test_kill_nine_at_random_instants_always_resumes_unaided(tmp_path, monkeypatch, mode: str, kills: int, folders: int) -> None:
+def test_kill_nine_at_random_instants_always_resumes_unaided(
+    tmp_path, monkeypatch, mode: str, kills: int, folders: int
+) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     store = tmp_path / "store"
     for drive in range(1, folders):
@@ -105,7 +115,9 @@ def test_kill_nine_at_random_instants_always_resumes_unaided(tmp_path, monkeypat
 
         resume, checkpoint = resume_point(store)  # as `python -m engine train` continues it
         model, init = meta_model(config, vocab)
-        resumed = Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
+        resumed = (
+            Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
+        )
         step = resumed.global_step
         resumed_steps.append(step)
         assert fingerprint(resumed) == after(step), f"kill {kill}: state differs from step {step}"

@@ -108,7 +108,9 @@ def template(tmp_path: Path, mode: str) -> tuple[Path, list[dict[str, torch.Tens
 
 
 @pytest.mark.parametrize("mode", ["generations", "in-place"])
-def test_a_crash_at_any_point_of_creating_a_generation_resumes_to_the_committed_step(tmp_path, monkeypatch, mode) -> None:
+def test_a_crash_at_any_point_of_creating_a_generation_resumes_to_the_committed_step(
+    tmp_path, monkeypatch, mode
+) -> None:
     source, trajectory, losses = template(tmp_path, mode)
     creation = (Generations, "prepare") if mode == "generations" else (Generations, "create_like")
     crashes = 0
@@ -141,7 +143,9 @@ def test_a_crash_at_any_point_of_creating_a_generation_resumes_to_the_committed_
         step = resumed.global_step
         assert step in (1, 2), f"point {point}"
         got = params(resumed)
-        assert all(torch.equal(got[k], v) for k, v in trajectory[step].items()), f"point {point}: not the committed step {step}"
+        assert all(torch.equal(got[k], v) for k, v in trajectory[step].items()), (
+            f"point {point}: not the committed step {step}"
+        )
         assert run(resumed, 3 - step) == losses[step:], f"point {point}: the steps after resuming diverged"
         got = params(resumed)
         assert all(torch.equal(got[k], v) for k, v in trajectory[3].items()), f"point {point}: diverged after resuming"
@@ -160,7 +164,11 @@ def test_a_store_whose_first_commit_never_happened_is_replaced_by_the_next_run(t
 
     cfg = one_unit(tmp_path / "run")
     with monkeypatch.context() as patch:
-        patch.setattr(Generations, "commit", lambda *args, **kwargs: (_ for _ in ()).throw(InjectedCrash("before the first commit")))
+        patch.setattr(
+            Generations,
+            "commit",
+            lambda *args, **kwargs: (_ for _ in ()).throw(InjectedCrash("before the first commit")),
+        )
         with pytest.raises(InjectedCrash):
             Engine(tiny_gpt(), cfg, total_steps=4)
     gc.collect()  # the failed engine, and with it its lock, is gone as with a dead process

@@ -51,7 +51,11 @@ def test_without_deferral_every_step_is_committed_when_step_returns(tmp_path) ->
 def test_deferring_changes_no_bit(tmp_path, stage: int) -> None:
     results = {}
     for defer in (True, False):
-        offload = {"optimizer": "nvme", "param": "nvme" if stage == 3 else "device", "nvme_path": str(tmp_path / f"{defer}")}
+        offload = {
+            "optimizer": "nvme",
+            "param": "nvme" if stage == 3 else "device",
+            "nvme_path": str(tmp_path / f"{defer}"),
+        }
         cfg = config(zero={"stage": stage}, offload=offload, store={"defer_commit": defer})
         eng = Engine(tiny_gpt(), cfg, total_steps=4)
         results[defer] = run(eng, 4), params(eng)

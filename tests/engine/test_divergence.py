@@ -62,7 +62,10 @@ def test_a_diverged_step_is_never_committed(tmp_path, mode: str, guard: str) -> 
     if guard == "clip":
         what, fix = r"the gradient norm is inf", ""
     else:
-        what, fix = rf"the gradient norm is inf in unit '{POISONED_UNIT}' on rank 0", r" or enable optim.grad_clip \(e.g. 1.0\)"
+        what, fix = (
+            rf"the gradient norm is inf in unit '{POISONED_UNIT}' on rank 0",
+            r" or enable optim.grad_clip \(e.g. 1.0\)",
+        )
     if dirtied:
         where = (
             rf'its updates were already written over step 2 \(store.mode = "in-place"\), so store {store} is dirty and '
@@ -73,13 +76,17 @@ def test_a_diverged_step_is_never_committed(tmp_path, mode: str, guard: str) -> 
     expected = rf"^step 3 diverged \({what}\) and was not committed: {where}; fix: lower optim.lr \(now 0.0003\){fix}$"
     with pytest.raises(DivergedError, match=expected):
         run(eng, 1)
-    with pytest.raises(DivergedError, match="^this engine stopped at a diverged step and takes no further step: step 3"):
+    with pytest.raises(
+        DivergedError, match="^this engine stopped at a diverged step and takes no further step: step 3"
+    ):
         run(eng, 1)
     eng.close()  # as a user's `finally` would: it commits nothing of the diverged step
     assert committed_step(tmp_path / "run") == 2
 
     if dirtied:
-        with pytest.raises(DirtyStoreError, match=r"is dirty: .* committed at step 2, .* resume from its last checkpoint, 'step-2'"):
+        with pytest.raises(
+            DirtyStoreError, match=r"is dirty: .* committed at step 2, .* resume from its last checkpoint, 'step-2'"
+        ):
             Engine.resume(tiny_gpt(seed=99), cfg("run"), total_steps=6)
     resumed = Engine.resume(tiny_gpt(seed=99), cfg("run"), total_steps=6, checkpoint="step-2" if dirtied else None)
     assert resumed.global_step == 2
@@ -88,7 +95,10 @@ def test_a_diverged_step_is_never_committed(tmp_path, mode: str, guard: str) -> 
 
 
 def test_the_message_names_three_units_and_counts_the_rest() -> None:
-    per_rank = [[("blocks.0", float("nan")), ("blocks.1", float("inf"))], [("blocks.2", float("inf")), ("root", float("nan"))]]
+    per_rank = [
+        [("blocks.0", float("nan")), ("blocks.1", float("inf"))],
+        [("blocks.2", float("inf")), ("root", float("nan"))],
+    ]
     assert nonfinite_units(per_rank) == (
         "the gradient norm is nan in unit 'blocks.0' on rank 0, inf in unit 'blocks.1' on rank 0, "
         "inf in unit 'blocks.2' on rank 1 and 1 more"
@@ -106,7 +116,10 @@ def test_without_a_committed_step_the_message_names_the_checkpoint(tmp_path) -> 
     eng.close()
     resumed = Engine.resume(tiny_gpt(), nvme(tmp_path), total_steps=6, checkpoint="step-1")  # the store holds only it
     poison(resumed)
-    with pytest.raises(DivergedError, match=r"^step 2 diverged \(.*\) and was not committed: store .* has no committed step; resume from its last checkpoint, 'step-1'"):
+    with pytest.raises(
+        DivergedError,
+        match=r"^step 2 diverged \(.*\) and was not committed: store .* has no committed step; resume from its last checkpoint, 'step-1'",
+    ):
         run(resumed, 1)
     resumed.close()
 
@@ -128,7 +141,9 @@ def test_train_stops_at_a_non_finite_loss_before_its_step_commits(tmp_path, monk
             "train": {"steps": 5},
         }
     )
-    with pytest.raises(DivergedError, match=r"^step 3 diverged \(the loss is nan\) and was not committed: store .* still holds step 2,"):
+    with pytest.raises(
+        DivergedError, match=r"^step 3 diverged \(the loss is nan\) and was not committed: store .* still holds step 2,"
+    ):
         train(cfg)
     assert committed_step(tmp_path) == 2, "train closes the engine without committing the diverged step"
 
@@ -136,7 +151,10 @@ def test_train_stops_at_a_non_finite_loss_before_its_step_commits(tmp_path, monk
 def test_the_command_line_names_the_diverged_step_without_a_traceback(tmp_path) -> None:
     proc = run_cli(["--steps", "4", "--seq_len", "32", "--lr", "1e30"], tmp_path)  # the first step blows up the weights
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert re.search(r"ERROR engine: step 2 diverged \(the (loss|gradient norm) is (nan|inf)\) and was not committed: store .* still holds step 1,", proc.stderr), proc.stderr[-3000:]
+    assert re.search(
+        r"ERROR engine: step 2 diverged \(the (loss|gradient norm) is (nan|inf)\) and was not committed: store .* still holds step 1,",
+        proc.stderr,
+    ), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert read_committed(tmp_path / "offload_store")["step"] == 1
 

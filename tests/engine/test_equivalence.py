@@ -21,7 +21,11 @@ STEPS = 5
 @pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp32_one_rank_is_bit_identical_every_step(stage: int, tier: str, kernel: str, tmp_path) -> None:
-    cfg = config(zero={"stage": stage}, offload={"optimizer": tier, "nvme_path": str(tmp_path / "store")}, optim={"kernel": kernel})
+    cfg = config(
+        zero={"stage": stage},
+        offload={"optimizer": tier, "nvme_path": str(tmp_path / "store")},
+        optim={"kernel": kernel},
+    )
     ours = train_engine(cfg, STEPS)
     ref = train_reference(cfg, STEPS, micro_batch=4)
     assert ours["losses"] == ref["losses"]
@@ -61,7 +65,11 @@ def test_gradient_accumulation_equals_one_large_batch(stage: int) -> None:
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_clipping_is_bit_identical_to_clip_grad_norm_every_step(stage: int, tier: str, tmp_path) -> None:
-    cfg = config(zero={"stage": stage}, offload={"optimizer": tier, "nvme_path": str(tmp_path / "store")}, optim={"grad_clip": 0.05})
+    cfg = config(
+        zero={"stage": stage},
+        offload={"optimizer": tier, "nvme_path": str(tmp_path / "store")},
+        optim={"grad_clip": 0.05},
+    )
     ours = train_engine(cfg, STEPS)
     ref = train_reference(cfg, STEPS, micro_batch=4)
     assert ours["losses"] == ref["losses"]

@@ -41,7 +41,9 @@ def test_the_validation_loss_is_the_plain_models_loss_on_the_held_out_batches(tm
         again = validation.loss(eng, seed=5)
     finally:
         eng.close()
-    assert set(gathers.values()) == {6} and len(gathers) == len(eng.layout.units), "once per forward, none for a backward"
+    assert set(gathers.values()) == {6} and len(gathers) == len(eng.layout.units), (
+        "once per forward, none for a backward"
+    )
     data = TokenBatches(held_out, seq_len=32, micro_batch=2, seed=5)
     with torch.no_grad():
         expected = sum(plain(*data.next()).item() for _ in range(3)) / 3

@@ -28,7 +28,10 @@ def test_a_full_disk_names_the_store_and_the_step_it_holds(tmp_path, monkeypatch
         commit(path, record, name)
 
     monkeypatch.setattr(offload.generations, "commit", commit_until_full)
-    with pytest.raises(OSError, match=rf"the disk of {store} is full .*larger disk.*it still holds step 2, and the same command continues") as full:
+    with pytest.raises(
+        OSError,
+        match=rf"the disk of {store} is full .*larger disk.*it still holds step 2, and the same command continues",
+    ) as full:
         train(config)
     assert full.value.errno == errno.ENOSPC and "\n" not in str(full.value)
     del full  # its traceback holds the engine, and with it the store's lock

@@ -51,7 +51,9 @@ def test_spilled_clipping_is_bit_identical_to_clip_grad_norm(stage: int, tmp_pat
 
 def test_spilled_accumulation_matches_in_memory(tmp_path) -> None:
     """Shards accumulate in memory over the window and are spilled on its last micro-batch."""
-    runs = [train_engine(nvme(tmp_path / str(spill), spill, zero={"grad_accum_steps": 2}), 3, 2) for spill in (True, False)]
+    runs = [
+        train_engine(nvme(tmp_path / str(spill), spill, zero={"grad_accum_steps": 2}), 3, 2) for spill in (True, False)
+    ]
     assert runs[0]["losses"] == runs[1]["losses"]
     assert_same(runs[0], runs[1], "the in-memory clipped run")
 

@@ -72,7 +72,9 @@ def test_stage3_on_nvme_is_bit_identical_to_torch_adamw(build, tmp_path) -> None
 
     ref_model = build()
     o = cfg.optim
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        ref_model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, STEPS))
 
     def reference_step(x: torch.Tensor) -> float:

@@ -171,7 +171,9 @@ def test_a_failed_step_leaves_the_store_dirty_and_refused(tmp_path) -> None:
     with pytest.raises(DirtyStoreError, match="stopped while rewriting generation 0, committed at step 2"):
         eng.save("torn")
     eng.close()
-    with pytest.raises(DirtyStoreError, match=rf"holds no checkpoint to resume from, so remove {store} and start afresh"):
+    with pytest.raises(
+        DirtyStoreError, match=rf"holds no checkpoint to resume from, so remove {store} and start afresh"
+    ):
         Engine.resume(tiny_gpt(), cfg, total_steps=4)
     with pytest.raises(DirtyStoreError):  # nor is a store in the generations mode read from it
         Engine.resume(tiny_gpt(), nvme(tmp_path), total_steps=4)
@@ -237,7 +239,9 @@ def test_the_disk_check_counts_one_generation_in_place(tmp_path, monkeypatch) ->
     free = store_bytes(layout, "in-place") * 3 // 2
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - free, free))
-    with pytest.raises(OSError, match=r"2 generation\(s\) .* store.mode = 'generations'\) .* store.mode = \"in-place\" needs"):
+    with pytest.raises(
+        OSError, match=r"2 generation\(s\) .* store.mode = 'generations'\) .* store.mode = \"in-place\" needs"
+    ):
         check_nvme_path(tmp_path / "new", layout, "generations")
     check_nvme_path(tmp_path / "new", layout, "in-place")
     with pytest.raises(OSError, match="the store needs"):
@@ -315,7 +319,9 @@ def test_kill_nine_mid_step_leaves_a_dirty_store_that_names_its_checkpoint(tmp_p
     assert read_committed(store)["step"] == 3 and kept(store) == ["step-2"]
     cfg = Config.from_dict({}, OVERRIDES + [f"nvme_path={store}", "store.mode=in-place"])
     reference = Reference()
-    with pytest.raises(DirtyStoreError, match=r"`python -m engine train --from-checkpoint step-2` \(in Python: .*checkpoint='step-2'\)"):
+    with pytest.raises(
+        DirtyStoreError, match=r"`python -m engine train --from-checkpoint step-2` \(in Python: .*checkpoint='step-2'\)"
+    ):
         Engine.resume(build_model(cfg, reference.vocab), cfg)
     assert "'step-2'" in inspect_store(store)["dirty"]
     before = file_hashes(store / "checkpoints" / "step-2")
@@ -343,4 +349,3 @@ def test_sigterm_mid_step_finishes_it_and_leaves_a_clean_store(tmp_path, monkeyp
     reference.check_resumed(resumed)
     resumed.close()
     reference.engine.close()
-

@@ -77,7 +77,9 @@ def test_no_disk_tier_measures_nothing(tmp_path, probes) -> None:
 
 @pytest.mark.parametrize("chunk_mb", [1, 2, 3, 5])
 def test_the_stored_chunk_size_cuts_the_layout_as_it_was_cut(tmp_path, chunk_mb) -> None:
-    params = {f"u{i}": [("w", nn.Parameter(torch.empty(n)))] for i, n in enumerate([300_000, 1_100_000, 2_700_000, 5_000])}
+    params = {
+        f"u{i}": [("w", nn.Parameter(torch.empty(n)))] for i, n in enumerate([300_000, 1_100_000, 2_700_000, 5_000])
+    }
     for world in (1, 2, 3):
         layout = build_layout(params, world, max_chunk_numel(chunk_mb))
         (tmp_path / "zarr.json").write_text(json.dumps({"attributes": {"layout": layout.to_dict()}}))

@@ -19,7 +19,14 @@ from tests.engine.test_crash import batches_for, fingerprint, train
 from tests.engine.test_resume import nvme, run
 from tests.training import tiny_gpt
 
-OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=64", "micro_batch=4", "log_every=1", "optim.decay_steps=1000"]
+OVERRIDES = [
+    "preset=tiny",
+    "compute_dtype=fp32",
+    "seq_len=64",
+    "micro_batch=4",
+    "log_every=1",
+    "optim.decay_steps=1000",
+]
 STEPS = 40
 
 
@@ -44,7 +51,9 @@ def test_a_second_writer_is_refused_while_the_first_trains_on(tmp_path, monkeypa
     reference = Engine(build_model(reference_config, vocab), reference_config)
     train(reference, batches_for(reference_config, reference), STEPS)
     resumed = Engine.resume(build_model(config, vocab), config)
-    assert resumed.global_step == STEPS and fingerprint(resumed) == fingerprint(reference), "the first run was disturbed"
+    assert resumed.global_step == STEPS and fingerprint(resumed) == fingerprint(reference), (
+        "the first run was disturbed"
+    )
     resumed.close()
     reference.close()
 
@@ -69,7 +78,10 @@ def test_the_cli_refuses_a_store_in_use_in_one_line_and_leaves_it_as_it_was(tmp_
     env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     second = subprocess.run(
         [sys.executable, "-m", "engine", "train", "--preset", "tiny", "--nvme_path", str(tmp_path / "store")],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     errors = [line for line in second.stderr.splitlines() if "ERROR" in line]
     assert second.returncode == 1 and "Traceback" not in second.stderr

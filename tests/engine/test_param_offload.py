@@ -104,7 +104,9 @@ def test_a_changed_order_falls_back_safely(tmp_path) -> None:
         SkipsABlock.calls = 0
         torch.manual_seed(0)
         model = SkipsABlock(GPTConfig.preset("tiny", seq_len=SEQ_LEN))
-        eng = Engine(model, config(**stage3(tmp_path / where, "cpu", "cpu", prefetch_mb=prefetch_mb)), total_steps=STEPS)
+        eng = Engine(
+            model, config(**stage3(tmp_path / where, "cpu", "cpu", prefetch_mb=prefetch_mb)), total_steps=STEPS
+        )
         data, losses = batches(4), []
         for _ in range(STEPS):
             loss = eng(*data.next())
@@ -143,7 +145,9 @@ def test_a_model_four_times_the_device_limit_trains_within_it(tmp_path) -> None:
 
 def test_a_unit_too_large_for_the_limit_is_refused_before_the_first_forward(tmp_path) -> None:
     cfg = config(**stage3(tmp_path, "cpu", "cpu", device_memory_limit_mb=0.1))
-    with pytest.raises(DeviceMemoryError, match=r"unit 'blocks\.\d+' needs .* MiB .*zero\.device_memory_limit_mb = 0\.1"):
+    with pytest.raises(
+        DeviceMemoryError, match=r"unit 'blocks\.\d+' needs .* MiB .*zero\.device_memory_limit_mb = 0\.1"
+    ):
         Engine(tiny(), cfg)
 
 
@@ -176,9 +180,15 @@ def test_activation_checkpointing_with_parameters_on_nvme(tmp_path) -> None:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_overlapped_update_is_bit_identical_to_the_update_after_backward(stage: int, tmp_path) -> None:
-    on = train_engine(config(zero={"stage": stage}, offload={"optimizer": "nvme", "nvme_path": str(tmp_path / "a")}), STEPS)
+    on = train_engine(
+        config(zero={"stage": stage}, offload={"optimizer": "nvme", "nvme_path": str(tmp_path / "a")}), STEPS
+    )
     off = train_engine(
-        config(zero={"stage": stage}, offload={"optimizer": "nvme", "nvme_path": str(tmp_path / "b")}, optim={"overlap": False}),
+        config(
+            zero={"stage": stage},
+            offload={"optimizer": "nvme", "nvme_path": str(tmp_path / "b")},
+            optim={"overlap": False},
+        ),
         STEPS,
     )
     assert on["losses"] == off["losses"]

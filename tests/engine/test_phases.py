@@ -68,15 +68,27 @@ class Misuse(NamedTuple):
 MISUSES = {
     "step() with no forward": Misuse(1, [], lambda e, d: e.step(), IDLE, "eng(...)"),
     "step() before backward()": Misuse(1, [forward], lambda e, d: e.step(), FORWARD, "backward(loss)"),
-    "step() before the last micro-batch's backward()": Misuse(2, [early_micro_batch, forward], lambda e, d: e.step(), FORWARD, "backward(loss)"),
-    "backward() without a forward": Misuse(1, [], lambda e, d: e.backward(torch.ones((), requires_grad=True)), IDLE, "eng(...)"),
+    "step() before the last micro-batch's backward()": Misuse(
+        2, [early_micro_batch, forward], lambda e, d: e.step(), FORWARD, "backward(loss)"
+    ),
+    "backward() without a forward": Misuse(
+        1, [], lambda e, d: e.backward(torch.ones((), requires_grad=True)), IDLE, "eng(...)"
+    ),
     "backward() twice for one forward": Misuse(1, [], lambda e, d: e.backward(micro_batch(e, d)), UPDATING, "step()"),
-    "backward() twice for an early micro-batch": Misuse(2, [], lambda e, d: e.backward(micro_batch(e, d)), ACCUMULATING, "eng(...)"),
-    "save() between backward() and step()": Misuse(1, [micro_batch], lambda e, d: e.save("mid-step"), UPDATING, "step()"),
+    "backward() twice for an early micro-batch": Misuse(
+        2, [], lambda e, d: e.backward(micro_batch(e, d)), ACCUMULATING, "eng(...)"
+    ),
+    "save() between backward() and step()": Misuse(
+        1, [micro_batch], lambda e, d: e.save("mid-step"), UPDATING, "step()"
+    ),
     "a forward between backward() and step()": Misuse(1, [micro_batch], lambda e, d: e(*d.next()), UPDATING, "step()"),
     "gathered() between backward() and step()": Misuse(1, [micro_batch], lambda e, d: e.gathered(), UPDATING, "step()"),
-    "zero_grad() between backward() and step()": Misuse(1, [micro_batch], lambda e, d: e.zero_grad(), UPDATING, "step()"),
-    "abandon_step() before backward()": Misuse(1, [forward], lambda e, d: e.abandon_step("the loss is nan"), FORWARD, "backward(loss)"),
+    "zero_grad() between backward() and step()": Misuse(
+        1, [micro_batch], lambda e, d: e.zero_grad(), UPDATING, "step()"
+    ),
+    "abandon_step() before backward()": Misuse(
+        1, [forward], lambda e, d: e.abandon_step("the loss is nan"), FORWARD, "backward(loss)"
+    ),
     "a forward after close()": Misuse(1, [close], lambda e, d: e(*d.next()), CLOSED, "build a new Engine"),
     "step() after close()": Misuse(1, [close], lambda e, d: e.step(), CLOSED, "build a new Engine"),
     "save() after close()": Misuse(1, [close], lambda e, d: e.save("late"), CLOSED, "build a new Engine"),
@@ -98,7 +110,9 @@ def test_a_call_out_of_order_is_refused_naming_the_phase_and_what_comes_first(tm
     data = batches(4)
     for call in misuse.before:
         call(eng, data)
-    with pytest.raises(PhaseError, match=rf"^Engine\.\S+ .*cannot run in phase {misuse.phase.name} \(.*\): .*{re.escape(misuse.first)}") as refused:
+    with pytest.raises(
+        PhaseError, match=rf"^Engine\.\S+ .*cannot run in phase {misuse.phase.name} \(.*\): .*{re.escape(misuse.first)}"
+    ) as refused:
         misuse.call(eng, data)
     assert refused.value.phase is misuse.phase and eng.phase is misuse.phase, "a refused call changes nothing"
     eng.close()
@@ -234,7 +248,9 @@ def test_a_diverged_engine_refuses_everything_but_reading_and_closing() -> None:
         eng.step()
     assert eng.phase is StepPhase.DIVERGED
     for call in (lambda: eng(*data.next()), eng.step, eng.zero_grad, lambda: eng.save("x")):
-        with pytest.raises(DivergedError, match="^this engine stopped at a diverged step and takes no further step: step 1"):
+        with pytest.raises(
+            DivergedError, match="^this engine stopped at a diverged step and takes no further step: step 1"
+        ):
             call()
     with eng.gathered():
         pass
@@ -296,9 +312,13 @@ def test_a_stage_3_unit_refuses_a_transition_its_state_does_not_lead_to() -> Non
         pytest.fail("the transition's work runs only from a state that leads to it")
     sharded.gather(name)
     used = eng.budget.used
-    with pytest.raises(UnitStateError, match=r"^unit 'blocks\.0' cannot become GATHERING from GATHERED: only from COPYING$"):
+    with pytest.raises(
+        UnitStateError, match=r"^unit 'blocks\.0' cannot become GATHERING from GATHERED: only from COPYING$"
+    ):
         sharded._start_gather(unit)  # a second gather of a gathered unit
-    with pytest.raises(UnitStateError, match=r"^unit 'blocks\.0' cannot become FETCHING from GATHERED: only from SHARDED$"):
+    with pytest.raises(
+        UnitStateError, match=r"^unit 'blocks\.0' cannot become FETCHING from GATHERED: only from SHARDED$"
+    ):
         sharded._fetch(unit)
     assert unit.state is UnitState.GATHERED and eng.budget.used == used, "a refused transition does none of its work"
     sharded.release(name)

@@ -12,7 +12,9 @@ from tests.training import batches, config, tiny_gpt
 
 def nvme(tmp_path, stage: int = 2, **sections):
     tmp_path.mkdir(parents=True, exist_ok=True)
-    return config(zero={"stage": stage}, offload={"optimizer": "nvme", "nvme_path": str(tmp_path / "store")}, **sections)
+    return config(
+        zero={"stage": stage}, offload={"optimizer": "nvme", "nvme_path": str(tmp_path / "store")}, **sections
+    )
 
 
 def run(eng: Engine, steps: int) -> list[float]:
@@ -54,7 +56,10 @@ def test_stop_and_resume_is_bit_identical(tmp_path, stage: int) -> None:
 
 
 def test_loss_scale_and_random_state_survive(tmp_path) -> None:
-    cfg = nvme(tmp_path, precision={"compute_dtype": "fp16", "loss_scaling": "dynamic", "initial_scale": 256.0, "growth_interval": 2})
+    cfg = nvme(
+        tmp_path,
+        precision={"compute_dtype": "fp16", "loss_scaling": "dynamic", "initial_scale": 256.0, "growth_interval": 2},
+    )
     eng = Engine(tiny_gpt(), cfg, total_steps=4)
     torch.manual_seed(5)
     run(eng, 3)
@@ -71,7 +76,10 @@ def test_loss_scale_and_random_state_survive(tmp_path) -> None:
 def test_resume_refuses_another_model(tmp_path) -> None:
     Engine(tiny_gpt(), nvme(tmp_path), total_steps=1).close()
     other = GPT(GPTConfig.preset("tiny", seq_len=32, d_model=128, n_head=4))
-    with pytest.raises(ValueError, match=r"the store has parameter 'blocks.0.ln1.weight' with shape \[64\] .* where the model has .* shape \[128\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"the store has parameter 'blocks.0.ln1.weight' with shape \[64\] .* where the model has .* shape \[128\]",
+    ):
         Engine.resume(other, nvme(tmp_path), total_steps=1)
 
 

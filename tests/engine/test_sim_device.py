@@ -29,7 +29,9 @@ PLANS += [(3, optimizer, param) for optimizer in ("cpu", "nvme") for param in ("
 
 
 def plan_config(stage: int, optimizer: str, param: str, store: str, **sections):
-    return config(zero={"stage": stage}, offload={"optimizer": optimizer, "param": param, "nvme_path": store}, **sections)
+    return config(
+        zero={"stage": stage}, offload={"optimizer": optimizer, "param": param, "nvme_path": store}, **sections
+    )
 
 
 def test_a_copy_lands_later_and_a_reused_source_is_caught() -> None:
@@ -114,7 +116,9 @@ def gradient_not_waited_for(self: PendingShard) -> torch.Tensor:
     ids=["update before the gradient copy"],
 )
 def test_a_missing_wait_is_caught(owner, name, broken, stage, tmp_path, monkeypatch) -> None:
-    cfg = plan_config(stage, "nvme", "nvme" if stage == 3 else "device", str(tmp_path / "store"), train={"steps": STEPS})
+    cfg = plan_config(
+        stage, "nvme", "nvme" if stage == 3 else "device", str(tmp_path / "store"), train={"steps": STEPS}
+    )
     ref = train_reference(cfg, STEPS, micro_batch=4)
     monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=5")
     monkeypatch.setattr(owner, name, broken)
@@ -122,7 +126,9 @@ def test_a_missing_wait_is_caught(owner, name, broken, stage, tmp_path, monkeypa
         ours = train_engine(cfg, STEPS)
     except (DivergedError, CopyRaceError):
         return  # caught by the engine's own checks
-    assert not all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"]), "the missing wait went unseen"
+    assert not all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"]), (
+        "the missing wait went unseen"
+    )
 
 
 def test_a_gather_that_does_not_wait_for_its_copy_is_caught(tmp_path, monkeypatch) -> None:

@@ -14,7 +14,7 @@ from engine.tools.consolidate import consolidate
 from engine.tools.estimate import plan_of, run_shape, store_bytes
 from engine.tools.inspect import format_report, inspect_store
 from engine.zero.moments import round_stochastic_
-from engine.zero.quantize import dequantize, packed_bytes, quantize_
+from engine.zero.quantize import BLOCK, decode, encode, noise_table, periodic
 from tests.engine.test_crafted_stores import snapshot
 from tests.engine.test_resume import nvme, params, run
 from tests.training import config, tiny_gpt, train_engine, train_reference
@@ -73,11 +73,11 @@ def test_8bit_blocks_keep_signs_and_are_unbiased(signed: bool) -> None:
     n = 1 << 16
     values = torch.randn(n) * torch.logspace(-6, 0, n)[torch.randperm(n)]
     values = values if signed else values.square()
-    packed = torch.empty(packed_bytes(n), dtype=torch.uint8)
     decoded = []
     for seed in range(20):
-        quantize_(packed, values.clone(), signed, seed)
-        decoded.append(dequantize(packed, signed))
+        noise = periodic(noise_table(seed, False, values.device), n)
+        codes, scales = encode(values.view(-1, BLOCK), noise.view(-1, BLOCK), signed)
+        decoded.append(decode(codes, scales, signed).view(-1))
     assert ((decoded[0] - values).norm() / values.norm()).item() < 0.01
     assert ((torch.stack(decoded).mean(0) - values).norm() / values.norm()).item() < 0.003
     assert not (decoded[0] * values < 0).any()
