@@ -152,7 +152,7 @@ class GradSpill:
             for unit, buf in reads:
                 self._bytes_read += buf.nbytes
                 try:
-                    yield unit, self._view(unit, buf).float()  # widened (a copy) only if stored as bf16
+                    yield unit, self._view(unit, buf)  # in bf16 if spilled so: the update widens it
                 finally:
                     self.pipeline.release(buf)
 

@@ -4,29 +4,20 @@ Widening a bf16 master and the moments to fp32, running AdamW, and rounding all 
 stochastically is some forty elementwise passes in eager torch, each over memory: measured
 here, 26 ns per parameter for 8-bit moments and a bf16 master, against 0.4 for fp32 state in
 torch's fused kernel, which made the compact forms' arithmetic, not the disk, the step's
-limit at 10B parameters. Written as one function of pure tensor operations and compiled by
-``torch.compile`` (Inductor's C++ backend on a CPU, Triton on a GPU), the same arithmetic is
-one loop that reads each value once and writes it once: about 4 ns per parameter.
-
-The compiled code is one kernel per form (moment and master dtypes), for any shard length.
-Where it cannot be built (no C++ compiler), the same function runs uncompiled after one
-warning: the same arithmetic, several times slower, its last bits not guaranteed equal to
-the compiled kernel's (a run should resume where it can compile if it started there).
+limit at 10B parameters. Written as one function of pure tensor operations and compiled
+(``engine.runtime.compiled``), the same arithmetic reads each value once and writes it once:
+about 5 ns per parameter.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from engine.config import OptimConfig
+from engine.runtime.compiled import LazyCompiled
 from engine.zero.quantize import BLOCK, blocks, decode, encode, noise_table, periodic, round_bits
-
-logger = logging.getLogger(__name__)
 
 MomentHeld = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """A moment as the kernel takes it: a flat bf16/fp32 tensor, or int8 blocks' codes and scales,
@@ -62,15 +53,18 @@ def compact_adamw_(
     exp_avg_sq: MomentHeld,
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     hyper: torch.Tensor,
+    grad_scale: torch.Tensor,
 ) -> None:
     """One AdamW step, in place, with torch's arithmetic (decoupled weight decay, bias
     correction, ``eps`` outside the square root); ``hyper`` holds lr, beta1, beta2, eps,
     weight decay and the two bias corrections (a tensor: new values never recompile), and
-    ``tables`` the noise of exp_avg, exp_avg_sq and the master (``noise_table``)."""
+    ``tables`` the noise of exp_avg, exp_avg_sq and the master (``noise_table``). The gradient
+    (fp32, or a spilled one in bf16) is widened and multiplied by ``grad_scale`` (clipping's
+    coefficient, or 1) in the same pass."""
     lr, beta1, beta2, eps, weight_decay, correction1, correction2_sqrt = hyper.unbind()
     numel = master.numel()
     param = master.float() * (1 - lr * weight_decay)
-    g = grad.float()
+    g = grad.float() * grad_scale
     m = _widen(exp_avg, signed=True)
     v = _widen(exp_avg_sq, signed=False)
     m = m + (g - m) * (1 - beta1)
@@ -81,22 +75,7 @@ def compact_adamw_(
     _store(master, param, periodic(tables[2], numel), signed=True)
 
 
-_kernel: Callable[..., None] | None = None
-
-
-def _run(*args: Any) -> None:
-    """``compact_adamw_`` compiled on first use, uncompiled if it cannot be built."""
-    global _kernel
-    if _kernel is None:
-        _kernel = torch.compile(compact_adamw_, dynamic=True)
-    try:
-        _kernel(*args)
-    except Exception as err:  # the compiler's failures have no common type of their own
-        if _kernel is compact_adamw_:
-            raise
-        logger.warning("the compact optimizer state's update runs uncompiled, several times slower: %s", err)
-        _kernel = compact_adamw_
-        _kernel(*args)
+ADAMW = LazyCompiled(compact_adamw_, "the compact optimizer state's update")
 
 
 def held(moment: torch.Tensor) -> MomentHeld:
@@ -115,14 +94,16 @@ def compact_step(
     step: int,
     lr: float,
     seeds: tuple[int, int, int],
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
     """AdamW's ``step``-th update (1-based) of one shard whose master or moments are compact;
     ``seeds`` draw the rounding noise of exp_avg, exp_avg_sq and the master (unused by one in
-    fp32)."""
+    fp32); ``grad_scale`` multiplies the gradient first (``ShardAdamW.update``)."""
     beta1, beta2 = config.betas
     device = master.device
     values = [lr, beta1, beta2, config.eps, config.weight_decay, 1 - beta1**step, math.sqrt(1 - beta2**step)]
     hyper = torch.tensor(values, dtype=torch.float32, device=device)
     kinds = (moments[0].dtype == torch.uint8, moments[1].dtype == torch.uint8, False)
     tables = tuple(noise_table(seed, not floats, device) for seed, floats in zip(seeds, kinds, strict=True))
-    _run(master, grad, held(moments[0]), held(moments[1]), tables, hyper)
+    scale = torch.ones((), device=device) if grad_scale is None else grad_scale
+    ADAMW(master, grad, held(moments[0]), held(moments[1]), tables, hyper, scale)

@@ -30,10 +30,11 @@ from typing import Any
 import torch
 
 from engine.config import OptimConfig
+from engine.runtime.compiled import LazyCompiled
 from engine.zero.compact_update import compact_step
 from engine.zero.optim import ShardAdamW
 from engine.zero.precision import DTYPES
-from engine.zero.quantize import BLOCK, PACKED, add_noise_, packed_bytes
+from engine.zero.quantize import BLOCK, PACKED, noise_table, packed_bytes, periodic, round_bits
 from offload import array_bytes, shard_bytes
 from offload.shards import ShardedUnit
 
@@ -170,13 +171,17 @@ class StateForm:
 FP32_STATE = StateForm()
 
 
+def _round_into(out: torch.Tensor, value: torch.Tensor, table: torch.Tensor) -> None:
+    out.copy_(round_bits(value, periodic(table, value.numel())))
+
+
+_ROUND = LazyCompiled(_round_into, "rounding to bfloat16")
+
+
 def round_stochastic_(out: torch.Tensor, value: torch.Tensor, seed: int) -> None:
-    """``out`` (bfloat16) = ``value`` (fp32, scratch: overwritten) rounded stochastically
-    (``engine.zero.quantize.round_bits``), with the noise of ``seed``."""
-    bits = value.view(torch.int32)
-    add_noise_(bits, seed)
-    bits.bitwise_and_(-(1 << 16))
-    out.copy_(value)
+    """``out`` (bfloat16) = ``value`` (fp32) rounded stochastically (``engine.zero.quantize.round_bits``)
+    with the noise of ``seed``, in one compiled pass (``engine.runtime.compiled``)."""
+    _ROUND(out, value, noise_table(seed, True, value.device))
 
 
 class CompactAdamW(ShardAdamW):
@@ -193,11 +198,12 @@ class CompactAdamW(ShardAdamW):
         exp_avg_sq: torch.Tensor,
         step: torch.Tensor,
         lr: float,
+        grad_scale: torch.Tensor | None = None,
     ) -> None:
         if master.dtype == exp_avg.dtype == torch.float32:
-            super().update(master, grad, exp_avg, exp_avg_sq, step, lr)
+            super().update(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale)
             return
         step.add_(1)  # as torch's kernels count it
         count = int(step.item())
         seeds = (2 * count, 2 * count + 1, MASTER_SEED + count)  # a distinct stream per step and per tensor
-        compact_step(self.config, master, grad, (exp_avg, exp_avg_sq), count, lr, seeds)
+        compact_step(self.config, master, grad, (exp_avg, exp_avg_sq), count, lr, seeds, grad_scale)

@@ -49,8 +49,14 @@ class ShardAdamW:
         exp_avg_sq: torch.Tensor,
         step: torch.Tensor,
         lr: float,
+        grad_scale: torch.Tensor | None = None,
     ) -> None:
-        """One AdamW step on one shard, in place."""
+        """One AdamW step on one shard, in place. A ``grad`` spilled in bf16 is widened first,
+        and multiplied by ``grad_scale`` (clipping's coefficient, ``clip_coefficient``) if given:
+        the gradient is scratch, overwritten."""
+        grad = grad.float()
+        if grad_scale is not None:
+            torch._foreach_mul_([grad], grad_scale)
         beta1, beta2 = self.config.betas
         adamw(
             [master],
@@ -107,5 +113,9 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor)
     the arithmetic of ``torch.nn.utils.clip_grads_with_norm_`` (coefficient
     ``max_norm / (total + 1e-6)`` clamped to 1 and always applied), so that one rank matches
     torch bit for bit."""
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef)
+    torch._foreach_mul_(grads, clip_coefficient(max_norm, total))
+
+
+def clip_coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
+    """What ``clip_grads_`` multiplies each gradient by."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)

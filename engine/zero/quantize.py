@@ -40,7 +40,7 @@ def noise_table(seed: int, integer: bool, device: torch.device) -> torch.Tensor:
     """``NOISE_PERIOD`` uniform draws from a generator seeded by ``seed``: integers in [0, 2**16)
     (int32) to add to an fp32 value's bits below bfloat16's mantissa, or floats in [0, 1) to add
     to a code before flooring. The table repeats along the tensor it rounds (element ``i`` takes
-    draw ``i % NOISE_PERIOD``): each element still gets a fresh uniform draw at each call, which
+    draw ``i % NOISE_PERIOD``, ``periodic``): each element still gets a fresh uniform draw at each call, which
     is all stochastic rounding needs for each value's rounding to be unbiased over the steps, at
     a small fraction of the cost of one draw per element."""
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -50,19 +50,12 @@ def noise_table(seed: int, integer: bool, device: torch.device) -> torch.Tensor:
 
 
 def periodic(table: torch.Tensor, numel: int) -> torch.Tensor:
-    """``numel`` draws (a multiple of ``BLOCK``): ``table`` repeated, element ``i`` taking draw
-    ``i % NOISE_PERIOD``, as ``add_noise_`` adds them. Indexed a row of ``BLOCK`` at a time, so
-    that compiled code reads each row's draws contiguously (an index per element, 3x slower)."""
+    """``numel`` draws: ``table`` repeated, element ``i`` taking draw ``i % NOISE_PERIOD``. Indexed
+    a row of ``BLOCK`` at a time, so that compiled code reads each row's draws contiguously (an
+    index per element is 3x slower)."""
     rows = table.view(-1, BLOCK)
-    return rows[torch.arange(numel // BLOCK, device=table.device) % rows.shape[0]].view(-1)
-
-
-def add_noise_(flat: torch.Tensor, seed: int) -> None:
-    """Add ``noise_table(seed)``, repeated, to ``flat``: int32 takes integer draws, float32 floats."""
-    table = noise_table(seed, flat.dtype == torch.int32, flat.device)
-    whole = flat.numel() // NOISE_PERIOD * NOISE_PERIOD
-    flat[:whole].view(-1, NOISE_PERIOD).add_(table)
-    flat[whole:].add_(table[: flat.numel() - whole])
+    index = torch.arange(-(-numel // BLOCK), device=table.device) % rows.shape[0]
+    return rows[index].view(-1)[:numel]
 
 
 def round_bits(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

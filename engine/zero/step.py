@@ -24,7 +24,7 @@ from engine.tiers.optimizer import ShardState
 from engine.zero.divergence import nonfinite_units
 from engine.zero.grads import GradientShards, PendingShard
 from engine.zero.moments import CompactAdamW
-from engine.zero.optim import clip_grads_, global_norm, grad_norm, norm_of_norms, piece_norms
+from engine.zero.optim import clip_coefficient, clip_grads_, global_norm, grad_norm, norm_of_norms, piece_norms
 from engine.zero.params import ReplicatedParams, ShardedParams
 from engine.zero.partition import ModelLayout, UnitLayout, param_views
 from engine.zero.precision import LossScaler
@@ -125,14 +125,17 @@ class StepMath:
         norm is taken first, and a unit whose norm is not finite is left as it was (the step
         then stops on every rank, see ``check_unit_norms``; raising here, in an autograd hook,
         would leave the other ranks waiting in their collectives)."""
-        if spilled and self._clip_norm is not None:
-            clip_grads_([grad], self._config.optim.grad_clip, self._clip_norm)
+        scale = None
+        if spilled and self._clip_norm is not None:  # widened and clipped in the update's own pass
+            scale = clip_coefficient(self._config.optim.grad_clip, self._clip_norm)
         finite = True
         if self.overlap:
             norm = self.unit_norms[unit.name] = float(torch.linalg.vector_norm(grad))
             finite = math.isfinite(norm)
         if finite:
-            self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, self._counters[unit.name], self.lr)
+            self.adam.update(
+                state.master, grad, state.exp_avg, state.exp_avg_sq, self._counters[unit.name], self.lr, scale
+            )
 
     def hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None:
         """On the training thread, after ``compute``: hand the new master to the parameters (its

@@ -42,10 +42,10 @@ def run(tensors: list[torch.Tensor]) -> None:
 def test_the_compiled_update_computes_what_the_function_does(moments: str, master: str, monkeypatch, caplog) -> None:
     compiled, eager = state(moments, master), state(moments, master)
     before = compiled[0].clone()
-    with caplog.at_level(logging.WARNING, logger=compact_update.__name__):
+    with caplog.at_level(logging.WARNING, logger="engine.runtime.compiled"):
         run(compiled)
     assert not caplog.records, "the kernel fell back to running uncompiled"
-    monkeypatch.setattr(compact_update, "_kernel", compact_update.compact_adamw_)
+    monkeypatch.setattr(compact_update.ADAMW, "kernel", compact_update.compact_adamw_)
     run(eager)
     for got, expected in zip(compiled, eager, strict=True):
         if got.dtype == torch.float32:  # the compiler may order or fuse the arithmetic its own way
@@ -63,13 +63,13 @@ def test_an_update_that_cannot_be_compiled_warns_once_and_runs_uncompiled(monkey
         return fail
 
     monkeypatch.setattr(torch, "compile", cannot_compile)
-    monkeypatch.setattr(compact_update, "_kernel", None)
+    monkeypatch.setattr(compact_update.ADAMW, "kernel", None)
     tensors, expected = state("int8", "bf16"), state("int8", "bf16")
-    with caplog.at_level(logging.WARNING, logger=compact_update.__name__):
+    with caplog.at_level(logging.WARNING, logger="engine.runtime.compiled"):
         run(tensors)
         run(tensors)
     assert len(caplog.records) == 1 and "no C++ compiler" in caplog.records[0].getMessage()
-    monkeypatch.setattr(compact_update, "_kernel", compact_update.compact_adamw_)
+    monkeypatch.setattr(compact_update.ADAMW, "kernel", compact_update.compact_adamw_)
     run(expected)
     run(expected)
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=True))
