@@ -23,16 +23,18 @@ logger = logging.getLogger(__name__)
 class LazyCompiled:
     """``fn`` compiled at its first call, or ``fn`` itself once compiling it has failed."""
 
-    def __init__(self, fn: Callable[..., Any], what: str):
+    def __init__(self, fn: Callable[..., Any], what: str, options: dict[str, Any] | None = None):
         self.fn = fn
         self.what = what
         """What ``fn`` computes, for the warning."""
+        self.options = options
+        """Inductor's settings for this function (``torch.compile(options=...)``)."""
         self.kernel: Callable[..., Any] | None = None
         """What calls run: None until the first, then the compiled function or ``fn``."""
 
     def __call__(self, *args: Any) -> Any:
         if self.kernel is None:
-            self.kernel = torch.compile(self.fn, dynamic=True)
+            self.kernel = torch.compile(self.fn, dynamic=True, options=self.options)
         try:
             return self.kernel(*args)
         except Exception as err:  # the compiler's failures have no common type of their own

@@ -75,7 +75,22 @@ def compact_adamw_(
     _store(master, param, periodic(tables[2], numel), signed=True)
 
 
-ADAMW = LazyCompiled(compact_adamw_, "the compact optimizer state's update")
+RECOMPUTE = {
+    key: 1 << 10
+    for key in (
+        "realize_opcount_threshold",
+        "realize_cpu_opcount_threshold",
+        "realize_reads_threshold",
+        "realize_acc_reads_threshold",
+        "realize_cpu_acc_reads_threshold",
+    )
+}
+"""Inductor's settings for the update: the new moments feed both their blocks' absolute maximum
+and their codes, and by default Inductor writes them to fresh fp32 buffers in between (8 bytes
+per parameter written, read back, and page-faulted in each call); recomputing them from the
+inputs instead is cheaper. Measured here: 3.2 against 4.7 ns per parameter."""
+
+ADAMW = LazyCompiled(compact_adamw_, "the compact optimizer state's update", RECOMPUTE)
 
 
 def held(moment: torch.Tensor) -> MomentHeld:
