@@ -123,3 +123,28 @@ def test_rounds_merge_into_the_median_of_every_timed_step_and_a_failure_stands()
     assert merged["tokens_per_s"] == QUICK.tokens_per_step / 3.5
     failed = record([], 0, status="skipped")
     assert compare.merge_rounds([record(warm + [1.0], 10), failed], QUICK) is failed
+
+
+def test_at_scale_is_giants_model_and_data_on_one_rank_built_partitioned() -> None:
+    from benchmarks import giant
+
+    args = giant.parse_args(["--params", "1e9"])
+    workload = compare.at_scale(1e9, warmup=1, steps=2)
+    tokens, vocab_size = workload.tokens()
+    gpt = workload.gpt_config(vocab_size)
+    assert 0.9e9 <= gpt.num_params() <= 1.1e9 and not gpt.tie_embeddings
+    assert (workload.micro_batch, workload.seq_len, workload.lr) == (args.micro_batch, args.seq_len, args.lr)
+    assert (workload.world_size, workload.partitioned, workload.warmup, workload.steps) == (1, True, 1, 2)
+
+
+def test_at_scale_refuses_other_systems_and_a_missing_deepspeed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        compare.main(["--params", "1e9", "--systems", "ours", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "python -m benchmarks.giant --params N" in capsys.readouterr().err
+    monkeypatch.setitem(compare.REQUIRES, "deepspeed", "no_such_module_for_peers")
+    with pytest.raises(SystemExit) as missing:
+        compare.main(["--params", "1e9", "--out", str(tmp_path)])
+    assert "not installed" in str(missing.value) and "pip install" in str(missing.value)
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran or was written
