@@ -54,6 +54,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -122,13 +123,25 @@ def _log_tail(log: Path) -> list[str]:
         return []
 
 
+def _meaningful(line: str) -> bool:
+    """Not blank, not indented (a warning's code line, a traceback's frames) and not a warning."""
+    return bool(line.strip()) and not line[0].isspace() and "Warning: " not in line and "[WARNING]" not in line
+
+
 def _rank_error(work: Path, rank: int, code: int | None) -> str:
-    """Why a rank stopped: the error it recorded, else its exit code and last line of output."""
+    """Why a rank stopped: the error it recorded, else the signal that ended it (SIGKILL, when
+    memory ran out, is the kernel's OOM killer's) or its exit code, and its last line of output
+    that is not a warning or the code line a warning prints under it."""
     try:
         return json.loads(result_path(work, rank).read_text())["error"]
     except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        last = next((line for line in reversed(_log_tail(work / f"rank{rank}.log")) if line.strip()), "no output")
-        return f"rank {rank} exited with code {code}: {last}"
+        lines = [line for line in _log_tail(work / f"rank{rank}.log") if _meaningful(line)]
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+        )
+        return f"rank {rank} {how}: {lines[-1] if lines else 'no output'}"
 
 
 def _skipped(record: dict[str, Any], reason: str, log: Path | None = None) -> dict[str, Any]:

@@ -148,8 +148,11 @@ def _deepspeed_offload(contestant: Contestant, model: nn.Module, workload: Workl
     The NVMe settings are the ones FACTS.md found necessary on 0.19.8: enough parameter
     swap buffers, no parameters kept in host memory (`max_in_cpu` 0), and no prefetch
     bucket (a non-zero one fails with "already assigned swap buffer"). At a partitioned
-    workload's size the optimizer's swapped sub-groups are made smaller than DeepSpeed's
-    default of 1e9 elements, which would hold about 16 GB of fp32 state in memory at once.
+    workload's size its defaults would hold gigabytes that do not need to exist: the
+    optimizer's swapped sub-groups are made smaller than its 1e9 elements (16 GB of fp32
+    state at once) and the gradient reduction bucket no larger than the largest parameter
+    (its 5e8 elements are 1 GB of bf16). What is left is DeepSpeed's own: the fp32 gradient
+    partition of every parameter, 4 B/param, stays in host memory until the step.
     """
     section: dict[str, Any] = {"stage": 3}
     if contestant.optimizer != "device":
@@ -172,6 +175,7 @@ def _deepspeed_offload(contestant: Contestant, model: nn.Module, workload: Workl
         section["stage3_prefetch_bucket_size"] = 0
         if workload.partitioned:
             section["stage3_max_reuse_distance"] = 0
+            section["reduce_bucket_size"] = section["offload_param"]["buffer_size"]
     return section
 
 
