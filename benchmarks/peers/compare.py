@@ -15,7 +15,11 @@ with the same hyper-parameters and no clipping, on 2 gloo ranks of one thread ea
 - ours, stage 3, `offload.optimizer` and `offload.param` on `cpu`, and on `nvme`.
 
 Each contestant runs in a process group of its own (`benchmarks.peers.launch`), so its
-peak RSS is that of its ranks (and their children) only, sampled from outside; the
+peak RSS is that of its ranks (and their children) only, sampled from outside, beside
+the largest rank's own high-water mark from the kernel ("rank hw": a child forked from
+a rank shows the rank's pages until it runs its program, and DeepSpeed starts one to
+read the CPU's features each time it loads an op, so its sampled peak can count a large
+rank twice); the
 NVMe runs also report the disk their files occupy at the peak. A step is timed from
 the batch to the finished update; a contestant's step time is the median over the
 timed steps (after `warmup`) of the slowest rank's, over `--rounds` rounds in which every
@@ -286,6 +290,7 @@ def table_rows(records: Sequence[dict[str, Any]]) -> tuple[list[Row], list[Row]]
                 "peer/ours": r.get("peer_over_ours", ""),
                 "tokens/s": r["tokens_per_s"],
                 "peak RSS MiB": r["peak_rss_bytes"] / MIB,
+                "rank hw MiB": max(r["rank_max_rss_bytes"]) / MIB,
                 "disk MiB": r["disk_bytes"] / MIB if "disk_bytes" in r else "",
                 "first loss": r["losses"][0],
                 "last loss": r["losses"][-1],

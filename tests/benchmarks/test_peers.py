@@ -148,3 +148,15 @@ def test_at_scale_refuses_other_systems_and_a_missing_deepspeed(
         compare.main(["--params", "1e9", "--out", str(tmp_path)])
     assert "not installed" in str(missing.value) and "pip install" in str(missing.value)
     assert list(tmp_path.iterdir()) == []  # refused before anything ran or was written
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_its_last_line_that_is_not_a_warning(tmp_path: Path) -> None:
+    (tmp_path / "rank0.log").write_text(
+        "[2026-01-01 00:00:00] [INFO] optimizer state initialized\n"
+        "/x/c10d_logger.py:83: FutureWarning: `reduce_scatter_tensor` is deprecated\n"
+        "  return func(*args, **kwargs)\n"
+        "[2026-01-01 00:00:01] [WARNING] [utils.py:26:swap_out_tensors] Offloading to NVMe\n"
+    )
+    reason = compare._rank_error(tmp_path, 0, -9)
+    assert reason == "rank 0 was killed by SIGKILL: [2026-01-01 00:00:00] [INFO] optimizer state initialized"
+    assert compare._rank_error(tmp_path / "missing", 1, 3) == "rank 1 exited with code 3: no output"
