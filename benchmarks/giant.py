@@ -87,6 +87,11 @@ def run_config(args: argparse.Namespace, store: Path, metrics: Path) -> list[str
     return [part for key, value in overrides.items() for part in (f"--{key}", str(value))]
 
 
+def train_config(train_args: list[str]) -> Config:
+    """The config ``python -m engine train`` reads from these ``--section.key value`` overrides."""
+    return Config.from_dict({}, [f"{k[2:]}={v}" for k, v in zip(train_args[::2], train_args[1::2])])
+
+
 def compute_only_seconds(gpt: GPTConfig, micro_batch: int, reps: int) -> float:
     """A step's forward and backward with nothing to fetch: one block timed and multiplied by
     the depth, plus the root's embedding, final norm and head, in the engine's bf16."""
@@ -251,8 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True)
     metrics, log = work / "metrics.jsonl", work / "train.log"
     train_args = run_config(args, store, metrics)
-    config = Config.from_dict({}, [f"{k[2:]}={v}" for k, v in zip(train_args[::2], train_args[1::2])])
-    config, _ = settle_io(config, resume=False)  # as the engine settles "auto" I/O settings
+    config, _ = settle_io(train_config(train_args), resume=False)  # as the engine settles "auto" I/O settings
     gpt = gpt_of(config)
     predicted = estimate(run_shape(config, 1, gpt), plan_of(config), baseline_bytes=measured_baseline_bytes())
     n_params = gpt.num_params()

@@ -1,6 +1,7 @@
 """Our engine beside plain PyTorch, FSDP2 and DeepSpeed: the same training, side by side, in one run.
 
     python -m benchmarks.peers [--quick] [--systems plain fsdp2 deepspeed ours] [--rounds N] [--dir PATH] [--out PATH]
+    python -m benchmarks.peers --params 3e9 [--steps N] [--warmup N] [--dir PATH] [--timeout S]
 
 Every contestant trains the same workload (`benchmarks.peers.workload`): the built-in
 GPT, untied (21.1M parameters: 4 layers, d_model 512, 8 heads, a BPE vocabulary of
@@ -14,7 +15,11 @@ with the same hyper-parameters and no clipping, on 2 gloo ranks of one thread ea
 - ours, stage 3, `offload.optimizer` and `offload.param` on `cpu`, and on `nvme`.
 
 Each contestant runs in a process group of its own (`benchmarks.peers.launch`), so its
-peak RSS is that of its ranks (and their children) only, sampled from outside; the
+peak RSS is that of its ranks (and their children) only, sampled from outside, beside
+the largest rank's own high-water mark from the kernel ("rank hw": a child forked from
+a rank shows the rank's pages until it runs its program, and DeepSpeed starts one to
+read the CPU's features each time it loads an op, so its sampled peak can count a large
+rank twice); the
 NVMe runs also report the disk their files occupy at the peak. A step is timed from
 the batch to the finished update; a contestant's step time is the median over the
 timed steps (after `warmup`) of the slowest rank's, over `--rounds` rounds in which every
@@ -24,6 +29,14 @@ their state on the same tiers: "peer/ours" above 1 means ours is faster; "x plai
 the price of offloading against the floor. A contestant that is not installed or fails
 is listed as skipped, with the reason. `--quick` runs a 0.14M-parameter model on byte
 tokens for three steps: a check that the script works, not a measurement.
+
+With `--params N`, DeepSpeed ZeRO-Infinity alone trains the model `python -m
+benchmarks.giant --params N` trains ours on (`at_scale`: the same GPT, untied as ours
+is, the same data, 1 x 128 tokens, AdamW with giant's constant learning rate, no
+clipping), on one rank with every core, parameters and optimizer state on nvme. Such a
+model's fp32 weights may not fit in memory, so DeepSpeed builds it already partitioned
+(`zero.Init`). Ours at that size is `benchmarks.giant` itself; its table is the one to
+put beside this one. The step time is the median of the steps after `--warmup` (1).
 
 The default install has no DeepSpeed; the `peers` extra brings it (and `tokenizers`,
 for the BPE data). DeepSpeed builds against the installed torch, so its build must
@@ -39,11 +52,13 @@ contestant's ranks start, so it counts in neither their step time nor their memo
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
 import math
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -51,8 +66,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
+from benchmarks import giant
 from benchmarks.peers.launch import python_module, run_one, run_ranks
-from benchmarks.peers.rank import RankSpec, result_path
+from benchmarks.peers.rank import RankSpec, result_path, threads_per_rank
 from benchmarks.peers.trainers import ENVIRONMENT, PREPARE, REQUIRES
 from benchmarks.peers.workload import (
     FULL,
@@ -71,6 +87,7 @@ from benchmarks.report import (
     setup_logging,
 )
 from engine.runtime.sizes import MIB
+from engine.tools.estimate import gpt_of
 
 RANK_MODULE = "benchmarks.peers.rank"
 INSTALL = 'DS_BUILD_OPS=0 pip install --no-build-isolation -e ".[peers]"'
@@ -87,14 +104,17 @@ CONTESTANTS = (
 )
 """In this order: the floor first, then each placement's peers before ours."""
 
+AT_SCALE = Contestant("deepspeed", "nvme", "nvme")
+"""The peer of `benchmarks.giant`: ZeRO-Infinity, parameters and optimizer state on nvme."""
 
-def _rank_env(contestant: Contestant) -> dict[str, str]:
-    """This environment, plus one thread per rank, the repository on the path (the benchmarks
+
+def _rank_env(contestant: Contestant, workload: Workload) -> dict[str, str]:
+    """This environment, plus the rank's share of the cores, the repository on the path (the benchmarks
     are not installed) and what the system itself needs."""
     path = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {
         **os.environ,
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": str(threads_per_rank(workload.world_size)),
         "PYTHONPATH": os.pathsep.join(path),
         **ENVIRONMENT.get(contestant.system, {}),
     }
@@ -107,13 +127,25 @@ def _log_tail(log: Path) -> list[str]:
         return []
 
 
+def _meaningful(line: str) -> bool:
+    """Not blank, not indented (a warning's code line, a traceback's frames) and not a warning."""
+    return bool(line.strip()) and not line[0].isspace() and "Warning: " not in line and "[WARNING]" not in line
+
+
 def _rank_error(work: Path, rank: int, code: int | None) -> str:
-    """Why a rank stopped: the error it recorded, else its exit code and last line of output."""
+    """Why a rank stopped: the error it recorded, else the signal that ended it (SIGKILL, when
+    memory ran out, is the kernel's OOM killer's) or its exit code, and its last line of output
+    that is not a warning or the code line a warning prints under it."""
     try:
         return json.loads(result_path(work, rank).read_text())["error"]
     except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        last = next((line for line in reversed(_log_tail(work / f"rank{rank}.log")) if line.strip()), "no output")
-        return f"rank {rank} exited with code {code}: {last}"
+        lines = [line for line in _log_tail(work / f"rank{rank}.log") if _meaningful(line)]
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+        )
+        return f"rank {rank} {how}: {lines[-1] if lines else 'no output'}"
 
 
 def _skipped(record: dict[str, Any], reason: str, log: Path | None = None) -> dict[str, Any]:
@@ -121,6 +153,34 @@ def _skipped(record: dict[str, Any], reason: str, log: Path | None = None) -> di
     if log is not None:
         record["log_tail"] = _log_tail(log)
     return record
+
+
+def at_scale(params: float, warmup: int, steps: int) -> Workload:
+    """The workload `python -m benchmarks.giant --params N` trains, on one rank, built
+    partitioned: the engine's config from giant's own defaults, read back as a workload."""
+    args = giant.parse_args(["--params", str(params)])
+    config = giant.train_config(giant.run_config(args, args.store, Path("metrics.jsonl")))
+    gpt, optim = gpt_of(config), config.optim
+    if gpt.tie_embeddings:
+        raise ValueError("DeepSpeed's nvme parameter offload needs an untied model; giant's config ties it")
+    return Workload(
+        tokenizer=config.data.tokenizer,
+        vocab_size=config.data.vocab_size,
+        seq_len=gpt.seq_len,
+        n_layer=gpt.n_layer,
+        n_head=gpt.n_head,
+        d_model=gpt.d_model,
+        micro_batch=config.data.micro_batch,
+        warmup=warmup,
+        steps=steps,
+        world_size=1,
+        seed=config.train.seed,
+        lr=optim.lr,
+        betas=optim.betas,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        partitioned=True,
+    )
 
 
 def run_contestant(
@@ -134,7 +194,7 @@ def run_contestant(
     nvme = work / "nvme"
     spec_path = work / "spec.json"
     RankSpec(workload, contestant, nvme, work).write(spec_path)
-    env = _rank_env(contestant)
+    env = _rank_env(contestant, workload)
     if contestant.system in PREPARE:
         started = time.perf_counter()
         log = work / "prepare.log"
@@ -230,6 +290,7 @@ def table_rows(records: Sequence[dict[str, Any]]) -> tuple[list[Row], list[Row]]
                 "peer/ours": r.get("peer_over_ours", ""),
                 "tokens/s": r["tokens_per_s"],
                 "peak RSS MiB": r["peak_rss_bytes"] / MIB,
+                "rank hw MiB": max(r["rank_max_rss_bytes"]) / MIB,
                 "disk MiB": r["disk_bytes"] / MIB if "disk_bytes" in r else "",
                 "first loss": r["losses"][0],
                 "last loss": r["losses"][-1],
@@ -253,11 +314,34 @@ def plot(path: Path, records: Sequence[dict[str, Any]], title: str) -> Path | No
     return bar_chart(path, placements, series, ylabel="ms per step (median)", title=title, references=floors)
 
 
+def _side_by_side_run(args: argparse.Namespace) -> tuple[Workload, list[Contestant], int]:
+    """Every chosen contestant at the peers' own size (`FULL`, or `QUICK`), in `--rounds` rounds."""
+    workload = QUICK if args.quick else FULL
+    workload = dataclasses.replace(
+        workload,
+        steps=args.steps if args.steps is not None else workload.steps,
+        warmup=args.warmup if args.warmup is not None else workload.warmup,
+    )
+    systems = args.systems or get_args(System)
+    return workload, [c for c in CONTESTANTS if c.system in systems], args.rounds or (1 if args.quick else 2)
+
+
+def _at_scale_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Workload, list[Contestant], int]:
+    """DeepSpeed ZeRO-Infinity at giant's `--params`, once; refused without DeepSpeed."""
+    if args.systems not in (None, ["deepspeed"]):
+        parser.error("--params runs DeepSpeed alone; ours at that size is: python -m benchmarks.giant --params N")
+    if importlib.util.find_spec(REQUIRES["deepspeed"]) is None:
+        raise SystemExit(f"--params runs DeepSpeed, which is not installed: apt-get install -y libaio-dev && {INSTALL}")
+    warmup = args.warmup if args.warmup is not None else 1
+    steps = args.steps if args.steps is not None else (1 if args.quick else 2)
+    return at_scale(args.params, warmup, steps), [AT_SCALE], args.rounds or 1
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.prog = "python -m benchmarks.peers"
     systems: tuple[System, ...] = get_args(System)
-    parser.add_argument("--systems", nargs="+", choices=systems, default=list(systems), help="contestants to run")
+    parser.add_argument("--systems", nargs="+", choices=systems, help="contestants to run (default all)")
     parser.add_argument("--steps", type=int, help=f"timed steps (default {FULL.steps}, --quick {QUICK.steps})")
     parser.add_argument(
         "--warmup", type=int, help=f"untimed first steps (default {FULL.warmup}, --quick {QUICK.warmup})"
@@ -267,6 +351,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         type=int,
         help="times every contestant runs, in turn, so that the machine's drift hits all alike (default 2, --quick 1)",
     )
+    parser.add_argument(
+        "--params",
+        type=float,
+        help="DeepSpeed alone, nvme, one rank, at the model benchmarks.giant trains at --params N",
+    )
     parser.add_argument("--dir", type=Path, default=Path("."), help="where the NVMe contestants write (default .)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one contestant may run")
     parser.add_argument(
@@ -274,21 +363,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
-    workload = QUICK if args.quick else FULL
-    workload = dataclasses.replace(
-        workload,
-        steps=args.steps if args.steps is not None else workload.steps,
-        warmup=args.warmup if args.warmup is not None else workload.warmup,
-    )
+    if args.params is not None:
+        workload, contestants, rounds = _at_scale_run(parser, args)
+    else:
+        workload, contestants, rounds = _side_by_side_run(args)
     if workload.steps < 1 or workload.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
-    _, vocab_size = workload.tokens()  # tokenise (and train the BPE) once, before any rank needs it
-    params = workload.gpt_config(vocab_size).num_params()
-    contestants = [c for c in CONTESTANTS if c.system in args.systems]
-
-    rounds = args.rounds or (1 if args.quick else 2)
     if rounds < 1:
         parser.error("--rounds must be >= 1")
+    _, vocab_size = workload.tokens()  # tokenise (and train the BPE) once, before any rank needs it
+    params = workload.gpt_config(vocab_size).num_params()
     runs: list[list[dict[str, Any]]] = [[] for _ in contestants]
     args.dir.mkdir(parents=True, exist_ok=True)
     for round_index in range(rounds):
@@ -303,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_ratios(records)
     ran, skipped = table_rows(records)
     model = f"{params / 1e6:.2f}M params, {workload.micro_batch} x {workload.seq_len} tokens per rank, bf16"
-    ranks = f"{workload.world_size} gloo ranks x 1 thread"
+    ranks = f"{workload.world_size} gloo rank(s) x {threads_per_rank(workload.world_size)} thread(s)"
     print_table(
         f"Peers side by side: {model}, {ranks}; median of {workload.steps} steps after {workload.warmup}, "
         f"in each of {rounds} round(s)",
@@ -311,7 +395,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if skipped:
         print_table("Skipped", skipped)
-    plot(args.out / "peers.png", records, f"Step time: {model}\n{ranks}")
     result = {
         "workload": workload.to_dict(),
         "vocab_size": vocab_size,
@@ -320,5 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": ran,
         "skipped": skipped,
     }
-    save_json(args.out, "peers", result)
+    name = "peers" if args.params is None else f"peers-at-{args.params:.0e}".replace("+0", "")
+    plot(args.out / f"{name}.png", records, f"Step time: {model}\n{ranks}")
+    save_json(args.out, name, result)
     return result

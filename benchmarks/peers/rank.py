@@ -12,6 +12,7 @@ the parent reports as the contestant's reason for being skipped.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -59,16 +60,22 @@ def result_path(out_dir: Path, rank: int) -> Path:
     return out_dir / f"rank{rank}.json"
 
 
+def threads_per_rank(world_size: int) -> int:
+    """The cores shared out among the ranks, the same for every system: two ranks on two cores
+    get one thread each, a single rank all of them."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def train(spec: RankSpec, rank: int) -> dict[str, Any]:
     """Set up the contestant, run warmup and timed steps; per-step seconds and losses."""
     workload = spec.workload
     tokens, vocab_size = workload.tokens()
     data = workload.batches(tokens, rank)
-    model = workload.model(vocab_size)
-    params = sum(p.numel() for p in model.parameters())
+    params = workload.gpt_config(vocab_size).num_params()
     started = time.perf_counter()
     seconds, losses = [], []
-    with TRAINERS[spec.contestant.system](model, workload, spec.contestant, spec.nvme_path) as step:
+    build = functools.partial(workload.model, vocab_size)
+    with TRAINERS[spec.contestant.system](build, workload, spec.contestant, spec.nvme_path) as step:
         setup = time.perf_counter() - started
         for _ in range(workload.warmup + workload.steps):
             x, y = data.next()
@@ -94,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.prepare:
         PREPARE[spec.contestant.system](spec.contestant)
         return
-    torch.set_num_threads(1)  # two ranks on two cores: one thread each, for every system
+    torch.set_num_threads(threads_per_rank(spec.workload.world_size))
     rank = int(os.environ["RANK"])
     try:
         result = train(spec, rank)

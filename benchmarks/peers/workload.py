@@ -55,6 +55,9 @@ class Workload:
     """Timed steps; a contestant reports their median."""
     world_size: int = 2
     seed: int = 0
+    partitioned: bool = False
+    """Whether a system that can build the model already partitioned does so (DeepSpeed's
+    `zero.Init`): needed once the model's fp32 weights would not fit in memory whole."""
     lr: float = OptimConfig.lr
     betas: tuple[float, float] = OptimConfig.betas
     eps: float = OptimConfig.eps

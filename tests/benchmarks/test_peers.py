@@ -123,3 +123,40 @@ def test_rounds_merge_into_the_median_of_every_timed_step_and_a_failure_stands()
     assert merged["tokens_per_s"] == QUICK.tokens_per_step / 3.5
     failed = record([], 0, status="skipped")
     assert compare.merge_rounds([record(warm + [1.0], 10), failed], QUICK) is failed
+
+
+def test_at_scale_is_giants_model_and_data_on_one_rank_built_partitioned() -> None:
+    from benchmarks import giant
+
+    args = giant.parse_args(["--params", "1e9"])
+    workload = compare.at_scale(1e9, warmup=1, steps=2)
+    tokens, vocab_size = workload.tokens()
+    gpt = workload.gpt_config(vocab_size)
+    assert 0.9e9 <= gpt.num_params() <= 1.1e9 and not gpt.tie_embeddings
+    assert (workload.micro_batch, workload.seq_len, workload.lr) == (args.micro_batch, args.seq_len, args.lr)
+    assert (workload.world_size, workload.partitioned, workload.warmup, workload.steps) == (1, True, 1, 2)
+
+
+def test_at_scale_refuses_other_systems_and_a_missing_deepspeed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        compare.main(["--params", "1e9", "--systems", "ours", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "python -m benchmarks.giant --params N" in capsys.readouterr().err
+    monkeypatch.setitem(compare.REQUIRES, "deepspeed", "no_such_module_for_peers")
+    with pytest.raises(SystemExit) as missing:
+        compare.main(["--params", "1e9", "--out", str(tmp_path)])
+    assert "not installed" in str(missing.value) and "pip install" in str(missing.value)
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran or was written
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_its_last_line_that_is_not_a_warning(tmp_path: Path) -> None:
+    (tmp_path / "rank0.log").write_text(
+        "[2026-01-01 00:00:00] [INFO] optimizer state initialized\n"
+        "/x/c10d_logger.py:83: FutureWarning: `reduce_scatter_tensor` is deprecated\n"
+        "  return func(*args, **kwargs)\n"
+        "[2026-01-01 00:00:01] [WARNING] [utils.py:26:swap_out_tensors] Offloading to NVMe\n"
+    )
+    reason = compare._rank_error(tmp_path, 0, -9)
+    assert reason == "rank 0 was killed by SIGKILL: [2026-01-01 00:00:00] [INFO] optimizer state initialized"
+    assert compare._rank_error(tmp_path / "missing", 1, 3) == "rank 1 exited with code 3: no output"
