@@ -89,7 +89,7 @@ def run_config(args: argparse.Namespace, store: Path, metrics: Path) -> list[str
 
 def train_config(train_args: list[str]) -> Config:
     """The config ``python -m engine train`` reads from these ``--section.key value`` overrides."""
-    return Config.from_dict({}, [f"{k[2:]}={v}" for k, v in zip(train_args[::2], train_args[1::2])])
+    return Config.from_dict({}, [f"{k[2:]}={v}" for k, v in zip(train_args[::2], train_args[1::2], strict=True)])
 
 
 def compute_only_seconds(gpt: GPTConfig, micro_batch: int, reps: int) -> float:

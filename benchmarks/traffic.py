@@ -232,5 +232,5 @@ def measure_movement(path: Path, layout: ModelLayout, config: Config, plan: Tier
     bytes_written = sum(s.nbytes for t in transfers for s in t.writes)
     with StoreTraffic(path, transfers, config.offload, in_place=config.store.mode == "in-place") as traffic:
         traffic.step()
-        runs, cpu = zip(*(traffic.step() for _ in range(reps)))
+        runs, cpu = zip(*(traffic.step() for _ in range(reps)), strict=True)
     return Movement(statistics.median(runs), list(runs), bytes_read, bytes_written, statistics.median(cpu))

@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: list[list[dict[str, Any]]] = [[] for _ in contestants]
     args.dir.mkdir(parents=True, exist_ok=True)
     for round_index in range(rounds):
-        for contestant, kept in zip(contestants, runs):
+        for contestant, kept in zip(contestants, runs, strict=True):
             print(f"round {round_index + 1} of {rounds}: running {contestant.label} ...", flush=True)
             with tempfile.TemporaryDirectory(prefix="bench-peers-", dir=args.dir) as work:
                 record = run_contestant(contestant, workload, Path(work), args.timeout, args.prepare_timeout)
