@@ -50,10 +50,9 @@ from benchmarks.report import Row, bar_chart, base_parser, print_table, save_jso
 from engine.runtime.sizes import MIB
 from offload import BufferPool, HostBuffer, IORunner, Pipeline, ShardStore, create_arrays, read_shard, write_shard
 from offload.costs import STAGES, per_gb
-from offload.tuning import FALLBACK, auto_settings, label, profile_path, record
+from offload.tuning import CHUNK_RANGE, CPU, FALLBACK, Measured, auto_settings, choose, label, profile_path, record
 
 GOAL = 0.85
-TIE = 0.05  # relative step cost below which two configurations count as equally fast
 KINDS = ("write", "read")
 
 Bandwidth = dict[str, float]
@@ -304,21 +303,23 @@ def _buffer_pair(nbytes: int, huge_pages: bool) -> tuple[torch.Tensor, torch.Ten
     return src, dst
 
 
-def recommend(m: Measurements) -> StoreConfig:
-    """The checksummed configuration to run: the fastest, or a cheaper one as fast within the noise.
-
-    A step reads and writes its optimizer state in equal amounts, so the time
-    to move one byte each way, 1/write + 1/read, is what a step pays. Among
-    the configurations within `TIE` of the fastest (closer than the noise can
-    tell apart), the smallest chunk wins, then the fewest threads: smaller
-    chunks pad shards less and need a smaller buffer budget. This also keeps
-    the advice from flipping between runs.
-    """
-    cost = {
-        c: sum(1 / m.store[c][kind] for kind in KINDS) for c in m.store if c.checksum and c.huge_pages and c.paths == 1
+def profile_grid(m: Measurements) -> Measured:
+    """The checksummed O_DIRECT grid as `offload.tuning` keeps it: GB/s by kind, and CPU-seconds
+    per GB written plus per GB read (every thread of the process)."""
+    return {
+        label(c.chunk_mb, c.io_threads): dict(bw) | {CPU: sum(m.costs[c][kind]["process"] for kind in KINDS)}
+        for c, bw in m.store.items()
+        if c.checksum and c.direct_io and c.huge_pages and c.paths == 1
     }
-    fastest = min(cost.values())
-    return min((c for c in cost if cost[c] <= fastest * (1 + TIE)), key=lambda c: (c.chunk_mb, c.io_threads))
+
+
+def recommend(m: Measurements) -> StoreConfig:
+    """The configuration `auto` runs given these measurements (`offload.tuning.choose`): the
+    fastest for a step, or among those as fast within the noise the one costing least CPU per
+    byte."""
+    chosen = choose(profile_grid(m))
+    assert chosen is not None, "parse_args keeps every chunk size within auto's range"
+    return StoreConfig(*chosen)
 
 
 def build_rows(m: Measurements) -> list[Row]:
@@ -345,12 +346,7 @@ def build_rows(m: Measurements) -> list[Row]:
 def keep_profile(directory: Path, m: Measurements) -> dict[str, Any]:
     """Record the checksummed O_DIRECT grid as the machine's I/O profile of this disk (what
     `offload.chunk_mb = "auto"` reads), and what `auto` now chooses from it, with its ratios."""
-    measured = {
-        label(c.chunk_mb, c.io_threads): dict(bw)
-        for c, bw in m.store.items()
-        if c.checksum and c.direct_io and c.huge_pages and c.paths == 1
-    }
-    record(directory, measured, "benchmarks.tiers")
+    record(directory, profile_grid(m), "benchmarks.tiers")
     auto = auto_settings(directory, measure=False)
     config = StoreConfig(auto.chunk_mb, auto.io_threads)
     ratios = m.ratios(config) if config in m.store else {}
@@ -431,6 +427,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mb = args.mb or (64 if args.quick else 1024)
     if args.paths < 1 or len(args.stripe_dir) > args.paths - 1:
         parser.error(f"--paths {args.paths} takes at most {max(args.paths - 1, 0)} --stripe-dir folder(s)")
+    if not all(CHUNK_RANGE[0] <= c <= CHUNK_RANGE[1] for c in args.chunk_mb):
+        parser.error(f"--chunk-mb takes sizes from {CHUNK_RANGE[0]} to {CHUNK_RANGE[1]} MiB, those auto may choose")
     configs = store_configs(args.chunk_mb, args.threads, args.paths)
     if any(mb % c.chunk_mb for c in configs):
         parser.error(f"--mb {mb} must be a multiple of every chunk size: {sorted({c.chunk_mb for c in configs})}")

@@ -45,11 +45,17 @@ THREAD_RANGE = (1, 16)
 """What `auto` may choose: chunk MiB and thread counts are clamped into these."""
 TIE = 0.05
 """Relative step cost below which two candidates count as equally fast (the disk's noise): what
-a smaller chunk may cost to be preferred, small enough that the choice stays within about 0.9
-of the fastest candidate, and so of the raw disk (`python -m benchmarks.tiers`)."""
+a cheaper candidate may cost to be preferred, small enough that the choice stays within about
+0.9 of the fastest candidate, and so of the raw disk (`python -m benchmarks.tiers`)."""
+CPU = "cpu_s_per_gb"
+"""A candidate's CPU-seconds per GB written plus per GB read (every thread of the process):
+among equally fast candidates the one that leaves the most CPU to training. Larger chunks
+make fewer files, system calls and tasks per byte: 64 MiB chunks cost 0.04-0.05 against
+0.06-0.07 for 16 MiB here."""
 
 Measured = dict[str, dict[str, float]]
-"""GB/s by candidate label (`"16x4"`) and kind (`"write"`, `"read"`)."""
+"""GB/s by candidate label (`"16x4"`) and kind (`"write"`, `"read"`), and the candidate's
+``CPU`` where it was measured."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,8 @@ def _check_measured(measured: Any) -> None:
         parse_label(name)
         if not all(float(bandwidth[kind]) > 0 for kind in ("write", "read")):
             raise ValueError(f"candidate {name}: bandwidth must be positive")
+        if float(bandwidth.get(CPU, 0.0)) < 0:
+            raise ValueError(f"candidate {name}: {CPU} must not be negative")
 
 
 def record(path: str | os.PathLike[str], measured: Measured, source: str) -> None:
@@ -145,8 +153,10 @@ def record(path: str | os.PathLike[str], measured: Measured, source: str) -> Non
 
 def choose(measured: Measured, max_chunk_mb: int = CHUNK_RANGE[1]) -> tuple[int, int] | None:
     """The candidate to run: the fastest for a step (which reads and writes alike, so pays
-    1/write + 1/read per byte), or a smaller chunk, then fewer threads, within `TIE` of it.
-    None if no candidate's chunk is within ``max_chunk_mb``."""
+    1/write + 1/read per byte), or, within `TIE` of it, the one with the least CPU per byte
+    (where every such candidate's was measured; a profile written before it was is read as
+    it was chosen then), then a smaller chunk, then fewer threads. None if no candidate's
+    chunk is within ``max_chunk_mb``."""
     cost = {
         parse_label(name): 1 / bw["write"] + 1 / bw["read"]
         for name, bw in measured.items()
@@ -155,7 +165,12 @@ def choose(measured: Measured, max_chunk_mb: int = CHUNK_RANGE[1]) -> tuple[int,
     if not cost:
         return None
     fastest = min(cost.values())
-    chunk, threads = min((c for c in cost if cost[c] <= fastest * (1 + TIE)), key=lambda c: c)
+    tied = [c for c in cost if cost[c] <= fastest * (1 + TIE)]
+    cpu = {c: measured[label(*c)].get(CPU) for c in tied}
+    if all(value is not None for value in cpu.values()):
+        chunk, threads = min(tied, key=lambda c: (cpu[c], c))
+    else:
+        chunk, threads = min(tied)
     return _clamp(chunk, *CHUNK_RANGE), _clamp(threads, *THREAD_RANGE)
 
 
@@ -196,7 +211,7 @@ def _probe_one(root: Path, data: torch.Tensor, chunk_mb: int, threads: int, dire
         store = ShardStore.create(root, {}, runner=runner, checksum=True, direct_io=direct_io)
         store.create_array("probe", data.numel(), min(chunk_mb * MIB, nbytes) // 4, torch.float32)
         store.sync()
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         store.write_async("probe", 0, data)
         store.sync()
         write = time.perf_counter() - start
@@ -204,7 +219,8 @@ def _probe_one(root: Path, data: torch.Tensor, chunk_mb: int, threads: int, dire
         start = time.perf_counter()
         store.read_async("probe", 0, data).result()
         read = time.perf_counter() - start
-    return {"write": nbytes / write / 1e9, "read": nbytes / read / 1e9}
+        cpu = time.process_time() - cpu
+    return {"write": nbytes / write / 1e9, "read": nbytes / read / 1e9, CPU: cpu / (nbytes / 1e9)}
 
 
 def _evict(folder: Path) -> None:

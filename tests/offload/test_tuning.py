@@ -50,7 +50,9 @@ def test_without_measuring_an_unknown_disk_gets_the_defaults(tmp_path, probes) -
     assert "not measured yet" in settings.why
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"version": 1, "disks": {"x": {"measured": {"16x4": {"write": -1}}}}}', "[]"])
+@pytest.mark.parametrize(
+    "content", ["{not json", '{"version": 1, "disks": {"x": {"measured": {"16x4": {"write": -1}}}}}', "[]"]
+)
 def test_a_corrupt_profile_is_ignored_with_a_warning_and_measured_again(tmp_path, probes, caplog, content) -> None:
     profile_path().parent.mkdir(parents=True)
     profile_path().write_text(content)
@@ -71,6 +73,18 @@ def test_a_smaller_chunk_is_preferred_only_within_the_noise() -> None:
     assert choose(close) == (16, 4)
 
 
+def test_among_equally_fast_candidates_the_one_costing_least_cpu_wins() -> None:
+    tied = {
+        "16x4": {"write": 2.0, "read": 2.0, "cpu_s_per_gb": 0.13},
+        "64x8": {"write": 2.04, "read": 2.04, "cpu_s_per_gb": 0.09},  # within the noise, cheaper
+        "64x4": {"write": 1.8, "read": 1.8, "cpu_s_per_gb": 0.08},  # cheapest, but 11% slower
+    }
+    assert choose(tied) == (64, 8)
+    unmeasured = {name: dict(bw) for name, bw in tied.items()}
+    del unmeasured["64x8"]["cpu_s_per_gb"]  # a profile from before CPU was measured: as chosen then
+    assert choose(unmeasured) == (16, 4)
+
+
 def test_auto_stays_within_the_chunk_limit(tmp_path, probes) -> None:
     settings = auto_settings(tmp_path, max_chunk_mb=8)
     assert (settings.chunk_mb, settings.io_threads) == (8, 4)
@@ -84,7 +98,7 @@ def test_a_real_probe_measures_and_cleans_up(tmp_path, monkeypatch) -> None:
     store.mkdir()
     measured = probe(store, [(1, 1), (2, 2)], nbytes=4 << 20)
     assert set(measured) == {"1x1", "2x2"}
-    assert all(bw["write"] > 0 and bw["read"] > 0 for bw in measured.values())
+    assert all(bw["write"] > 0 and bw["read"] > 0 and bw["cpu_s_per_gb"] > 0 for bw in measured.values())
     assert not list(store.iterdir()), "nothing written inside the store's folder"
     assert not list(tmp_path.glob(".io-probe-*")), "the probe, beside it, is removed"
     chunk, threads = choose(measured)
