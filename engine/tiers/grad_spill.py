@@ -16,8 +16,8 @@ as the optimizer state's, through the run's one I/O runner.
 
 With ``offload.grad_spill_dtype = "bf16"`` a shard is stored as bfloat16, rounded
 stochastically (``engine.zero.moments.round_stochastic_``) with a seed of the step and the
-unit (``SPILL_SEED``), so a resumed run rounds alike; it is widened back to fp32 as it is
-handed to the update. Disk, I/O and the pool then take 2 bytes a parameter, not 4.
+unit (``SPILL_SEED``), so a resumed run rounds alike; the update widens it back to fp32 in its
+own pass (``engine.zero.optim.ShardAdamW.update``, ``engine.zero.compact_update``). Disk, I/O and the pool then take 2 bytes a parameter, not 4.
 """
 
 from __future__ import annotations
@@ -118,9 +118,9 @@ class GradSpill:
         self.pipeline.drain()
 
     def write(self, unit: UnitLayout, grad: torch.Tensor, step: int) -> float:
-        """Copy the unit's final shard into a pool buffer and write it behind backward (the
-        caller frees ``grad`` at once: rounding to bf16 overwrites it), ``step`` the optimizer
-        steps taken so far (the rounding's seed); the seconds this waited for room in the pool."""
+        """Copy (or round) the unit's final shard into a pool buffer and write it behind backward
+        (the caller frees ``grad`` at once), ``step`` the optimizer steps taken so far (the
+        rounding's seed); the seconds this waited for room in the pool."""
         start = time.perf_counter()
         buf = self.pool.acquire(grad_bytes(unit, self.dtype))
         if self.dtype == torch.float32:

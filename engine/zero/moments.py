@@ -3,8 +3,8 @@
 ``fp32`` holds the master and both moments in fp32 (12 B/param), bit-exact with torch.
 ``bf16`` holds the moments in bfloat16 (8 B/param, a third less to store and move each
 step on the ``nvme`` tier); ``int8`` in 8-bit blocks (about 6 B/param, half;
-``engine.zero.quantize``). The update upcasts the moments to fp32, runs the same AdamW
-kernel, and rounds them back.
+``engine.zero.quantize``). The update widens the moments to fp32, runs AdamW with torch's
+arithmetic and rounds them back, in one compiled pass (``engine.zero.compact_update``).
 
 The master is fp32 unless ``optim.master_dtype = "bf16"`` (2 B/param fewer): the update widens
 it to fp32 too and rounds it back stochastically, so an update far below its ulp (lr times a
