@@ -29,7 +29,10 @@ PACKED = BLOCK + 4
 """Bytes per stored block: its codes, then its scale."""
 
 _LEVELS = {True: 127.0, False: 255.0}  # signed: codes -127..127; non-negative: 0..255
-_POWER = {True: 2.0, False: 4.0}  # value / absmax = (code / levels) ** power
+_POWER = {True: 2, False: 4}  # value / absmax = (code / levels) ** power
+_FULL_SCALE = {signed: _LEVELS[signed] ** _POWER[signed] for signed in (True, False)}
+"""``levels ** power``, worked out here: written in the update, a compiled kernel raises it
+again for every vector (``std::pow``, a fifth of the fused update's time)."""
 
 
 NOISE_PERIOD = 1 << 16
@@ -79,12 +82,11 @@ def blocks(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
     """The fp32 values (blocks x ``BLOCK``) that ``blocks`` hold."""
-    levels = _LEVELS[signed]
     if signed:
         code = codes.view(torch.int8).float()
-        return code * code.abs() * (scales / levels**2)  # sign * code**2
+        return code * code.abs() * (scales / _FULL_SCALE[signed])  # sign * code**2
     code = codes.float()
-    return (code * code) * (code * code) * (scales / levels**4)
+    return (code * code) * (code * code) * (scales / _FULL_SCALE[signed])
 
 
 def encode(rows: torch.Tensor, noise: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +96,7 @@ def encode(rows: torch.Tensor, noise: torch.Tensor, signed: bool) -> tuple[torch
     levels = _LEVELS[signed]
     magnitude = rows.abs() if signed else rows
     absmax = magnitude.amax(dim=1, keepdim=True)
-    factor = torch.where(absmax > 0, levels ** _POWER[signed] / absmax, 0.0)
+    factor = torch.where(absmax > 0, _FULL_SCALE[signed] / absmax, 0.0)
     companded = (magnitude * factor).sqrt()  # code = levels * (x / absmax) ** (1/p)
     if signed:
         code = (companded + noise).floor().clamp(max=levels).copysign(rows)
