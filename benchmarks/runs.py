@@ -38,7 +38,7 @@ from engine.run.data import TokenBatches, load_tokens
 from engine.run.models.gpt import GPT
 from engine.run.train import meta_model, peak_rss_bytes
 from engine.runtime.device import SIM_ENV
-from engine.runtime.heap import return_freed_buffers
+from engine.runtime.heap import tune_heap
 from engine.tiers.store_io import settle_io
 from engine.zero.partition import ModelLayout, build_layout, find_units, max_chunk_numel, unit_parameters
 
@@ -276,7 +276,7 @@ def run_isolated(config: Config, schedule: Schedule) -> RunResult:
 def main() -> None:
     """The child side of `run_isolated`: a spec as JSON on stdin, the `RunResult` as one JSON line on stdout."""
     spec = json.load(sys.stdin)
-    return_freed_buffers()  # as `python -m engine train` does
+    tune_heap()  # as `python -m engine train` does
     result = run_engine(Config.from_dict(spec["config"]), Schedule(**spec["schedule"]))
     print(json.dumps(asdict(result)))
 

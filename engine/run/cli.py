@@ -178,10 +178,11 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     config = _load_config(args.config, extra)  # first: a bad config is reported before torch loads
-    from engine.run.train import train
-    from engine.runtime.heap import return_freed_buffers
+    from engine.runtime.heap import tune_heap
 
-    return_freed_buffers()  # before any model memory: host RSS is what is live, not what was
+    tune_heap()  # before torch allocates: host RSS is what is live, and fresh buffers come in huge pages
+    from engine.run.train import train
+
     group = None
     if args.plan == "auto":
         config, group = _auto_plan(config)

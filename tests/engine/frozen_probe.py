@@ -17,7 +17,7 @@ from torch import nn
 from engine.config import Config
 from engine.engine import Engine
 from engine.run.train import meta_model
-from engine.runtime.heap import return_freed_buffers
+from engine.runtime.heap import tune_heap
 from engine.runtime.rss import peak_rss_bytes
 
 VOCAB = 256
@@ -41,7 +41,7 @@ def frozen_model(config: Config) -> tuple[nn.Module, Callable[[dict[str, torch.T
 
 
 def main(tiers: dict) -> int:
-    return_freed_buffers()  # as python -m engine train does
+    tune_heap()  # as python -m engine train does
     torch.manual_seed(0)
     config = frozen_config(tiers)
     model, init = frozen_model(config)

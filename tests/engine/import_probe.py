@@ -17,14 +17,14 @@ import torch
 from engine.config import Config
 from engine.engine import Engine
 from engine.run.pretrained import pretrained_model
-from engine.runtime.heap import return_freed_buffers
+from engine.runtime.heap import tune_heap
 from engine.runtime.rss import peak_rss_bytes
 from engine.tiers.sizing import optimizer_buffer_bytes, param_pool_bytes, param_window_bytes
 from engine.tools.estimate import estimate, plan_of, run_shape
 
 
 def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
-    return_freed_buffers()  # as python -m engine train does
+    tune_heap()  # as python -m engine train does
     model, init = pretrained_model(folder, seq_len=32)
     settings = {
         "zero": {"stage": 3, "prefetch_mb": 8},
