@@ -230,9 +230,14 @@ class GradientShards:
         reduction.folded = True
 
     def _fold(self, unit: UnitLayout, reduced: torch.Tensor) -> None:
-        """Copy (first micro-batch) or add the reduced shard into the unit's accumulated one. A
-        copy is left in flight for ``ready``; an addition on another device needs the bytes
-        here first, so it waits for its copy into a staging shard."""
+        """Keep (``_keeps``) or copy the first micro-batch's reduced shard as the unit's
+        accumulated one, or add a later one into it. A copy is left in flight for ``ready``; an
+        addition on another device needs the bytes here first, so it waits for its copy into a
+        staging shard."""
+        if (self._first_micro_batch or not self._early) and self._keeps(unit, reduced):
+            self._charge_shard(unit)
+            self.shards[unit.name] = reduced
+            return
         target = self._shard(unit)
         if self._first_micro_batch or not self._early:
             copied = self._device.copy(target, reduced)  # ``reduced`` is held only while the copy reads it
@@ -258,10 +263,33 @@ class GradientShards:
         shard = self.shards.get(unit.name)
         if shard is None:
             shard = self._empty_shard(unit, f"the gradient shard of unit {unit.name!r}")
-            if self._shards_on_device:
-                self._budget.charge(grad_shard_bytes(unit), f"the gradient shard of unit {unit.name!r}")
+            self._charge_shard(unit)
             self.shards[unit.name] = shard
         return shard
+
+    def _charge_shard(self, unit: UnitLayout) -> None:
+        if self._shards_on_device:
+            self._budget.charge(grad_shard_bytes(unit), f"the gradient shard of unit {unit.name!r}")
+
+    def _keeps(self, unit: UnitLayout, reduced: torch.Tensor) -> bool:
+        """Whether the window's first reduced shard of the unit becomes its accumulated shard as
+        it is, sparing a copy of 4 bytes per parameter and a fresh shard: it is already where
+        shards are made by a plain allocation (the optimizer's device; or the host, where the
+        device is the host and nothing is pinned), and holds no more memory than a shard (one
+        rank, or a collective that made it apart from the bucket: not gloo's view of it)."""
+        if unit.name in self.shards:
+            return False
+        if self._shards_on_device:
+            home = self._shard_device
+        elif self._device.pinned is None:
+            home = torch.device("cpu")
+        else:
+            return False
+        return (
+            reduced.device == home
+            and reduced.dtype == torch.float32
+            and reduced.untyped_storage().nbytes() <= grad_shard_bytes(unit)
+        )
 
     def release_shard(self, unit_name: str) -> None:
         """The optimizer has used the unit's shard: free it until the next window."""

@@ -11,7 +11,7 @@ from torch import nn
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
-from engine.zero.grads import GradientShards, bucket_bytes
+from engine.zero.grads import GradientShards, bucket_bytes, grad_shard_bytes
 from engine.zero.partition import ModelLayout, build_layout, flatten_into
 
 
@@ -76,6 +76,22 @@ def test_shards_hold_the_summed_gradients_of_every_micro_batch(stage: int, count
     for unit, got in zip(layout.units, final, strict=True):
         torch.testing.assert_close(got, expected[unit.name], rtol=1e-6, atol=1e-6)
     assert all(p.grad is None for p in model.parameters()), "a hook drops each .grad once it is copied"
+    grads.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("count", [1, 3])
+def test_where_the_device_is_the_host_the_reduced_shard_is_kept_not_copied(stage: int, count: int) -> None:
+    model, _, _, layout, grads = shards(stage)
+    device = grads._device
+    device.take_copied_bytes()
+    torch.manual_seed(1)
+    micro_batches(grads, model, [torch.randn(5, 8) for _ in range(count)])
+    grads.final_shards()
+    copied = device.take_copied_bytes()
+    # Later micro-batches at stage 2 are added through the staging shard: one copy each.
+    added = sum(grad_shard_bytes(u) for u in layout.units) * (count - 1) if stage == 2 else 0
+    assert copied == added
     grads.close()
 
 
