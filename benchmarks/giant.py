@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from benchmarks.bandwidth import raw_disk_gbps
 from benchmarks.report import Row, base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import disk_usage
-from engine.config import Config
+from engine.config import Config, ZeroConfig
 from engine.run.models.gpt import Block, GPTConfig
 from engine.runtime.sizes import GIB, MIB
 from engine.tiers.store_io import settle_io
@@ -68,6 +68,7 @@ def run_config(args: argparse.Namespace, store: Path, metrics: Path) -> list[str
         "offload.param": "nvme",
         "offload.nvme_path": store,
         "offload.buffer_mb": args.buffer_mb,
+        "zero.prefetch_mb": args.prefetch_mb,
         "zero.unit_classes": '["Linear"]',  # finer than blocks: a unit's state must fit half the buffer
         "store.mode": args.mode,
         "model.params": args.params,
@@ -228,6 +229,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per step (default 1)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--buffer-mb", type=int, default=1024, help="offload.buffer_mb (default 1024)")
+    parser.add_argument(
+        "--prefetch-mb",
+        type=float,
+        default=ZeroConfig.prefetch_mb,
+        help=f"zero.prefetch_mb: parameters read ahead (default {ZeroConfig.prefetch_mb:g})",
+    )
     parser.add_argument(
         "--grad-clip", type=float, default=0.0, help="optim.grad_clip (default 0: each unit updated in backward)"
     )
