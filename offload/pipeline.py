@@ -90,6 +90,7 @@ class Pipeline(Generic[T]):
         self._pending_writes = 0
         self._pending_write_bytes = 0
         self._write_errors: list[BaseException] = []
+        self._writes_settled = 0  # counts write-backs whose buffer went back to the pool
 
     def read_ahead(
         self,
@@ -206,8 +207,14 @@ class Pipeline(Generic[T]):
         with self._cond:
             self._pending_writes -= 1
             self._pending_write_bytes -= buf.nbytes
+            self._writes_settled += 1
             if error is not None:
                 self._write_errors.append(error)
+            self._cond.notify_all()
+
+    def _wake(self, _: Future[Any]) -> None:
+        """A load ended: wake a consumer waiting for it (``ReadAhead._await``)."""
+        with self._cond:
             self._cond.notify_all()
 
     def _add_read_wait(self, seconds: float) -> None:
@@ -234,7 +241,7 @@ class ReadAhead(Generic[T]):
             head = prefetch.queue[0]
             start = time.perf_counter()
             try:
-                head.future.result()
+                self._await(head)
             finally:
                 pipeline._add_read_wait(time.perf_counter() - start)
             prefetch.pop()
@@ -248,6 +255,23 @@ class ReadAhead(Generic[T]):
             self.close()
             raise
         return head.item, head.buf
+
+    def _await(self, head: _Load) -> None:
+        """Wait for the head load, raising its failure. Meanwhile, each time a write-back gives
+        its buffer back, issue the loads the pool had no room for: else they would wait for the
+        consumer's next item, and the disk would read and write by turns instead of at once
+        (measured at 10B parameters: the update after clipping moved 1.4 GB/s where the disk
+        reads 2.4 and writes 2.0)."""
+        pipeline = self._pipeline
+        with pipeline._cond:
+            seen = pipeline._writes_settled
+        while not head.future.done():
+            self._prefetch.fill(block=False)
+            with pipeline._cond:
+                while not head.future.done() and pipeline._writes_settled == seen:
+                    pipeline._cond.wait()
+                seen = pipeline._writes_settled
+        head.future.result()
 
     def close(self) -> None:
         self._prefetch.abandon()
@@ -318,6 +342,7 @@ class _Prefetch(Generic[T]):
             except BaseException:
                 pipeline.pool.release(buf)
                 raise
+            future.add_done_callback(pipeline._wake)
             self._next = None
             self.queue.append(_Load(item, buf, size, future))
             self._outstanding += size

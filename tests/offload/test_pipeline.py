@@ -295,6 +295,44 @@ def test_loads_overlap_with_compute(any_runner):
     assert stats.hidden_s > 0.5 * delay * (count - 1)
 
 
+def test_a_load_the_pool_had_no_room_for_starts_as_soon_as_a_write_back_frees_it():
+    """The consumer holds item 0 and writes it back while item 1 is still loading, and the pool
+    has no room for item 2: once 0's write lands, 2's load starts at once, while the consumer
+    still waits for 1 (not when 1 is handed over), so the disk reads while it writes."""
+    runner = ThreadRunner(threads=4)
+    pipe = Pipeline(BufferPool(8 * KIB), runner, window_bytes=8 * KIB)
+    save_may_end, load_1_may_end, load_2_started = threading.Event(), threading.Event(), threading.Event()
+
+    def load(item: int, buf: HostBuffer) -> None:
+        if item == 1:
+            assert load_1_may_end.wait(10)
+        if item == 2:
+            load_2_started.set()
+
+    def save(item: int, buf: HostBuffer) -> None:
+        assert save_may_end.wait(10)
+
+    got = []
+
+    def consume() -> None:
+        for item, buf in pipe.read_ahead(range(3), nbytes=lambda i: 4 * KIB, load=load):
+            got.append(item)
+            pipe.write_back(item, buf, save)
+            save_may_end.set()  # item 0's write lands while the consumer waits for item 1
+        pipe.drain()
+
+    consumer = threading.Thread(target=consume)
+    try:
+        consumer.start()
+        started_early = load_2_started.wait(5)
+    finally:
+        load_1_may_end.set()
+        consumer.join(10)
+        runner.close()
+    assert started_early, "item 2's load waited for item 1 to be handed over"
+    assert got == [0, 1, 2]
+
+
 def test_window_must_be_positive(runner):
     with pytest.raises(ValueError, match="window_bytes must be positive"):
         Pipeline(BufferPool(KIB), runner, window_bytes=0)
