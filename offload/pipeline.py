@@ -258,10 +258,8 @@ class ReadAhead(Generic[T]):
 
     def _await(self, head: _Load) -> None:
         """Wait for the head load, raising its failure. Meanwhile, each time a write-back gives
-        its buffer back, issue the loads the pool had no room for: else they would wait for the
-        consumer's next item, and the disk would read and write by turns instead of at once
-        (measured at 10B parameters: the update after clipping moved 1.4 GB/s where the disk
-        reads 2.4 and writes 2.0)."""
+        its buffer back, issue the loads the pool had no room for, so that the disk has reads
+        queued while it writes; else they would wait for the consumer's next item."""
         pipeline = self._pipeline
         with pipeline._cond:
             seen = pipeline._writes_settled

@@ -32,7 +32,7 @@ _LEVELS = {True: 127.0, False: 255.0}  # signed: codes -127..127; non-negative: 
 _POWER = {True: 2, False: 4}  # value / absmax = (code / levels) ** power
 _FULL_SCALE = {signed: _LEVELS[signed] ** _POWER[signed] for signed in (True, False)}
 """``levels ** power``, worked out here: written in the update, a compiled kernel raises it
-again for every vector (``std::pow``, a fifth of the fused update's time)."""
+again for every vector (``std::pow``, half the fused update's time)."""
 
 
 NOISE_PERIOD = 1 << 16
