@@ -5,6 +5,8 @@ uncompiled."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -73,3 +75,33 @@ def test_an_update_that_cannot_be_compiled_warns_once_and_runs_uncompiled(monkey
     run(expected)
     run(expected)
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=True))
+
+
+def test_the_compiled_update_lets_other_threads_run() -> None:
+    """The I/O threads must go on while a unit is updated: the kernel's caller releases the GIL
+    (``engine.runtime.compiled.HOST_CALLER``). A thread that only needs the GIL to tick must
+    tick during the middle half of a large update."""
+    numel = 1 << 24
+    master, grad = torch.randn(numel).to(torch.bfloat16), torch.randn(numel)
+    moments = (torch.zeros(packed_bytes(numel), dtype=torch.uint8), torch.zeros(packed_bytes(numel), dtype=torch.uint8))
+    config = OptimConfig()
+    compact_step(config, master, grad, moments, 1, 1e-3, (1, 2, 3))  # compiled here, before the clock
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.0005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    compact_step(config, master, grad, moments, 2, 1e-3, (1, 2, 3))
+    end = time.perf_counter()
+    done.set()
+    ticker.join()
+    quarter = (end - start) / 4
+    inside = [t for t in ticks if start + quarter < t < end - quarter]
+    assert len(inside) >= 3, f"{len(inside)} ticks in the middle of a {1e3 * (end - start):.0f} ms update"
