@@ -17,7 +17,8 @@ as the optimizer state's, through the run's one I/O runner.
 With ``offload.grad_spill_dtype = "bf16"`` a shard is stored as bfloat16, rounded
 stochastically (``engine.zero.moments.round_stochastic_``) with a seed of the step and the
 unit (``SPILL_SEED``), so a resumed run rounds alike; the update widens it back to fp32 in its
-own pass (``engine.zero.optim.ShardAdamW.update``, ``engine.zero.compact_update``). Disk, I/O and the pool then take 2 bytes a parameter, not 4.
+own pass (``engine.zero.optim.ShardAdamW.update``, ``engine.zero.compact_update``). Disk, I/O
+and the pool then take 2 bytes a parameter, not 4.
 """
 
 from __future__ import annotations
