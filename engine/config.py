@@ -88,7 +88,7 @@ class OffloadConfig:
     stage 1 reduces every gradient at the step)."""
     grad_spill_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the spilled gradient shards on disk: ``bf16`` halves their disk and I/O (2 B/param
-    each way), rounded stochastically with seeds of the step and the unit, and widened back to
+    each way), rounded to nearest (a gradient is used once: no error piles up), and widened back to
     fp32 for the update; the norm and the overflow check are taken from the fp32 shard first."""
     pinned_mb: float | Literal["auto"] = "auto"
     """Host memory, in MiB, that copies between host and device go through: one bounded pool

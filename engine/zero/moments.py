@@ -30,11 +30,10 @@ from typing import Any
 import torch
 
 from engine.config import OptimConfig
-from engine.runtime.compiled import LazyCompiled
 from engine.zero.compact_update import compact_step
 from engine.zero.optim import ShardAdamW
 from engine.zero.precision import DTYPES
-from engine.zero.quantize import BLOCK, PACKED, noise_table, packed_bytes, periodic, round_bits
+from engine.zero.quantize import BLOCK, PACKED, packed_bytes
 from offload import array_bytes, shard_bytes
 from offload.shards import ShardedUnit
 
@@ -53,9 +52,6 @@ MASTER_DTYPE_ATTR = "master_dtype"
 MASTER_SEED = 1 << 62
 """Offset of the master's rounding seeds, ``MASTER_SEED + step``: apart from the moments'
 ``2 * step + i`` at any step count a run reaches."""
-SPILL_SEED = 1 << 61
-"""Offset of the spilled gradients' rounding seeds (``offload.grad_spill_dtype = "bf16"``),
-``SPILL_SEED + step * units + unit``: apart from the moments' and the masters' streams."""
 
 
 @dataclass(frozen=True)
@@ -169,19 +165,6 @@ class StateForm:
 
 
 FP32_STATE = StateForm()
-
-
-def _round_into(out: torch.Tensor, value: torch.Tensor, table: torch.Tensor) -> None:
-    out.copy_(round_bits(value, periodic(table, value.numel())))
-
-
-_ROUND = LazyCompiled(_round_into, "rounding to bfloat16")
-
-
-def round_stochastic_(out: torch.Tensor, value: torch.Tensor, seed: int) -> None:
-    """``out`` (bfloat16) = ``value`` (fp32) rounded stochastically (``engine.zero.quantize.round_bits``)
-    with the noise of ``seed``, in one compiled pass (``engine.runtime.compiled``)."""
-    _ROUND(out, value, noise_table(seed, True, value.device))
 
 
 class CompactAdamW(ShardAdamW):

@@ -100,7 +100,7 @@ class StepMath:
         if self._takes_norm:
             pieces = self._unit_pieces(unit, grad)
             self._piece_norms.update(zip(pieces, piece_norms(list(pieces.values())), strict=True))
-        self._update.wait_s += self.spill.write(unit, grad, int(self._counters[unit.name].item()))
+        self._update.wait_s += self.spill.write(unit, grad)
         self._grads.release_shard(unit_name)
 
     def optimizer_steps(self) -> int:

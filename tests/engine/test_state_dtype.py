@@ -13,8 +13,7 @@ from engine.engine import Engine
 from engine.tools.consolidate import consolidate
 from engine.tools.estimate import plan_of, run_shape, store_bytes
 from engine.tools.inspect import format_report, inspect_store
-from engine.zero.moments import round_stochastic_
-from engine.zero.quantize import BLOCK, decode, encode, noise_table, periodic
+from engine.zero.quantize import BLOCK, decode, encode, noise_table, periodic, round_bits
 from tests.engine.test_crafted_stores import snapshot
 from tests.engine.test_resume import nvme, params, run
 from tests.training import config, tiny_gpt, train_engine, train_reference
@@ -55,13 +54,15 @@ def test_compact_moments_track_torch_adamw(tmp_path, stage: int, tier: str, stat
 
 def test_stochastic_rounding_is_exact_unbiased_and_seeded() -> None:
     value = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way between two bfloat16 values
-    out = torch.empty(value.shape, dtype=torch.bfloat16)
-    round_stochastic_(out, value.clone(), seed=3)
+
+    def rounded(seed: int) -> torch.Tensor:
+        return round_bits(value, periodic(noise_table(seed, True, value.device), value.numel()))
+
+    out = rounded(3)
     assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert abs(out.float().mean().item() - (1.0 + 2**-10)) < 2**-7 * 0.01
-    again = torch.empty_like(out)
-    round_stochastic_(again, value.clone(), seed=3)
-    assert torch.equal(out, again)
+    assert torch.equal(out, rounded(3))
+    assert not torch.equal(out, rounded(4))
 
 
 @pytest.mark.parametrize("signed", [True, False])
