@@ -42,6 +42,8 @@ from engine.tiers.store_io import StoreIO, settle_for_ranks
 from engine.zero.divergence import DivergedError, diverged_message
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.optim import lr_factor
+from engine.zero.order import TracedOrder, adopt_orders, saved_orders
+from engine.zero.params import ShardedParams
 from engine.zero.partition import UnitLayout, unit_needs
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
 from engine.zero.precision import LossScaler, compute_dtype
@@ -196,6 +198,7 @@ class Engine:
         if "loss_scale" in record:
             self.scaler.load_state_dict(record["loss_scale"])
         self.client_state = record.get("client_state", {})
+        adopt_orders(record.get("unit_order", {}), {u.name for u in self.layout.units}, **self._orders())
         states = record.get("rng", [])
         if len(states) == self.comm.world_size:
             rng.restore(states[self.comm.rank])
@@ -215,7 +218,13 @@ class Engine:
             "client_state": copy.deepcopy(self.client_state),  # a deferred commit writes it later
             "rng": self.comm.all_gather_object(rng.capture()),
             "world_size": self.comm.world_size,
+            "unit_order": saved_orders(**self._orders()),
         }
+
+    def _orders(self) -> dict[str, TracedOrder]:
+        """The traced orders a committed step keeps: the gradients', at stage 3 the gathers' too."""
+        params = {"params": self.params.order} if isinstance(self.params, ShardedParams) else {}
+        return {"grads": self.grads.order, **params}
 
     def _lock_store(self, create: bool) -> None:
         """Take the writer lock of the store at ``offload.nvme_path`` once, before anything writes

@@ -44,6 +44,9 @@ def check_step_record(record: dict[str, Any], where: str) -> None:
         raise bad("loss_scale", f"holds {scale!r}, not a positive finite scale and a count of clean steps")
     if not isinstance(record.get("client_state", {}), dict):
         raise bad("client_state", f"holds a JSON {type(record['client_state']).__name__}, not an object")
+    orders = record.get("unit_order", {})
+    if not (isinstance(orders, dict) and all(_names(names) for names in orders.values())):
+        raise bad("unit_order", f"holds {orders!r}, not lists of unit names by what they order")
     states = record.get("rng", [])
     if not isinstance(states, list):
         raise bad("rng", "is not a list of per-rank random states")
@@ -52,3 +55,7 @@ def check_step_record(record: dict[str, Any], where: str) -> None:
             rng.check(state)
         except ValueError as err:
             raise bad("rng", f"entry {rank} is {err}") from None
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(name, str) for name in value)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from engine.engine import Engine
 from engine.run.models.gpt import GPT, GPTConfig
 from engine.runtime.budget import DeviceMemoryError
+from tests.engine.test_resume import run
 from tests.ranks import run_ranks
 from tests.training import (
     SEQ_LEN,
@@ -81,6 +84,25 @@ def test_prefetch_hits_after_the_first_step_and_changes_nothing(param: str, tmp_
     # Only the first unit of each step is not foreseen: nothing is fetched across an update.
     assert min(hit_rates[1:]) >= 0.9, f"prefetch from the traced order should hit: {hit_rates}"
     assert all(torch.equal(without[k], with_prefetch[k]) for k in without)
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_resumed_run_prefetches_its_first_step_from_the_saved_order(saved: bool, tmp_path) -> None:
+    """The committed step keeps the traced orders; a store whose record lacks them (an older
+    one) resumes as before, every unit of its first step fetched on demand."""
+    cfg = config(**stage3(tmp_path, "nvme", "nvme"))
+    eng = Engine(tiny(), cfg, total_steps=STEPS)
+    run(eng, 2)
+    eng.close()
+    if not saved:
+        record = json.loads((tmp_path / "store" / "COMMITTED").read_text())
+        assert set(record.pop("unit_order")) == {"params", "grads"}
+        (tmp_path / "store" / "COMMITTED").write_text(json.dumps(record))
+    resumed = Engine.resume(tiny(), cfg, total_steps=STEPS)
+    run(resumed, 1)
+    hit_rate = resumed.last_step_stats.prefetch_hit_rate
+    resumed.close()
+    assert hit_rate >= 0.9 if saved else hit_rate < 0.5, hit_rate
 
 
 class SkipsABlock(GPT):
