@@ -43,7 +43,6 @@ from engine.zero.divergence import DivergedError, diverged_message
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.optim import lr_factor
 from engine.zero.order import TracedOrder, adopt_orders, saved_orders
-from engine.zero.params import ShardedParams
 from engine.zero.partition import UnitLayout, unit_needs
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
 from engine.zero.precision import LossScaler, compute_dtype
@@ -223,8 +222,8 @@ class Engine:
 
     def _orders(self) -> dict[str, TracedOrder]:
         """The traced orders a committed step keeps: the gradients', at stage 3 the gathers' too."""
-        params = {"params": self.params.order} if isinstance(self.params, ShardedParams) else {}
-        return {"grads": self.grads.order, **params}
+        orders = {"grads": self.grads.order, "params": self.params.order}
+        return {name: order for name, order in orders.items() if order is not None}
 
     def _lock_store(self, create: bool) -> None:
         """Take the writer lock of the store at ``offload.nvme_path`` once, before anything writes

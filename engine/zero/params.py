@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 class ReplicatedParams:
     """Stage 1/2: full compute-dtype parameters on every rank, refreshed by all-gather."""
 
+    order = None  # every unit stays gathered: there is no order of gathers to predict
+
     def __init__(self, layout: ModelLayout, comm: Comm, budget: DeviceBudget, device: Device):
         self._layout, self._comm, self._budget, self._device = layout, comm, budget, device
         self._flats: dict[str, torch.Tensor] = {}
@@ -455,8 +457,6 @@ class ShardedParams:
                 yield unit, fetch.wait()
             finally:
                 fetch.release()
-
-    # ------------------------------------------------------------ reports
 
     @property
     def state(self) -> dict[str, UnitState]:
