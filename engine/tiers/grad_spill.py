@@ -17,10 +17,10 @@ as the optimizer state's, through the run's one I/O runner.
 With ``offload.grad_spill_dtype = "bf16"`` a shard is stored as bfloat16, rounded to nearest
 as a bf16 reduction would leave it (FSDP2's ``reduce_dtype``): a gradient is used once, so
 rounding's error does not pile up as it would in a master or a moment, which round
-stochastically; on one rank with no accumulation the shard already holds bfloat16 values and
-nothing is rounded at all where it computes in bfloat16. The cast is a quarter of the stochastic rounding's time (0.13
-against 0.51 ns a parameter on 2 threads), spent inside backward. The update widens the shard
-back to fp32 in its own pass (``engine.zero.optim.ShardAdamW.update``,
+stochastically. On one rank computing in bfloat16 with no accumulation the shard already holds
+bfloat16 values, and nothing is rounded at all. The cast is a quarter of the stochastic
+rounding's time (0.13 against 0.51 ns a parameter on 2 threads), spent inside backward. The
+update widens the shard back to fp32 in its own pass (``engine.zero.optim.ShardAdamW.update``,
 ``engine.zero.compact_update``). Disk, I/O and the pool then take 2 bytes a parameter, not 4.
 """
 
@@ -119,8 +119,9 @@ class GradSpill:
         self.pipeline.drain()
 
     def write(self, unit: UnitLayout, grad: torch.Tensor) -> float:
-        """Copy (or round) the unit's final shard into a pool buffer and write it behind backward
-        (the caller frees ``grad`` at once); the seconds this waited for room in the pool."""
+        """Copy the unit's final shard into a pool buffer (cast to the spill's dtype) and write it
+        behind backward (the caller frees ``grad`` at once); the seconds this waited for room in
+        the pool."""
         start = time.perf_counter()
         buf = self.pool.acquire(grad_bytes(unit, self.dtype))
         self._view(unit, buf).copy_(grad)
