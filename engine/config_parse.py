@@ -29,7 +29,9 @@ def parse_override(item: str, root: type) -> tuple[str, str, Any]:
     """``section.key=value`` or ``key=value`` (key unique across the sections of ``root``) ->
     (section, key, value).
 
-    The value is parsed as TOML when it can be (numbers, booleans, arrays), else kept as a string.
+    The value is parsed as TOML when it can be (numbers, booleans, arrays), else kept as a string;
+    a string for a list-of-strings key is split at commas (``--lora.target_modules q_proj,v_proj``),
+    the form a shell passes without quoting.
     """
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like key=value (e.g. optim.lr=1e-3)")
@@ -45,14 +47,21 @@ def parse_override(item: str, root: type) -> tuple[str, str, Any]:
             raise ConfigError(
                 f"unknown config section {section!r} in {item!r}" + _did_you_mean(section, list(sections))
             )
-        return section, key, value
+        return section, key, _split_list(value, _hints(sections[section]).get(key))
     owners = [s for s, cls in sections.items() if dotted in _hints(cls)]
     if len(owners) == 1:
-        return owners[0], dotted, value
+        return owners[0], dotted, _split_list(value, _hints(sections[owners[0]])[dotted])
     if owners:
         raise ConfigError(f"key {dotted!r} is ambiguous: write one of {', '.join(f'{s}.{dotted}' for s in owners)}")
     every_key = [k for cls in sections.values() for k in _hints(cls)]
     raise ConfigError(f"unknown config key {dotted!r}" + _did_you_mean(dotted, every_key))
+
+
+def _split_list(value: Any, hint: Any) -> Any:
+    """``"a,b"`` -> ``["a", "b"]`` for a ``list[str]`` field (empty: ``[]``); any other value as it is."""
+    if isinstance(value, str) and typing.get_origin(hint) is list and typing.get_args(hint) == (str,):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
 
 
 def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
@@ -96,7 +105,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key} = {value!r}: expected a list")
+            raise ConfigError(f"{key} = {value!r}: expected {_list_forms(key, args[0])}")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -105,3 +114,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(f"{key} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
     return value
+
+
+def _list_forms(key: str, item: Any) -> str:
+    """What a list field takes, with the spellings that give one in a file and on the command line."""
+    if item is not str:
+        return f"a list of {getattr(item, '__name__', item)}"
+    return f'a list of strings: in a config file ["name1", "name2"], on the command line --{key} name1,name2'

@@ -93,7 +93,7 @@ class StoreLock:
                 f"(its offload.nvme_path)",
                 str(store_dir),
             )
-        store_dir.mkdir(parents=True, exist_ok=True)
+        _make_folder(store_dir, made)
         fd = os.open(store_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -119,6 +119,25 @@ class StoreLock:
     def release(self) -> None:
         """Drop the lock (idempotent)."""
         self._release()
+
+
+def _make_folder(store_dir: Path, made: list[Path]) -> None:
+    """Create ``store_dir`` and its missing parents ``made`` (deepest first). A failure is one
+    line naming the key to change, not a bare errno, and removes the parents it did create."""
+    try:
+        store_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # never made, or not ours to remove
+                continue
+        failed = f" ({err.filename})" if err.filename else ""
+        raise OSError(
+            err.errno,
+            f"cannot create the store folder {store_dir} for offload.nvme_path: {err.strerror or err}{failed}; "
+            f"choose a folder on a writable local disk",
+        ) from err
 
 
 def _release(store_dir: Path, fd: int, made: list[Path]) -> None:

@@ -112,8 +112,10 @@ def find_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[
     """The unit modules in execution-friendly (definition) order, root last.
 
     ``unit_classes`` names module classes that form units; without it every entry of
-    every ``nn.ModuleList`` does. Units do not nest: the outermost match wins.
+    every ``nn.ModuleList`` does. Units do not nest: the outermost match wins. A name no
+    module of the model has is refused (``check_unit_classes``).
     """
+    check_unit_classes(model, unit_classes or [])
     units: list[tuple[str, nn.Module]] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -132,6 +134,24 @@ def find_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[
     visit("", model)
     units.append((ROOT_UNIT, model))
     return units
+
+
+def check_unit_classes(model: nn.Module, unit_classes: list[str], shown: int = 12) -> None:
+    """Refuse a name in ``unit_classes`` that no module holding parameters is: it would make
+    no unit, silently, and a later resume would blame the store for the layout it changes."""
+    if not unit_classes:
+        return
+    with_params = sorted({type(m).__name__ for m in model.modules() if any(True for _ in m.parameters())})
+    every = {type(m).__name__ for m in model.modules()}
+    for name in unit_classes:
+        if name in with_params:
+            continue
+        what = "whose modules hold no parameters" if name in every else "which no module of this model is"
+        listed = ", ".join(with_params[:shown]) + (", ..." if len(with_params) > shown else "")
+        raise ValueError(
+            f"zero.unit_classes names {name!r}, {what}: its module classes are {listed} (choose among them, "
+            f"or leave zero.unit_classes empty for every entry of every nn.ModuleList)"
+        )
 
 
 def unit_parameters(

@@ -54,6 +54,33 @@ def test_bad_values_are_named_with_the_fix(raw: dict, overrides: list[str], mess
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "override",
+    ["lora.target_modules=q_proj,v_proj", "target_modules=q_proj, v_proj", 'lora.target_modules=["q_proj", "v_proj"]'],
+)
+def test_a_list_of_strings_on_the_command_line_is_comma_separated_or_a_list(override: str) -> None:
+    assert Config.from_dict({}, [override]).lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_every_list_of_strings_splits_at_commas_and_nvme_path_stays_a_string() -> None:
+    config = Config.from_dict({}, ["zero.unit_classes=Block", "offload.nvme_path=/a/s,/b/s"])
+    assert config.zero.unit_classes == ["Block"]
+    assert Config.from_dict({}, ["zero.unit_classes="]).zero.unit_classes == [], "empty: every ModuleList entry"
+    assert config.offload.nvme_path == "/a/s,/b/s" and config.offload.nvme_paths == ["/a/s", "/b/s"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "overrides"), [({}, ["lora.target_modules=3"]), ({"lora": {"target_modules": "q_proj"}}, [])]
+)
+def test_a_value_that_is_no_list_of_strings_names_the_forms_that_are(raw: dict, overrides: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict(raw, overrides)
+    assert str(err.value).endswith(
+        ': expected a list of strings: in a config file ["name1", "name2"], '
+        "on the command line --lora.target_modules name1,name2"
+    )
+
+
 def test_unreadable_files(tmp_path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         Config.load(tmp_path / "missing.toml")

@@ -33,7 +33,7 @@ def one_unit(root: Path, mode: str = "generations") -> Config:
     """The store at ``root/store``, every parameter in the root unit (3 arrays a generation)."""
     root.mkdir(parents=True, exist_ok=True)
     return config(
-        zero={"unit_classes": ["NoSuchModule"]},
+        zero={"unit_classes": ["GPT"]},
         offload={"optimizer": "nvme", "nvme_path": str(root / "store")},
         store={"mode": mode},
     )

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.zero.partition import ALIGN_ELEMS, build_layout
+from engine.zero.partition import ALIGN_ELEMS, ROOT_UNIT, build_layout, find_units
+from tests.training import config, tiny_gpt
 
 MAX_CHUNK = 1 << 18
 
@@ -34,3 +35,48 @@ def test_a_shard_just_over_the_maximum_is_two_half_chunks_not_twice_its_size() -
     unit = layout_of(MAX_CHUNK + ALIGN_ELEMS, world_size=1)
     assert unit.chunk_numel == MAX_CHUNK // 2 + ALIGN_ELEMS
     assert unit.shard_numel == MAX_CHUNK + 2 * ALIGN_ELEMS
+
+
+GPT_CLASSES = "Block, CausalSelfAttention, Embedding, GPT, LayerNorm, Linear, MLP, ModuleList"
+
+
+def test_a_unit_class_the_model_lacks_is_refused_naming_the_ones_it_has() -> None:
+    """Else it makes no unit, silently, and a resume blames the store for the layout."""
+    with pytest.raises(ValueError) as err:
+        find_units(tiny_gpt(), ["Block", "Nope"])
+    assert str(err.value) == (
+        f"zero.unit_classes names 'Nope', which no module of this model is: its module classes are {GPT_CLASSES} "
+        "(choose among them, or leave zero.unit_classes empty for every entry of every nn.ModuleList)"
+    )
+    assert "\n" not in str(err.value)
+
+
+def test_unit_classes_the_model_has_are_taken() -> None:
+    model = tiny_gpt()
+    blocks = [name for name, _ in find_units(model, ["Block"]) if name != ROOT_UNIT]
+    assert blocks == [f"blocks.{i}" for i in range(len(blocks))] and blocks
+    assert [name for name, _ in find_units(model, ["GPT"])] == [ROOT_UNIT], "the model itself: one unit"
+    assert len(find_units(model, [])) == len(blocks) + 1
+
+
+def test_a_unit_class_without_parameters_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with pytest.raises(ValueError, match="names 'ReLU', whose modules hold no parameters: its module classes are "):
+        find_units(model, ["ReLU"])
+
+
+def test_a_long_list_of_module_classes_is_cut_short() -> None:
+    kinds = [nn.Linear(2, 2), nn.Conv1d(2, 2, 1), nn.Conv2d(2, 2, 1), nn.Conv3d(2, 2, 1), nn.LayerNorm(2)]
+    kinds += [nn.BatchNorm1d(2), nn.GroupNorm(1, 2), nn.Embedding(2, 2), nn.GRU(2, 2), nn.LSTM(2, 2)]
+    kinds += [nn.RNN(2, 2), nn.Bilinear(2, 2, 2), nn.PReLU(), nn.ConvTranspose1d(2, 2, 1)]
+    with pytest.raises(ValueError) as err:
+        find_units(nn.Sequential(*kinds), ["Nope"])
+    listed = str(err.value).split("its module classes are ")[1].split(" (choose")[0].split(", ")
+    assert len(listed) == 13 and listed[-1] == "..." and listed[:-1] == sorted(listed[:-1])
+
+
+def test_the_estimate_refuses_a_unit_class_the_model_lacks_too() -> None:
+    from engine.tools.estimate import run_shape
+
+    with pytest.raises(ValueError, match=r"zero.unit_classes names 'Nope', which no module of this model is"):
+        run_shape(config(zero={"unit_classes": ["Nope"]}), world_size=1)

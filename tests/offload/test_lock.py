@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -75,3 +76,34 @@ def test_reading_needs_the_store_to_exist(tmp_path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="is a file, not a folder"):
         StoreLock.acquire(tmp_path / "file")
+
+
+def test_a_folder_that_cannot_be_made_is_one_line_naming_the_key(tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError) as err:
+        StoreLock.acquire(tmp_path / "file" / "store")
+    assert err.value.errno == errno.ENOTDIR
+    assert str(err.value) == (
+        f"[Errno {errno.ENOTDIR}] cannot create the store folder {tmp_path / 'file' / 'store'} for offload.nvme_path: "
+        f"Not a directory ({tmp_path / 'file' / 'store'}); choose a folder on a writable local disk"
+    )
+
+
+def test_parents_made_before_a_failure_are_removed(tmp_path) -> None:
+    store = tmp_path / "runs" / ("n" * 300) / "store"  # "runs" can be made, a 300-byte name cannot
+    with pytest.raises(OSError, match=r"cannot create the store folder .* for offload.nvme_path: File name too long"):
+        StoreLock.acquire(store)
+    assert list(tmp_path.iterdir()) == [], "no trace of the refused store"
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.ismount("/proc"), reason="as root, only a pseudo-filesystem refuses"
+)
+def test_a_store_under_proc_names_the_folder_that_failed() -> None:
+    with pytest.raises(FileNotFoundError) as err:
+        StoreLock.acquire("/proc/x/store")
+    assert err.value.errno == errno.ENOENT and "\n" not in str(err.value)
+    assert str(err.value).endswith(
+        "cannot create the store folder /proc/x/store for offload.nvme_path: No such file or directory (/proc/x); "
+        "choose a folder on a writable local disk"
+    )
