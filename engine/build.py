@@ -94,9 +94,16 @@ def place_model(model: nn.Module, device: torch.device, on_meta: bool) -> None:
 
 
 def check_start(
-    config: Config, model: nn.Module, resume: bool, checkpoint: str | None, init_unit: Callable | None
+    config: Config,
+    model: nn.Module,
+    resume: bool,
+    checkpoint: str | None,
+    init_unit: Callable | None,
+    overwrite: bool = False,
 ) -> bool:
     """Refuse a start the engine cannot make; whether the model is on the meta device."""
+    if resume and overwrite:
+        raise ValueError("overwrite starts afresh and a resume continues the store: ask for one of them")
     tier = config.offload.optimizer
     if resume and tier != "nvme" and checkpoint is None:
         raise ValueError(
@@ -119,7 +126,13 @@ class CheckpointStore:
     ``frozen`` gives the frozen units' values it stores once (the parameters', set once built)."""
 
     def __init__(
-        self, config: Config, layout: ModelLayout, rank: int, io: StoreIO, lock: Callable[[bool], None]
+        self,
+        config: Config,
+        layout: ModelLayout,
+        rank: int,
+        io: StoreIO,
+        lock: Callable[[bool], None],
+        overwrite: bool = False,
     ) -> None:
         self._path, self._layout, self._rank, self._io, self._lock = (
             Path(config.offload.store_path),
@@ -128,6 +141,7 @@ class CheckpointStore:
             io,
             lock,
         )
+        self._overwrite = overwrite  # a new run's first checkpoint replaces the store there
         self.frozen: FrozenShards = lambda: iter(())
         self._form = StateForm.of(config.optim)
         self._opened: MemoryCheckpoints | None = None
@@ -136,7 +150,14 @@ class CheckpointStore:
         if self._opened is None:
             self._lock(create)
             self._opened = MemoryCheckpoints(
-                self._path, self._layout, self._rank, self._io, create=create, frozen=self.frozen, form=self._form
+                self._path,
+                self._layout,
+                self._rank,
+                self._io,
+                create=create,
+                frozen=self.frozen,
+                form=self._form,
+                overwrite=create and self._overwrite,
             )
         return self._opened
 
@@ -153,8 +174,10 @@ def optimizer_state(
     pin: bool,
     resume: bool,
     checkpoint: str | None,
+    overwrite: bool = False,
 ) -> OptimizerState:
-    """The optimizer tier the configuration asks for: empty, or restored on resume."""
+    """The optimizer tier the configuration asks for: empty, or restored on resume; a new one
+    replaces whatever store is at ``offload.nvme_path`` only with ``overwrite`` (``check_new``)."""
     offload, form = config.offload, StateForm.of(config.optim)
     if offload.optimizer != "nvme":
         frozen_on_disk = config.zero.stage == 3 and offload.param == "nvme"
@@ -179,6 +202,7 @@ def optimizer_state(
         scratch_bytes=scratch_disk_bytes(config, layout.units),
         form=form,
         pin=pin,
+        overwrite=overwrite,
     )
 
 

@@ -41,7 +41,7 @@ from engine.tiers.checkpoint import PendingCheckpoint
 from engine.tiers.store_io import StoreIO, settle_for_ranks
 from engine.zero.divergence import DivergedError, diverged_message
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
-from engine.zero.optim import lr_factor
+from engine.zero.optim import lr_factor, schedule_change
 from engine.zero.order import TracedOrder, adopt_orders, saved_orders
 from engine.zero.partition import UnitLayout, unit_needs
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
@@ -66,7 +66,10 @@ class Engine:
         resume: bool = False,
         checkpoint: str | None = None,
         init_unit: Callable[[dict[str, torch.Tensor]], None] | None = None,
+        overwrite: bool = False,
     ):
+        """``overwrite``: a new run replaces the store at ``offload.nvme_path`` whatever it holds
+        (without it, only a store that never held a trained step is replaced; any other is refused)."""
         config.validate()
         resume = resume or checkpoint is not None  # a checkpoint is only ever resumed from
         self.device = Device.detect()
@@ -81,7 +84,7 @@ class Engine:
         units, owned, self.layout = build.model_units(model, config, self.comm.world_size)
         tier = config.offload.optimizer
         opt_device = self.device.device if tier == "device" else torch.device("cpu")
-        on_meta = build.check_start(config, model, resume, checkpoint, init_unit)
+        on_meta = build.check_start(config, model, resume, checkpoint, init_unit, overwrite)
         build.place_model(model, self.device.device, on_meta)
         self._store_lock: StoreLock | None = None  # the store's writer lock, its leader's, taken before a write
         self._store_locked = False  # on every rank: taking the lock is collective
@@ -90,7 +93,7 @@ class Engine:
             self._lock_store(create=not resume)
         hosts.roll_back(config.offload.store_path, step, self.comm, self.io)  # to the step all hosts hold
         build.bound_pinned(config, self.layout, self.device, self.dtype)  # before any tier allocates
-        self._build_tiers(opt_device, resume, checkpoint)
+        self._build_tiers(opt_device, resume, checkpoint, overwrite)
         build.build_units(
             self.layout,
             owned,
@@ -115,10 +118,10 @@ class Engine:
         self._begin(resume)
         build.log_start(config, self.layout, self.comm)
 
-    def _build_tiers(self, opt_device: torch.device, resume: bool, checkpoint: str | None) -> None:
+    def _build_tiers(self, opt_device: torch.device, resume: bool, checkpoint: str | None, overwrite: bool) -> None:
         """The optimizer tier (restored on resume) and the parameters on theirs, as configured."""
         config = self.config
-        checkpoints = build.CheckpointStore(config, self.layout, self.comm.rank, self.io, self._lock_store)
+        checkpoints = build.CheckpointStore(config, self.layout, self.comm.rank, self.io, self._lock_store, overwrite)
         self.optimizer_state = build.optimizer_state(
             config,
             self.layout,
@@ -130,6 +133,7 @@ class Engine:
             pin=self.device.pin_memory,
             resume=resume,
             checkpoint=checkpoint,
+            overwrite=overwrite,
         )
         if config.offload.optimizer == "device":
             self.budget.charge(self.optimizer_state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
@@ -197,14 +201,11 @@ class Engine:
         if "loss_scale" in record:
             self.scaler.load_state_dict(record["loss_scale"])
         self.client_state = record.get("client_state", {})
+        change = schedule_change(self.config.optim, self.global_step, record.get("total_steps"), self.total_steps)
+        if change and self.comm.rank == 0:
+            logger.warning("%s", change)
         adopt_orders(record.get("unit_order", {}), {u.name for u in self.layout.units}, **self._orders())
-        states = record.get("rng", [])
-        if len(states) == self.comm.world_size:
-            rng.restore(states[self.comm.rank])
-        else:  # per-rank random states cannot be mapped onto another number of ranks
-            logger.warning(
-                "random states saved by %d rank(s) are not restored on %d", len(states), self.comm.world_size
-            )
+        rng.restore_rank(record.get("rng", []), self.comm.rank, self.comm.world_size)
         logger.info("resumed at step %d from %s", self.global_step, self.config.offload.store_path)
 
     def _commit_record(self, step: int) -> dict[str, Any]:
@@ -217,6 +218,7 @@ class Engine:
             "client_state": copy.deepcopy(self.client_state),  # a deferred commit writes it later
             "rng": self.comm.all_gather_object(rng.capture()),
             "world_size": self.comm.world_size,
+            "total_steps": self.total_steps,  # what the schedule decays over: a resume that changes it is told
             "unit_order": saved_orders(**self._orders()),
         }
 

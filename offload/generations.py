@@ -24,6 +24,11 @@ no window in which a finished step looks unfinished, and any writer may make the
 without waiting for the others. Nothing supersedes a generation rewritten in place, so its
 checkpoints are copies (``create_like`` and ``copy``), chunk by chunk through the store's
 own checked reads and writes, then kept as a written generation is.
+
+A store made for a run carries a ``NEW`` mark (``mark_new``) until its first commit or its first
+kept checkpoint: the only proof that a store without ``COMMITTED`` never committed anything.
+A store holding neither lost its ``COMMITTED`` (a bad copy, a restore that skipped a file), and
+may hold days of training: nothing may replace it unasked.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ replaced, which ``roll_back`` restores."""
 DIRTY = "DIRTY"
 """The file marking the committed generation as being rewritten: ``{"generation", "step", "over"}``,
 ``over`` the serial of the commit it overwrites."""
+NEW = "NEW"
+"""The file marking a store as made and not yet committed to (no commit, no kept checkpoint)."""
 _BOOKKEEPING = (KEEP, SUPERSEDED, SERIAL, PREVIOUS)
 
 
@@ -155,6 +162,20 @@ class Generations:
             )
         return record
 
+    def mark_new(self) -> None:
+        """Mark a store just made as holding nothing committed yet (``is_new``), durably."""
+        commit(self.store.path, {}, name=NEW)
+
+    def is_new(self) -> bool:
+        """Whether the store never committed a step nor kept a checkpoint since it was made: its
+        ``NEW`` mark is there and no ``COMMITTED`` (which wins over a mark a crash left behind)."""
+        return (self.store.path / NEW).is_file() and not (self.store.path / "COMMITTED").exists()
+
+    def _settle(self) -> None:
+        """Drop the ``NEW`` mark once something is committed or kept (``COMMITTED`` or a kept
+        checkpoint already outranks a mark a crash leaves, so the removal need not be durable)."""
+        (self.store.path / NEW).unlink(missing_ok=True)
+
     def on_disk(self) -> list[int]:
         """Every generation directory present, committed or not, in order."""
         found = (_GENERATION.match(p.name) for p in self.store.path.iterdir() if p.is_dir())
@@ -216,6 +237,7 @@ class Generations:
         commit(self.store.path, {**record, **carried, "generation": generation, SERIAL: serial})
         # The new serial already voids any dirty mark; removing the file only tidies up.
         (self.store.path / DIRTY).unlink(missing_ok=True)
+        self._settle()
         if not together:
             self.keep_superseded()
 
@@ -400,6 +422,7 @@ class Generations:
         # Its record goes in before the rename, so the checkpoint appears whole or not at all.
         commit(self.store.path / source, record)
         self.store.move(source, checkpoint_prefix(tag))
+        self._settle()
         logger.info("kept step %s (%s) as checkpoint %s", record.get("step"), source, tag)
         self._retain(retain)
 

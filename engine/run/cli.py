@@ -3,7 +3,8 @@
 - ``train [--config run.toml] [--key value ...]``: any config key can be overridden as
   ``--section.key value`` or, when the name is unique, ``--key value`` (``--steps 3``);
   continues from the store at ``offload.nvme_path`` when it holds a committed step, or from
-  its checkpoint TAG with ``--from-checkpoint TAG``; ``--plan auto`` first sets ``zero.stage``,
+  its checkpoint TAG with ``--from-checkpoint TAG``; ``--overwrite`` starts afresh over a store
+  that holds trained state (which is otherwise refused); ``--plan auto`` first sets ``zero.stage``,
   ``offload.optimizer`` and ``offload.param`` to the least offload that fits this machine.
 - ``estimate [--config run.toml | --params N --layers L --hidden H | --model.hf FOLDER] [--world-size W]
   [--json]``: predicted memory per tier of every stage and tier plan, and the one ``--plan auto``
@@ -150,7 +151,7 @@ def _recommended_plan(config: Config, world_size: int) -> Plan:
     return best.plan
 
 
-def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
+def _auto_plan(config: Config, overwrite: bool) -> tuple[Config, Comm | None]:
     """``--plan auto``: the config with the recommended plan, the same on every rank (rank 0's
     choice: RAM and disk measured a moment apart could tip ranks to different plans), and the
     process group it was agreed in, for the engine to join and the caller to close."""
@@ -158,7 +159,7 @@ def _auto_plan(config: Config) -> tuple[Config, Comm | None]:
     from engine.runtime.comm import Comm
     from engine.tools.estimate import plan_of
 
-    if resumable(config):  # the store's run continues as it was planned
+    if resumable(config, overwrite):  # the store's run continues as it was planned
         logger.info("--plan auto: resuming from %s keeps its plan (%s)", config.offload.nvme_path, plan_of(config))
         return config, None
     comm = Comm.join()
@@ -185,14 +186,14 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
     group = None
     if args.plan == "auto":
-        config, group = _auto_plan(config)
+        config, group = _auto_plan(config, args.overwrite)
     elif config.offload.node_local and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from engine.runtime.comm import Comm
 
         group = Comm.join()  # the hosts agree whether to resume before the engine joins it
     _set_threads()
     try:
-        result = train(config, checkpoint=args.from_checkpoint)
+        result = train(config, checkpoint=args.from_checkpoint, overwrite=args.overwrite)
     finally:
         if group is not None:  # the engine joined this group without owning it
             group.close()
@@ -306,17 +307,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="log the traceback of an error with its message")
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser(
-        "train",
-        help="train the built-in model, or a pretrained one with --model.hf FOLDER (any config key: --section.key value)",
-    )
-    train.add_argument("--config", help="a .toml or .json config file")
-    train.add_argument(
-        "--from-checkpoint", metavar="TAG", help="resume from this checkpoint of the store (e.g. step-100)"
-    )
-    train.add_argument(
-        "--plan", choices=["auto"], help="auto: set the stage and tiers to the least offload that fits this machine"
-    )
+    _train_parser(commands)
     estimate = commands.add_parser(
         "estimate",
         allow_abbrev=False,  # --param (offload.param) is not --params
@@ -354,6 +345,25 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("metrics", help="the JSON-lines file train.metrics names")
     plot.add_argument("--out", help="the PNG to write (default: the metrics file's name with .png)")
     return parser
+
+
+def _train_parser(commands: argparse._SubParsersAction) -> None:
+    train = commands.add_parser(
+        "train",
+        help="train the built-in model, or a pretrained one with --model.hf FOLDER (any config key: --section.key value)",
+    )
+    train.add_argument("--config", help="a .toml or .json config file")
+    train.add_argument(
+        "--from-checkpoint", metavar="TAG", help="resume from this checkpoint of the store (e.g. step-100)"
+    )
+    train.add_argument(
+        "--plan", choices=["auto"], help="auto: set the stage and tiers to the least offload that fits this machine"
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh, replacing whatever the store at offload.nvme_path holds (its steps and checkpoints)",
+    )
 
 
 def _step_arguments(command: argparse.ArgumentParser) -> None:

@@ -4,7 +4,8 @@ The loop is the one a user writes by hand (forward, ``backward``, ``step``); thi
 only adds what a long run wants around it: a progress bar, a log line every few steps
 (loss, tokens/s, peak host RSS, bytes per tier), per-step records in ``train.metrics``
 for whoever tunes the tiers, a checkpoint every ``checkpoint.interval``
-steps, a clean stop on SIGINT/SIGTERM that finishes the step in flight, and a stop before
+steps (and of the last step where the optimizer state is in memory, so that every run leaves
+something to export), a clean stop on SIGINT/SIGTERM that finishes the step in flight, and a stop before
 the commit of a step whose loss is not finite (``DivergedError``, as the engine raises for
 gradients).
 """
@@ -83,10 +84,11 @@ def meta_model(config: Config, vocab_size: int) -> tuple[GPT, Callable[[dict[str
     return model, functools.partial(init_parameters_, config=model.config, seed=config.train.seed)
 
 
-def resumable(config: Config) -> bool:
+def resumable(config: Config, overwrite: bool = False) -> bool:
     """A run continues where the store at ``offload.nvme_path`` last committed, if there is one
-    (the memory tiers commit no steps there, only checkpoints, resumed from by tag)."""
-    return config.offload.optimizer == "nvme" and resume_point(own_store(config))[0]
+    and ``overwrite`` does not replace it (the memory tiers commit no steps there, only
+    checkpoints, resumed from by tag)."""
+    return not overwrite and config.offload.optimizer == "nvme" and resume_point(own_store(config))[0]
 
 
 def own_store(config: Config) -> Path:
@@ -120,6 +122,25 @@ def save_checkpoint(engine: Engine, tag: str) -> None:
         logger.warning("%s; this run does not keep it again", err)
 
 
+def save_final(engine: Engine, interval: int) -> None:
+    """Keep the last step as checkpoint ``step-<n>`` where the state is in memory (the memory
+    tiers commit nothing to the store by themselves), unless ``checkpoint.interval`` just kept
+    it: every run, finished or stopped, leaves a state that ``export`` and ``consolidate`` read.
+    A tag an earlier run kept (a run resumed from an older checkpoint) is never replaced: the
+    step is kept as ``step-<n>.<k>``, the first free. Made durable when the engine closes."""
+    step = engine.global_step
+    if interval and step % interval == 0:
+        return
+    for tag in (f"step-{step}", *(f"step-{step}.{k}" for k in range(1, 1000))):
+        try:
+            engine.save(tag)
+        except CheckpointExistsError:
+            continue
+        if engine.comm.rank == 0:
+            logger.info("keeping the last step as checkpoint %s in %s", tag, engine.config.offload.store_path)
+        return
+
+
 class StopFlag:
     """Set by SIGINT/SIGTERM so the loop ends after the step in flight, never inside it."""
 
@@ -143,12 +164,13 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
-def train(config: Config, checkpoint: str | None = None) -> TrainResult:
+def train(config: Config, checkpoint: str | None = None, overwrite: bool = False) -> TrainResult:
     """Train the built-in model on the built-in (or configured) data for ``train.steps`` steps,
-    from the store's last committed step if it has one, or from its checkpoint ``checkpoint``.
+    from the store's last committed step if it has one, or from its checkpoint ``checkpoint``,
+    or afresh, replacing whatever the store holds, with ``overwrite``.
     A full disk stops the run naming the store, what it still holds and what to do."""
     try:
-        return _train(config, checkpoint)
+        return _train(config, checkpoint, overwrite)
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
@@ -169,12 +191,18 @@ def train(config: Config, checkpoint: str | None = None) -> TrainResult:
 
 
 def start_engine(
-    config: Config, model: nn.Module, init: Callable[[dict[str, torch.Tensor]], None], checkpoint: str | None
+    config: Config,
+    model: nn.Module,
+    init: Callable[[dict[str, torch.Tensor]], None],
+    checkpoint: str | None,
+    overwrite: bool = False,
 ) -> Engine:
-    """The engine of a new run, or of one continued from its store (``resume_point``) or from
-    its checkpoint ``checkpoint``."""
+    """The engine of a new run (replacing the store's content with ``overwrite``), or of one
+    continued from its store (``resume_point``) or from its checkpoint ``checkpoint``."""
+    if overwrite and checkpoint is not None:
+        raise ValueError("--overwrite starts afresh and --from-checkpoint continues a checkpoint: pass one of them")
     resume = checkpoint is not None
-    if checkpoint is None and config.offload.optimizer == "nvme":
+    if checkpoint is None and config.offload.optimizer == "nvme" and not overwrite:
         resume, checkpoint = resume_point(own_store(config))
         if config.offload.node_local:  # one host's store missing is refused on resume, not started afresh
             resume, checkpoint = hosts.any_resumes(resume, checkpoint)
@@ -185,7 +213,9 @@ def start_engine(
                 config.offload.store_path,
                 checkpoint,
             )
-    return Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
+    if resume:
+        return Engine.resume(model, config, checkpoint=checkpoint)
+    return Engine(model, config, init_unit=init, overwrite=overwrite)
 
 
 def train_step(engine: Engine, data: TokenBatches, accum: int, loss_of: LossFn = Engine.__call__) -> float:
@@ -257,7 +287,7 @@ def run_model(config: Config) -> tuple[np.ndarray, nn.Module, Callable[[dict[str
     return tokens, pretrained, init, causal_lm_loss
 
 
-def _train(config: Config, checkpoint: str | None) -> TrainResult:
+def _train(config: Config, checkpoint: str | None, overwrite: bool) -> TrainResult:
     tokens, model, init, loss_of = run_model(config)
     validation = None
     if config.data.val_fraction > 0:
@@ -266,7 +296,7 @@ def _train(config: Config, checkpoint: str | None) -> TrainResult:
         validation = Validation(
             held_out, config.data.seq_len, config.data.micro_batch, config.train.eval_batches, every, loss_of
         )
-    engine = start_engine(config, model, init, checkpoint)
+    engine = start_engine(config, model, init, checkpoint, overwrite)
     keep_source = _source_keeper(config, engine, init)
     data = TokenBatches(
         tokens,
@@ -313,6 +343,13 @@ def _run_steps(
     rank = engine.comm.rank
     tokens_per_step = data.global_batch * config.data.seq_len * config.zero.grad_accum_steps
     result = TrainResult()
+    if engine.global_step >= config.train.steps and rank == 0:
+        logger.warning(
+            "already at step %d of %d: nothing to do; raise train.steps to continue (e.g. --steps %d)",
+            engine.global_step,
+            config.train.steps,
+            engine.global_step + config.train.steps,
+        )
     progress = tqdm(total=config.train.steps, initial=engine.global_step, desc="train", unit="step", disable=rank != 0)
     window_start, window_steps = time.perf_counter(), 0
     run_start = window_start
@@ -347,13 +384,14 @@ def _run_steps(
             if stop.requested:
                 result.stopped_early = True
                 break
+        if result.losses and config.offload.optimizer != "nvme":
+            save_final(engine, config.checkpoint.interval)
     result.seconds_per_step = (time.perf_counter() - run_start) / max(1, len(result.losses))
     if result.stopped_early and rank == 0:
         how = (
             f"run the same command again to resume from {engine.config.offload.store_path}"
             if config.offload.optimizer == "nvme"
-            else "the state was in memory: resume from a checkpoint with --from-checkpoint TAG, or set "
-            'offload.optimizer = "nvme" to make every step resumable'
+            else f"resume with --from-checkpoint step-{result.steps_done}"
         )
         logger.warning("stopped after step %d of %d: %s", result.steps_done, config.train.steps, how)
     return result

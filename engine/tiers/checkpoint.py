@@ -77,7 +77,9 @@ class MemoryCheckpoints:
         create: bool,
         frozen: FrozenShards = lambda: iter(()),
         form: StateForm = FP32_STATE,
+        overwrite: bool = False,
     ):
+        """``create``: make the store if there is none; ``overwrite``: replace the one there."""
         self.layout, self.rank = layout, rank
         self._frozen, self._form = frozen, form
         self._adder = FrozenAdder(lambda: self.store, layout.frozen, rank, io)
@@ -85,18 +87,21 @@ class MemoryCheckpoints:
         """This run's frozen values are in the store (none to store, written, or resumed from)."""
         self._barrier = io.barrier
         self._leader = io.leader
-        if self._leader and create and not (path / "zarr.json").exists():
+        if self._leader and create and (overwrite or not (path / "zarr.json").exists()):
             attrs = {"layout": layout.to_dict(), **form.attrs(), **io.host_attrs()}
-            ShardStore.create(  # beside the parameter tier's store, which offload.param = "nvme" puts there first
-                path,
-                attrs,
-                runner=io.runner,
-                checksum=io.checksum,
-                direct_io=io.direct_io,
-                overwrite=path.exists(),
-                beside=(PARAM_STORE,),
-                stripes=io.stripes,
+            made = (
+                ShardStore.create(  # beside the parameter tier's store, which offload.param = "nvme" puts there first
+                    path,
+                    attrs,
+                    runner=io.runner,
+                    checksum=io.checksum,
+                    direct_io=io.direct_io,
+                    overwrite=path.exists(),
+                    beside=(PARAM_STORE,),
+                    stripes=io.stripes,
+                )
             )
+            Generations(made).mark_new()
         io.barrier()
         self.store = ShardStore.open(path, runner=io.runner, direct_io=io.direct_io, costs=io.costs, stripes=io.stripes)
         first_difference(ModelLayout.from_dict(self.store.attrs["layout"]), layout, path)

@@ -9,8 +9,9 @@ from it: its norm, its overflow check) and freed; at the step each comes back in
 read ahead beside its optimizer state, so host memory holds only the read-ahead window.
 
 The scratch store is ``<offload.nvme_path>/scratch/rank-<r>``: outside every generation and
-checkpoint, never fsynced, rewritten every step, removed at ``close`` and swept by the store's
-writer on resume (``offload.nodes``), so no crash can leave it where a commit would read it.
+checkpoint, made by the first step (a start refused for a damaged store leaves none), never
+fsynced, rewritten every step, removed at ``close`` and swept by the store's writer on resume
+(``offload.nodes``), so no crash can leave it where a commit would read it.
 Bytes move through the same pipeline (``offload.pipeline``) and chunk route (O_DIRECT, CRC-32C)
 as the optimizer state's, through the run's one I/O runner.
 
@@ -84,10 +85,26 @@ class GradSpill:
     ):
         self.dtype = dtype
         self.root = scratch_path(nvme_path, rank)
-        stripes = io.stripes_of(str(self.root.relative_to(nvme_path)))  # spread like the store's own chunks
-        for folder in (self.root, *stripes):
+        self._layout, self._io = layout, io
+        self._stripes = io.stripes_of(str(self.root.relative_to(nvme_path)))  # spread like the store's own chunks
+        self._store: ShardStore | None = None
+        self.pool = BufferPool(buffer_bytes, pin=False)  # host only: no copy to the device reads it
+        self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, io.runner, window_bytes=buffer_bytes // 2)
+        self._bytes_read = self._bytes_written = 0
+
+    @property
+    def store(self) -> ShardStore:
+        """The scratch store, once the first step has made it (``begin``)."""
+        assert self._store is not None, "a step begins before it spills"
+        return self._store
+
+    def _create(self) -> ShardStore:
+        """The scratch store, made at the first step rather than at start: a start that is
+        refused (a damaged store found while resuming) leaves no folder behind."""
+        io = self._io
+        for folder in (self.root, *self._stripes):
             folder.parent.mkdir(exist_ok=True)
-        self.store = ShardStore.create(
+        store = ShardStore.create(
             self.root,
             {},
             runner=io.runner,
@@ -96,13 +113,11 @@ class GradSpill:
             overwrite=True,
             scratch=True,
             costs=io.costs,
-            stripes=stripes,
+            stripes=self._stripes,
         )
-        for unit in layout.units:
-            self.store.create_array(array_name(TOP, unit.name, GRAD), unit.shard_numel, unit.chunk_numel, dtype)
-        self.pool = BufferPool(buffer_bytes, pin=False)  # host only: no copy to the device reads it
-        self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, io.runner, window_bytes=buffer_bytes // 2)
-        self._bytes_read = self._bytes_written = 0
+        for unit in self._layout.units:
+            store.create_array(array_name(TOP, unit.name, GRAD), unit.shard_numel, unit.chunk_numel, self.dtype)
+        return store
 
     def _view(self, unit: UnitLayout, buf: HostBuffer) -> torch.Tensor:
         return buf.view(self.dtype, unit.shard_numel)
@@ -117,6 +132,8 @@ class GradSpill:
         """A step starts spilling: the writes of a step that never read them back (skipped on
         overflow) land first, so that none lands over this step's shards."""
         self.pipeline.drain()
+        if self._store is None:
+            self._store = self._create()
 
     def write(self, unit: UnitLayout, grad: torch.Tensor) -> float:
         """Copy the unit's final shard into a pool buffer (cast to the spill's dtype) and write it
@@ -166,6 +183,8 @@ class GradSpill:
             self.pipeline.drain()
         except Exception as err:  # the shards were for a step that will never read them
             logger.debug("a spilled gradient's write failed at close: %r", err)
+        if self._store is None:  # nothing of this run's to remove
+            return
         shutil.rmtree(self.root, ignore_errors=True)
         with contextlib.suppress(OSError):  # another rank's store is still there
             self.root.parent.rmdir()

@@ -35,11 +35,13 @@ from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import (
     GENERATIONS,
     MODE_ATTR,
+    Continuation,
     check_buffer,
     check_clean,
     check_new,
     check_nvme_path,
     first_difference,
+    how_to_continue,
     naming_way_out,
     way_out,
 )
@@ -85,10 +87,13 @@ class StoreOptimizerState:
         scratch_bytes: int = 0,
         form: StateForm = FP32_STATE,
         pin: bool = False,
+        overwrite: bool = False,
     ):
         """``scratch_bytes``: the disk the run's spilled gradients take beside the store, all ranks
         (``engine.tiers.grad_spill``), checked with the store's own before a new store is made;
-        ``form``: the optimizer state's; ``pin``: pin the staging (masters are copied from it)."""
+        ``form``: the optimizer state's; ``pin``: pin the staging (masters are copied from it);
+        ``overwrite``: a new run replaces whatever store is at ``path`` (else only one that never
+        held a trained step: ``check_new``)."""
         if io.hosts > 1 and mode != GENERATIONS:
             raise ValueError(
                 f'store.mode = "{mode}" keeps one generation, so hosts whose stores a crash left one step apart '
@@ -107,15 +112,12 @@ class StoreOptimizerState:
         self._held: dict[str, HostBuffer] = {}
         self._copy_bytes = window  # a checkpoint copy's buffer: room for it beside a read-ahead's window
         if self.leader and not resume:
-            self._create(path, layout, io, mode, scratch_bytes)
+            self._create(path, layout, io, mode, scratch_bytes, overwrite)
         self.barrier()
         self.store = ShardStore.open(
             path, runner=self.runner, direct_io=io.direct_io, costs=io.costs, stripes=io.stripes
         )
         self.generations = Generations(self.store)
-        if self.leader and resume:
-            with naming_way_out(self.generations):
-                self.generations.tidy()
         self.committed_generation = 0  # the live committed generation
         self.target_generation = 0  # the generation the next step writes (the mode's choice)
         self._read_prefix = generation_prefix(0)  # where the next step reads: it, or a checkpoint
@@ -126,17 +128,21 @@ class StoreOptimizerState:
         self._bytes_read = self._bytes_written = 0  # by the steps since ``take_io_bytes``
         self._written: dict[str, tuple[str, Future]] = {}  # where and how this step wrote each unit
         self.resumed_from: dict | None = None
+        self._opening: dict | None = None  # the live record, between a resume's checks and its first change
+        self._writable = not resume  # the store is ready for the steps' writes (``_open_for_writes``)
         if resume:
             with naming_way_out(self.generations):
                 self.resumed_from = self._open_existing(path, layout, checkpoint)
 
-    def _create(self, path: Path, layout: ModelLayout, io: StoreIO, mode: str, scratch_bytes: int) -> None:
-        """Make the store of a new run (replacing one in which nothing can be resumed), once its
-        folders are known to hold it."""
+    def _create(
+        self, path: Path, layout: ModelLayout, io: StoreIO, mode: str, scratch_bytes: int, overwrite: bool
+    ) -> None:
+        """Make the store of a new run (replacing one that never held a trained step, or any with
+        ``overwrite``), once its folders are known to hold it; marked new until its first commit."""
         check_nvme_path(path, layout, mode, scratch_bytes, self.form, io.stripes)
         attrs = {"layout": layout.to_dict(), MODE_ATTR: mode, **self.form.attrs(), **io.host_attrs()}
-        abandoned = check_new(path, self.runner)
-        ShardStore.create(
+        abandoned = check_new(path, self.runner, overwrite)
+        store = ShardStore.create(
             path,
             attrs,
             runner=self.runner,
@@ -145,22 +151,23 @@ class StoreOptimizerState:
             overwrite=abandoned,
             stripes=io.stripes,
         )
+        Generations(store).mark_new()
 
     # ------------------------------------------------------------ resuming
 
     def _open_existing(self, path: Path, layout: ModelLayout, checkpoint: str | None) -> dict:
         """The record to resume from (the committed one, or checkpoint ``checkpoint``'s) of an
         existing store of this model, as this world size resumes it; the next generation made
-        ready to write, cut for this layout."""
+        ready to write, cut for this layout. Every check that can refuse the store runs before
+        anything in it changes, so a refused run leaves it as it was."""
         live = self.generations.committed()
         if live is None and checkpoint is None:
-            tags = list(self.generations.checkpoints())
+            found = Continuation(self.generations)
             raise FileNotFoundError(
-                f"store {path} holds only checkpoints written from memory ({', '.join(tags)}): resume from "
-                f"one of those (checkpoint=, or --from-checkpoint)"
-                if tags
-                else f"store {path} has no COMMITTED record: its first step never finished, so there is nothing "
-                f"to resume; remove it and start afresh"
+                f"store {path} has no committed step to resume: it never committed its first step, so start afresh "
+                f"(--overwrite replaces it)"
+                if found.nothing
+                else f"store {path} has no committed step to resume: {how_to_continue(found, path)}"
             )
         self.generations.checkpoints()  # every kept record is checked before retention or a fallback relies on it
         stored = ModelLayout.from_dict(self.store.attrs["layout"])
@@ -170,19 +177,10 @@ class StoreOptimizerState:
             check_clean(self.generations)
         elif self.generations.dirty():
             logger.warning("store %s is dirty: the first step rewrites it from checkpoint %s", path, checkpoint)
-        if self.leader:
-            self._record_mode(path)
-            # A crash between a commit and the keeping of the generation it superseded leaves
-            # that generation to keep: before any of it is dropped or recycled. A store of
-            # checkpoints only has no live generation: whatever else is there is a leftover.
-            if live:
-                self.generations.keep_superseded()
-            else:
-                self.generations.drop_uncommitted()
-        self.barrier()
         # Without a live generation the run starts its own above the checkpoints' numbers.
         self.committed_generation = live["generation"] if live else self.generations.next_free() - 1
         record = self._read_from(path, checkpoint)
+        self._check_chunks()
         self._layout_adopted = stored == layout and self.in_layout(self._read_prefix)
         if not self._layout_adopted:
             logger.info(
@@ -191,9 +189,45 @@ class StoreOptimizerState:
                 stored.world_size,
                 layout.world_size,
             )
+        self._opening = live  # the store changes only once the resume has read its masters: ``_open_for_writes``
+        return record
+
+    def _open_for_writes(self) -> None:
+        """Once the resume has read every master (each chunk's checksum verified) on every rank,
+        or at the first step's reads at the latest: tidy the store and make the next step's
+        target ready. Nothing in the store changes before, so a store refused while resuming is
+        left as it was."""
+        if self._writable:
+            return
+        live, self._opening, self._writable = self._opening, None, True
+        self.barrier()
+        if self.leader:
+            self._tidy(self.store.path)
+        self.barrier()
         self.target_generation = self.mode.open(self, live)
         self.barrier()
-        return record
+
+    def _check_chunks(self) -> None:
+        """Refuse a step to resume from whose chunk files of this rank's shards are missing or
+        cut short: a look at each file's size, no read (a flipped byte is found by its checksum
+        when it is read). Only this rank's: a host's own store holds only its ranks' chunks."""
+        for unit in self.layout.units:
+            for kind, geometry in zip(STATE_KINDS, self.form.geometries(unit), strict=True):
+                name = array_name(self._read_prefix, unit.name, kind)
+                start = geometry.shard_slice(self.rank).start
+                end = min(start + geometry.shard_numel, geometry.numel)
+                chunk = self.store.array_info(name).chunk_elems
+                for index in range(start // chunk, -(-end // chunk)):
+                    self.store.check_chunk_file(name, index)
+
+    def _tidy(self, path: Path) -> None:
+        """The leader's changes once the store is known good: what an interrupted run left
+        removed, this run's mode noted, a checkpoint a crash left pending kept, and every other
+        generation but the committed one dropped. Those are scratch, whatever state a crash (or
+        a bad copy) left them in: the next step's target is made afresh, never trusted."""
+        self.generations.tidy()
+        self._record_mode(path)
+        self.generations.drop_uncommitted()
 
     def _read_from(self, path: Path, checkpoint: str | None) -> dict:
         """Point the first step's reads at the committed generation or at ``checkpoint``; its record."""
@@ -293,7 +327,8 @@ class StoreOptimizerState:
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """Each unit's committed master shard, read ahead, then each frozen unit's values (to
-        rebuild parameters on resume)."""
+        rebuild parameters on resume); on a resume, once all are read, the store is opened for
+        the steps' writes (``_open_for_writes``)."""
         for unit, buf in self.pipeline.read_ahead(
             self.layout.units,
             nbytes=self.form.unit_bytes,
@@ -307,6 +342,7 @@ class StoreOptimizerState:
         self.pipeline.drain()  # its reads are the resume's, not the next step's
         with naming_way_out(self.generations):
             yield from read_frozen(self.store, self.layout.frozen, self.rank)
+        self._open_for_writes()
 
     def frozen_store(self) -> ShardStore:
         return self.store
@@ -316,6 +352,7 @@ class StoreOptimizerState:
         They read the last step's generation, so a deferred commit of it is made first (the
         engine has made it already, at the top of the step's last backward; a direct caller
         such as ``benchmarks.optimizer`` relies on this)."""
+        self._open_for_writes()
         self.flush()
         reads = self.pipeline.read_ahead(
             units, nbytes=self.form.unit_bytes, load=self._load, describe=lambda u: f"optimizer state of unit {u.name}"

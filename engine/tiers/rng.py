@@ -7,11 +7,14 @@ sampling, user code), on every rank: the committed record holds one of these per
 from __future__ import annotations
 
 import base64
+import logging
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def _encode(t: torch.Tensor) -> str:
@@ -45,6 +48,15 @@ def restore(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss_next))
     if "accelerator" in state and torch.accelerator.is_available():
         torch.get_device_module().set_rng_state(_decode(state["accelerator"]))
+
+
+def restore_rank(states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+    """Restore rank ``rank``'s state of those a run of ``len(states)`` ranks saved: per-rank
+    random states cannot be mapped onto another number of ranks, so there they are not."""
+    if len(states) == world_size:
+        restore(states[rank])
+    else:
+        logger.warning("random states saved by %d rank(s) are not restored on %d", len(states), world_size)
 
 
 def check(state: Any) -> None:

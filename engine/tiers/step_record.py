@@ -14,7 +14,7 @@ from typing import Any
 from engine.tiers import rng
 from offload import ManifestError
 
-COUNTS = ("step", "skipped_steps", "optimizer_steps", "world_size")
+COUNTS = ("step", "skipped_steps", "optimizer_steps", "world_size", "total_steps")
 """Fields that are non-negative integers; only ``step`` is required."""
 
 

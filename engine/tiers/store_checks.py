@@ -21,7 +21,7 @@ from pathlib import Path
 from engine.runtime.sizes import GIB, MIB
 from engine.zero.moments import FP32_STATE, StateForm
 from engine.zero.partition import ModelLayout, UnitLayout
-from offload import ChecksumError, Generations, IORunner, ManifestError, ShardStore
+from offload import ChecksumError, Generations, IORunner, ManifestError, ShardStore, generation_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,10 @@ def _check_room(
     )
 
 
+OVERWRITE = "start afresh over it with --overwrite (in Python: Engine(..., overwrite=True))"
+"""The way out of a store that nothing can continue, for a user who means to replace it."""
+
+
 def way_out(generations: Generations) -> str:
     """What a user does with a store whose live state cannot be read: resume from its last
     checkpoint (named, with the command), or, without one, start afresh."""
@@ -163,8 +167,8 @@ def way_out(generations: Generations) -> str:
             f"(in Python: Engine.resume(model, config, checkpoint={latest!r}))"
         )
     return (
-        f"it holds no checkpoint to resume from, so remove {generations.store.path} and start afresh, or restore it "
-        f"from a backup (checkpoint.interval keeps checkpoints to fall back to)"
+        f"it holds no checkpoint to resume from, so restore {generations.store.path} from a backup, or {OVERWRITE} "
+        f"(checkpoint.interval keeps checkpoints to fall back to)"
     )
 
 
@@ -202,6 +206,10 @@ class Continuation:
             """It holds a committed step."""
             self.lost = self.committed and generations.dirty() is not None
             """That step was being rewritten in place when its run stopped: it cannot be read."""
+        self.new = generations.is_new()
+        """It was made by a run that never committed a step nor kept a checkpoint."""
+        self.held = generations.on_disk()
+        """The generations on disk, committed or not."""
 
     @functools.cached_property
     def checkpoints(self) -> list[str]:
@@ -217,16 +225,18 @@ class Continuation:
 
     @property
     def nothing(self) -> bool:
-        """Nothing in the store can be resumed (no readable step, no checkpoint): a new run replaces it."""
-        return (not self.committed or self.lost) and not self.checkpoints
+        """Provably nothing was ever trained into the store: no commit and no checkpoint, and
+        either its ``NEW`` mark (made by a run that stopped before its first commit) or no
+        generation at all. A new run replaces it."""
+        return not self.committed and not self.checkpoints and (self.new or not self.held)
 
 
 def resume_point(path: Path) -> tuple[bool, str | None]:
     """Where a run continues the store at ``path`` unaided: ``(True, None)`` from its last
     committed step; ``(True, tag)`` from its last checkpoint, when it was stopped mid-step
-    while rewritten in place; ``(False, None)`` when there is nothing to continue (no store,
-    no committed step, or a store stopped mid-step in place that keeps no checkpoint: its
-    state is lost, and a new run replaces it)."""
+    while rewritten in place; ``(False, None)`` when there is nothing to continue from (no
+    store, no committed step, or a store stopped mid-step in place that keeps no checkpoint),
+    where a new run starts if ``check_new`` lets it."""
     if not (path / "COMMITTED").is_file():
         return False, None
     with IORunner(threads=1) as runner:
@@ -237,27 +247,42 @@ def resume_point(path: Path) -> tuple[bool, str | None]:
     return latest is not None, latest
 
 
-def check_new(path: Path, runner: IORunner) -> bool:
-    """Whether a new store may be made at ``path``: nothing there (False), or a store in which
-    nothing can be resumed (True: it is replaced); else refused, saying how to continue it."""
+def check_new(path: Path, runner: IORunner, overwrite: bool = False) -> bool:
+    """Whether a new store may be made at ``path``: nothing there (False), a store that provably
+    never held a trained step, or any store with ``overwrite`` (True: it is replaced); else
+    refused, naming what the store holds and the ways out. Nothing is changed here."""
     if not (path / "zarr.json").exists():
         return False
     found = Continuation(Generations(ShardStore.open(path, runner=runner)))
-    if found.nothing:
-        why = (
-            "was stopped mid-step while rewritten in place and keeps no checkpoint"
-            if found.committed
-            else "never committed its first step"
-        )
-        logger.warning("%s holds a store that %s: nothing in it can be resumed, starting afresh", path, why)
+    if overwrite or found.nothing:
+        why = "--overwrite was given" if overwrite else "it never committed its first step"
+        logger.warning("replacing the store at %s: %s", path, why)
         return True
-    how = (
-        "resume from it (run the same command again: `python -m engine train` continues a store), "
-        if found.committed
-        else f"it holds only checkpoints ({', '.join(found.checkpoints)}): resume from one with --from-checkpoint TAG, "
-    )
-    raise FileExistsError(
-        f"offload.nvme_path = {str(path)!r} already holds a store: {how}or remove it, or choose another nvme_path"
+    raise FileExistsError(f"offload.nvme_path = {str(path)!r} already holds a store: {how_to_continue(found, path)}")
+
+
+def how_to_continue(found: Continuation, path: Path) -> str:
+    """How a store that a new run may not replace can be continued, or why it cannot: what a
+    refused start says after naming the store."""
+    tags = found.checkpoints
+    others = f"{OVERWRITE}; or choose another nvme_path"
+    if found.committed and not found.lost:
+        return "resume from it (run the same command again: `python -m engine train` continues a store); or " + others
+    if not found.committed and (found.new or not found.held):  # a memory tier's: checkpoints, no step of its own
+        return f"it holds only checkpoints written from memory ({', '.join(tags)}): resume from one with --from-checkpoint TAG; or {others}"
+    if tags:
+        newest = found.fallback
+        others = f"resume from its newest checkpoint, {newest!r}: `python -m engine train --from-checkpoint {newest}`; or {others}"
+    if found.lost:
+        return (
+            f'its run (store.mode = "in-place") stopped mid-step, so its committed step mixes two steps and cannot be '
+            f"read{'' if tags else ', and it keeps no checkpoint'}; {others}"
+        )
+    held = ", ".join(generation_prefix(g) for g in found.held)
+    return (
+        f"it has no COMMITTED record but was trained into (it holds {held}{', checkpoints ' + ', '.join(tags) if tags else ''}): "
+        f"its COMMITTED file was deleted or lost (a bad copy, a restore that skipped a file), so which step it holds is "
+        f"unknown, and nothing was changed; restore COMMITTED from a backup; or {others}"
     )
 
 

@@ -61,8 +61,7 @@ class GenerationsMode:
 
     def open(self, tier: StoreOptimizerState, live: dict | None) -> int:
         target = tier.committed_generation + 1
-        if tier.leader:
-            tier.drop_other_layouts(committed=tier.committed_generation)
+        if tier.leader:  # the tier has dropped every uncommitted generation: the target is made afresh
             tier.generations.prepare(target, tier.create_arrays)
         return target
 

@@ -188,6 +188,11 @@ def _choose_generation(store: ShardStore, generation: int | None) -> tuple[str, 
     record = committed_record(store)
     on_disk = Generations(store).on_disk()
     if generation is None:
+        if record is None and (Generations(store).is_new() or not on_disk):
+            raise ValueError(
+                f"offload store {store.path} holds nothing to read: the run that made it committed no step and kept no "
+                f"checkpoint (it stopped before its first commit); train into it first"
+            )
         if record is None:
             raise ValueError(
                 f"offload store {store.path} has no committed generation (no COMMITTED file) and keeps no "

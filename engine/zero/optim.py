@@ -30,6 +30,22 @@ def lr_factor(step: int, config: OptimConfig, total_steps: int) -> float:
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def schedule_change(config: OptimConfig, step: int, planned: int | None, total: int) -> str | None:
+    """What training for ``total`` steps changes of a run planned for ``planned`` (None: not
+    recorded), resumed at ``step``: a cosine that decays over ``train.steps`` (``optim.decay_steps
+    = 0``) is stretched or squeezed from there on, so the learning rate jumps. None where the
+    schedule is the same."""
+    if planned is None or planned == total or config.schedule == "constant" or config.decay_steps:
+        return None
+    before, after = (config.lr * lr_factor(step, config, steps) for steps in (planned, total))
+    keep = max(1, planned - config.warmup_steps)
+    return (
+        f"train.steps is {total} where the run was planned for {planned}: its cosine decays over train.steps "
+        f"(optim.decay_steps = 0), so from step {step} the learning rate follows a new curve ({before:.3g} -> "
+        f"{after:.3g} now); to keep the old one, set optim.decay_steps = {keep}"
+    )
+
+
 class ShardAdamW:
     """Decoupled-weight-decay Adam with bias correction, applied to flat fp32 shards."""
 

@@ -85,11 +85,12 @@ def test_cli_keeps_every_interval_and_resumes_on_the_cpu_tier(tmp_path) -> None:
     store = tmp_path / "offload_store"
     args = ["--steps", "5", "--seq_len", "64", "--offload.optimizer", "cpu", "--checkpoint.interval", "2"]
     steps, _, last = cli_losses(cli(args, tmp_path))
-    assert steps == 5 and kept(store) == ["step-2", "step-4"]
+    assert steps == 5 and kept(store) == ["step-2", "step-4", "step-5"], "the last step is kept too"
     again = cli([*args, "--from-checkpoint", "step-2"], tmp_path)
     assert "resumed at step 2" in again.stderr
     steps, _, resumed_last = cli_losses(again)
     assert (steps, resumed_last) == (5, last), "steps 3..5 again, on the same data, to the same loss"
+    assert kept(store) == ["step-2", "step-4", "step-5", "step-5.1"], "an earlier run's step-5 is never replaced"
 
 
 def test_a_checkpoint_saved_last_is_kept_by_close(tmp_path) -> None:

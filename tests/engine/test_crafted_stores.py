@@ -1,7 +1,8 @@
 """A store that says something the engine never writes is refused, whole and untouched.
 
 Each case below changes one thing in a real store (a field of ``COMMITTED``, a name that
-would lead out of the store, a link, array metadata); resuming from it, inspecting it and
+would lead out of the store, a link, array metadata, a committed chunk, ``COMMITTED`` itself);
+resuming from it, inspecting it and
 consolidating it must each stop with one line naming the file and the way out, and leave
 every file inside and outside the store byte-identical (the writer lock's own file aside:
 it records whoever last asked for the store).
@@ -17,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import Config
 from engine.engine import Engine
 from engine.run.cli import main as cli
+from offload.chunks import ChecksumError
 from offload.lock import LOCK_FILE
 from offload.manifest import ManifestError
-from offload.chunks import ChecksumError
 from tests.engine.test_resume import nvme, run
 from tests.training import tiny_gpt
 
@@ -76,6 +78,22 @@ def huge(meta: dict) -> dict:
     return meta
 
 
+def committed_chunk(change: Callable[[bytes], bytes]) -> Callable[[Path, Path], None]:
+    def edit(store: Path, outside: Path) -> None:
+        chunk = store / "gen-3" / "blocks.0" / "master" / "c" / "0"
+        chunk.write_bytes(change(chunk.read_bytes()))
+
+    return edit
+
+
+def flip_byte(data: bytes) -> bytes:
+    return data[:8] + bytes([data[8] ^ 0xFF]) + data[9:]
+
+
+def lost_committed(store: Path, outside: Path) -> None:
+    (store / "COMMITTED").unlink()
+
+
 def edit_checkpoint(store: Path, outside: Path) -> None:
     path = store / "checkpoints" / "a" / "COMMITTED"
     record = json.loads(path.read_text())
@@ -99,6 +117,9 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     "huge chunk": (edit_array_meta(huge), "promises"),
     "garbled array metadata": (edit_array_meta(lambda meta: "{not json"), "is not valid JSON"),
     "bad checkpoint record": (edit_checkpoint, "field 'generation' holds 'x'"),
+    "truncated chunk": (committed_chunk(lambda data: data[:100]), "gen-3/blocks.0/master/c/0"),
+    "flipped chunk byte": (committed_chunk(flip_byte), "gen-3/blocks.0/master/c/0 fails its CRC-32C check"),
+    "lost COMMITTED": (lost_committed, "has no COMMITTED record but was trained into"),
 }
 # Read-only commands read what they need, not every field a resume checks.
 READ_ONLY_SKIPS = {
@@ -110,14 +131,21 @@ READ_ONLY_SKIPS = {
     "linked chunk",
     "linked folder",
     "bad checkpoint record",
+    "lost COMMITTED",  # they read the last checkpoint, as they read a memory tier's store
 }
+
+
+def clipped(root: Path) -> Config:
+    """The store at ``root/store``, with clipping: gradients are spilled to its scratch folder,
+    which a refused run must not make."""
+    return nvme(root, optim={"grad_clip": 1.0})
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
     """A store at step 3 with checkpoint 'a' (step 1): generations 3 (committed) and 4 (next)."""
     root = tmp_path_factory.mktemp("pristine")
-    eng = Engine(tiny_gpt(), nvme(root), total_steps=6)
+    eng = Engine(tiny_gpt(), clipped(root), total_steps=6)
     run(eng, 1)
     eng.save("a")
     run(eng, 2)
@@ -159,9 +187,11 @@ def test_a_crafted_store_is_refused_and_left_untouched(tmp_path, pristine, caplo
     before = snapshot(outside)
 
     with pytest.raises((ValueError, OSError)) as refused:
-        Engine.resume(tiny_gpt(), nvme(tmp_path / "run"), total_steps=6)
-    assert message in str(refused.value) and "\n" not in str(refused.value)
-    if isinstance(refused.value, (ManifestError, ChecksumError)) and case != "bad checkpoint record":
+        Engine.resume(tiny_gpt(), clipped(tmp_path / "run"), total_steps=6)
+    # An I/O error adds the task it failed in on a line of its own, which the command line joins.
+    assert message in str(refused.value) and "\n" not in str(refused.value).split("\nin I/O task:")[0]
+    damaged = isinstance(refused.value, (ManifestError, ChecksumError)) and case != "bad checkpoint record"
+    if damaged or case == "lost COMMITTED":
         assert "`python -m engine train --from-checkpoint a`" in str(refused.value), "the way out is named"
     del refused  # its traceback holds the refused engine, and with it the store's lock
     assert snapshot(outside) == before

@@ -4,7 +4,7 @@ A real ``python -m engine train`` with a checkpoint every 3 steps (so fresh gene
 created every few steps) is killed at random moments (forward, backward, write-back, fsync,
 commit, generation creation, checkpoint copies, resume); after each kill the store is resumed
 in this process from where the same command would resume it (the committed step; in place, a
-store killed mid-step from its last checkpoint, or afresh when it keeps none) and its parameters must be bit-identical to an
+store killed mid-step from its last checkpoint, or afresh with ``overwrite`` when it keeps none) and its parameters must be bit-identical to an
 uninterrupted run's after that step, and two more steps must stay on that run's trajectory
 (so the moments and counters were committed with them). No kill needs a hand repair, and the
 last run, left to finish, ends on the uninterrupted run's trajectory.
@@ -115,8 +115,12 @@ def test_kill_nine_at_random_instants_always_resumes_unaided(
 
         resume, checkpoint = resume_point(store)  # as `python -m engine train` continues it
         model, init = meta_model(config, vocab)
+        # Nothing to resume from: an in-place store killed mid-step before its first checkpoint,
+        # whose state is lost; a user starts it afresh over the store with --overwrite.
         resumed = (
-            Engine.resume(model, config, checkpoint=checkpoint) if resume else Engine(model, config, init_unit=init)
+            Engine.resume(model, config, checkpoint=checkpoint)
+            if resume
+            else Engine(model, config, init_unit=init, overwrite=True)
         )
         step = resumed.global_step
         resumed_steps.append(step)

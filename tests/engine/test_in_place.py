@@ -172,7 +172,7 @@ def test_a_failed_step_leaves_the_store_dirty_and_refused(tmp_path) -> None:
         eng.save("torn")
     eng.close()
     with pytest.raises(
-        DirtyStoreError, match=rf"holds no checkpoint to resume from, so remove {store} and start afresh"
+        DirtyStoreError, match=rf"holds no checkpoint to resume from, so restore {store} from a backup, or start afresh over it with --overwrite"
     ):
         Engine.resume(tiny_gpt(), cfg, total_steps=4)
     with pytest.raises(DirtyStoreError):  # nor is a store in the generations mode read from it
