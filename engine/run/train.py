@@ -287,7 +287,34 @@ def run_model(config: Config) -> tuple[np.ndarray, nn.Module, Callable[[dict[str
     return tokens, pretrained, init, causal_lm_loss
 
 
+def finished_at(config: Config, checkpoint: str | None, overwrite: bool) -> int | None:
+    """The step at or past ``train.steps`` that the store this run continues has committed, read
+    before anything is built or changed (a giant model takes minutes to build, for nothing),
+    else None. Only for a store all ranks share: each host's own might be a step apart."""
+    if checkpoint is not None or overwrite or config.offload.node_local or config.offload.optimizer != "nvme":
+        return None
+    store = own_store(config)
+    if resume_point(store) != (True, None):
+        return None
+    step = (read_committed(store) or {}).get("step")
+    return step if isinstance(step, int) and step >= config.train.steps else None
+
+
+def say_nothing_to_do(step: int, steps: int) -> None:
+    logger.warning(
+        "already at step %d of %d: nothing to do; raise train.steps to continue (e.g. --steps %d)",
+        step,
+        steps,
+        2 * steps,
+    )
+
+
 def _train(config: Config, checkpoint: str | None, overwrite: bool) -> TrainResult:
+    done = finished_at(config, checkpoint, overwrite)
+    if done is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            say_nothing_to_do(done, config.train.steps)
+        return TrainResult(steps_done=done)
     tokens, model, init, loss_of = run_model(config)
     validation = None
     if config.data.val_fraction > 0:
@@ -344,12 +371,7 @@ def _run_steps(
     tokens_per_step = data.global_batch * config.data.seq_len * config.zero.grad_accum_steps
     result = TrainResult()
     if engine.global_step >= config.train.steps and rank == 0:
-        logger.warning(
-            "already at step %d of %d: nothing to do; raise train.steps to continue (e.g. --steps %d)",
-            engine.global_step,
-            config.train.steps,
-            engine.global_step + config.train.steps,
-        )
+        say_nothing_to_do(engine.global_step, config.train.steps)
     progress = tqdm(total=config.train.steps, initial=engine.global_step, desc="train", unit="step", disable=rank != 0)
     window_start, window_steps = time.perf_counter(), 0
     run_start = window_start

@@ -171,6 +171,7 @@ def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[st
             "bytes_per_kind": _bytes_per_kind(store, arrays),
             "frozen": _frozen(store, layout),
             "generations": Generations(store).on_disk(),
+            "new": Generations(store).is_new(),
             "checkpoints": _checkpoints(path),
             "disk_bytes": sum(_disk_bytes(folder) for folder in store.paths),
             "verify": _verify(store, layout, generation, arrays | unit_arrays(store, FROZEN)) if verify else None,
@@ -291,6 +292,18 @@ def _stripes_lines(paths: list[str]) -> list[str]:
     return [f"striped:     {len(paths)} folders, chunks on each in turn: {', '.join(paths)}"] if len(paths) > 1 else []
 
 
+def _uncommitted(report: dict[str, Any]) -> str:
+    """Why a store has no committed generation, from what it holds."""
+    if report["new"]:
+        return "the run that made it stopped before its first commit"
+    if report["generations"]:
+        held = ", ".join(f"gen-{g}" for g in report["generations"])
+        return f"yet it holds {held}: its COMMITTED file was lost; restore it from a backup"
+    if report["checkpoints"]:
+        return "its state is kept as checkpoints, below"
+    return "nothing was trained into this store yet"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as text for a terminal: one fact a line, units as a table."""
     fmt, committed = report["format"], report["committed"]
@@ -302,7 +315,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"io:          {report['io']}",
     ]
     if committed is None:
-        lines.append("committed:   no committed generation (nothing was trained into this store yet)")
+        lines.append(f"committed:   no committed generation ({_uncommitted(report)})")
     else:
         others = ", ".join(f"{k} {v}" for k, v in committed.items() if k not in ("step", "generation"))
         lines.append(

@@ -24,6 +24,7 @@ from engine.engine import Engine
 from engine.run import train as train_module
 from engine.run.models.gpt import GPT, GPTConfig
 from engine.tools.consolidate import consolidate
+from engine.tools.inspect import format_report, inspect_store
 from engine.zero.optim import lr_factor, schedule_change
 from offload.generations import NEW
 from offload.manifest import read_committed
@@ -63,6 +64,7 @@ def test_a_store_that_lost_its_committed_file_is_refused_untouched_until_overwri
         r"no COMMITTED record but was trained into \(it holds gen-3, gen-4\)",
     )
     assert "restore COMMITTED from a backup" in message and "--overwrite" in message
+    assert "its COMMITTED file was lost" in format_report(inspect_store(store))
     refused(
         lambda: Engine.resume(tiny_gpt(), nvme(tmp_path), total_steps=6),
         FileNotFoundError,
@@ -117,6 +119,7 @@ def crashed_while_building(root: Path) -> Path:
 def test_a_store_whose_first_commit_never_happened_is_replaced_and_reads_as_empty(tmp_path, caplog) -> None:
     store = crashed_while_building(tmp_path)
     assert (store / NEW).is_file() and not (store / "COMMITTED").exists() and (store / "gen-0").is_dir()
+    assert "stopped before its first commit" in format_report(inspect_store(store))
     refused(
         lambda: consolidate(store, tmp_path / "weights.safetensors"),
         ValueError,
@@ -192,10 +195,18 @@ def tiny_run(root: Path, *overrides: str) -> Config:
 def test_a_finished_run_says_there_is_nothing_to_do(tmp_path, caplog) -> None:
     config = tiny_run(tmp_path, "train.steps=3")
     train_module.train(config)
+    before = snapshot(tmp_path / "store")
     with caplog.at_level(logging.INFO):
         again = train_module.train(config)
-    assert again.losses == [] and read_committed(tmp_path / "store")["step"] == 3
+    assert again.losses == [] and again.steps_done == 3
     assert "already at step 3 of 3: nothing to do; raise train.steps to continue" in caplog.text
+    assert snapshot(tmp_path / "store") == before, "nothing to do changes nothing"
+    in_memory = tiny_run(tmp_path / "cpu", "train.steps=3", "offload.optimizer=cpu")
+    train_module.train(in_memory)  # keeps step-3
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # a checkpoint's step is known once the engine reads it
+        assert train_module.train(in_memory, checkpoint="step-3").losses == []
+    assert "already at step 3 of 3: nothing to do" in caplog.text
 
 
 def test_raising_steps_under_a_decaying_schedule_says_how_to_keep_it(tmp_path, caplog) -> None:

@@ -1,6 +1,6 @@
 """Three mistakes a command-line user makes, each ended by one line that names the config key
 and what to type instead: a unit class the model lacks, a store folder that cannot be made,
-and a list given as ``a,b`` (which now works) or as no list at all."""
+and a list given as ``a,b`` (which is read as a list) or as no list at all."""
 
 from __future__ import annotations
 
