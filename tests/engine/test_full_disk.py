@@ -22,8 +22,8 @@ def test_a_full_disk_names_the_store_and_the_step_it_holds(tmp_path, monkeypatch
     commits = []
 
     def commit_until_full(path, record, name="COMMITTED"):
-        commits.append(record.get("step"))
-        if len(commits) == 4:  # generation 0, steps 1 and 2, then the disk is full
+        commits.append(record.get("step") if name == "COMMITTED" else name)  # also the NEW mark, first
+        if len(commits) == 5:  # the NEW mark, generation 0, steps 1 and 2, then the disk is full
             raise OSError(errno.ENOSPC, "No space left on device")
         commit(path, record, name)
 
