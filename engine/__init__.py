@@ -7,7 +7,8 @@ Where things are
   ``engine.config_checks``).
 - ``engine.zero``: the ZeRO mechanics of one step: units and their flat layout (``partition``),
   gathering and releasing parameters (``params``), gradient shards (``grads``), the update
-  (``update``, ``step``, ``optim``; compact moments in ``moments`` and ``quantize``, their fused update in ``compact_update``), the step
+  (``update``, ``step``, ``optim``; which parameters decay in ``decay``; compact moments in ``moments`` and
+  ``quantize``, their fused update in ``compact_update``), the step
   cycle (``phase``) and what a step cost (``stats``).
 - ``engine.tiers``: where a rank's shards live between uses: optimizer tiers (``optimizer``,
   ``optimizer_store`` with its checks and store modes), parameter tiers (``parameters``), the

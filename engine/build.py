@@ -36,6 +36,7 @@ from engine.tiers.sizing import (
 from engine.tiers.store_checks import check_buffer_memory
 from engine.tiers.store_io import StoreIO
 from engine.zero.buffers import materialize_buffers_
+from engine.zero.decay import no_decay_names
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
 from engine.zero.moments import HostAllocator, StateForm
 from engine.zero.params import ReplicatedParams, ShardedParams
@@ -60,7 +61,10 @@ def model_units(
     model: nn.Module, config: Config, world_size: int
 ) -> tuple[list[tuple[str, nn.Module]], dict[str, list[tuple[str, nn.Parameter]]], ModelLayout]:
     """The model's units (recomputing their activations if asked), the parameters each owns
-    (trainable and frozen units alike), and the layout of their flat buffers and shards."""
+    (trainable and frozen units alike), and the layout of their flat buffers and shards. An
+    ``optim.no_decay`` pattern that fits no parameter is refused here, before any file is
+    touched (the step's arithmetic takes the exempt parameters from the model again)."""
+    no_decay_names(model, config.optim.no_decay)
     units = find_units(model, config.zero.unit_classes)
     if config.zero.activation_checkpointing:
         for name, module in units:

@@ -17,7 +17,7 @@ from engine.config_parse import ConfigError
 def validate(config: Config) -> None:
     """Ranges and combinations; raises ConfigError naming the key and the fix."""
     _check_finite(config)
-    z, o, p, opt = config.zero, config.offload, config.precision, config.optim
+    z, o, p = config.zero, config.offload, config.precision
     _check(z.stage in (1, 2, 3), "zero.stage", z.stage, "must be 1, 2 or 3")
     _check(z.grad_accum_steps >= 1, "zero.grad_accum_steps", z.grad_accum_steps, "must be >= 1")
     _check(
@@ -65,15 +65,28 @@ def validate(config: Config) -> None:
     _check(p.growth_interval >= 1, "precision.growth_interval", p.growth_interval, "must be >= 1")
     _check(p.growth_factor > 1, "precision.growth_factor", p.growth_factor, "must be > 1")
     _check(0 < p.backoff_factor < 1, "precision.backoff_factor", p.backoff_factor, "must be in (0, 1)")
+    _check_optim(config)
+    _check_run(config)
+
+
+def _check_optim(config: Config) -> None:
+    """AdamW's hyper-parameters, the parameters it exempts from decay, and the schedule."""
+    opt = config.optim
     _check(opt.lr > 0, "optim.lr", opt.lr, "must be > 0")
     _check(all(0 <= b < 1 for b in opt.betas), "optim.betas", opt.betas, "each must be in [0, 1)")
     _check(opt.eps > 0, "optim.eps", opt.eps, "must be > 0")
     _check(opt.weight_decay >= 0, "optim.weight_decay", opt.weight_decay, "must be >= 0")
+    _check(
+        all(entry.strip() for entry in opt.no_decay),
+        "optim.no_decay",
+        opt.no_decay,
+        'holds an empty entry, which names no parameter: remove it (keywords "bias", "norm", "embedding", '
+        "or fnmatch patterns over parameter names; [] decays every parameter)",
+    )
     _check(opt.grad_clip >= 0, "optim.grad_clip", opt.grad_clip, "must be >= 0 (0 disables clipping)")
     _check(opt.warmup_steps >= 0, "optim.warmup_steps", opt.warmup_steps, "must be >= 0")
     _check(opt.decay_steps >= 0, "optim.decay_steps", opt.decay_steps, "must be >= 0")
     _check(0 <= opt.min_lr_ratio <= 1, "optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")
-    _check_run(config)
 
 
 def _check_masters(config: Config) -> None:
@@ -146,6 +159,7 @@ def _check_run(config: Config) -> None:
     _check(config.data.vocab_size >= 257, "data.vocab_size", config.data.vocab_size, "must be > 256 for a BPE")
     _check(config.train.steps >= 1, "train.steps", config.train.steps, "must be >= 1")
     _check(config.train.log_every >= 1, "train.log_every", config.train.log_every, "must be >= 1")
+    _check(config.train.epochs >= 0, "train.epochs", config.train.epochs, "must be >= 0 (0: train for train.steps)")
     _check(0 <= config.data.val_fraction < 1, "data.val_fraction", config.data.val_fraction, "must be in [0, 1)")
     _check(config.train.eval_every >= 0, "train.eval_every", config.train.eval_every, "must be >= 0")
     _check(config.train.eval_batches >= 1, "train.eval_batches", config.train.eval_batches, "must be >= 1")

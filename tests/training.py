@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from engine.config import Config
+from engine.config import Config, OptimConfig
 from engine.engine import Engine
 from engine.run.data import TokenBatches
 from engine.run.models.gpt import GPT, GPTConfig
@@ -19,10 +20,18 @@ TOKENS = np.tile(np.random.default_rng(123).integers(0, 256, 1000, dtype=np.uint
 SEQ_LEN = 32
 CPU = torch.device("cpu")
 
+Exempt = Callable[[str, torch.nn.Parameter], bool]
+"""Whether a parameter (by name) takes no weight decay, in a test's own words."""
+
 
 def config(**sections: dict) -> Config:
     """A config for tests: fp32, no clipping, optimizer state in memory, unless a section says otherwise."""
-    raw = {"offload": {"optimizer": "cpu"}, "precision": {"compute_dtype": "fp32"}, "optim": {"grad_clip": 0.0, "warmup_steps": 2}, "train": {"steps": 6}}
+    raw = {
+        "offload": {"optimizer": "cpu"},
+        "precision": {"compute_dtype": "fp32"},
+        "optim": {"grad_clip": 0.0, "warmup_steps": 2},
+        "train": {"steps": 6},
+    }
     for name, values in sections.items():
         raw[name] = raw.get(name, {}) | values
     return Config.from_dict(raw)
@@ -74,17 +83,18 @@ def train_reference(
     tie: bool = False,
     concat: int = 1,
     device: torch.device = CPU,
+    exempt: Exempt | None = None,
 ) -> dict:
     """Plain PyTorch: one process, ``torch.optim.AdamW`` with the engine's hyper-parameters,
     ``LambdaLR`` with the same schedule, ``clip_grad_norm_``, autocast for bf16/fp16, on
     ``device`` (the engine computes on the accelerator when there is one).
 
     With ``concat`` > 1 each batch is that many consecutive micro-batches in one: the data an
-    engine accumulating ``concat`` micro-batches per step sees."""
+    engine accumulating ``concat`` micro-batches per step sees. ``exempt``: the parameters a
+    custom ``optim.no_decay`` exempts from weight decay (``decay_groups``)."""
     model = tiny_gpt(tie=tie).to(device)
     o = cfg.optim
-    kernel = {"fused": True} if o.kernel == "fused" else {}
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **kernel)
+    opt = reference_adamw(model, o, exempt)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, steps))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.compute_dtype)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
@@ -94,7 +104,7 @@ def train_reference(
     for _ in range(steps):
         step_loss = 0.0
         for _ in range(accum):
-            x, y = (torch.cat(parts).to(device) for parts in zip(*(data.next() for _ in range(concat))))
+            x, y = (torch.cat(parts).to(device) for parts in zip(*(data.next() for _ in range(concat)), strict=True))
             with autocast:
                 loss = model(x, y)
             (loss / accum if accum > 1 else loss).backward()
@@ -107,6 +117,37 @@ def train_reference(
         losses.append(step_loss)
         history.append(_snapshot(model))
     return {"losses": losses, "params": history[-1], "history": history}
+
+
+def decay_groups(model: torch.nn.Module, optim: OptimConfig, exempt: Exempt | None = None) -> list[dict]:
+    """``torch.optim.AdamW``'s parameter groups for the engine's ``optim.no_decay``, by rules
+    written here apart from the engine's own (``engine.zero.decay``), so that a test comparing
+    the two checks which parameters decay: with the default list, 1-D parameters (biases, norm
+    gains) and embedding weights (a tied head being one) take no decay; with ``[]`` every
+    trainable parameter does; another list needs the test's own ``exempt``."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not optim.no_decay:
+        return [{"params": [p for _, p in trainable], "weight_decay": optim.weight_decay}]
+    if exempt is None:
+        assert optim.no_decay == ["bias", "norm", "embedding"], f"no hand-written rule for {optim.no_decay}"
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        skip = [p.ndim < 2 or id(p) in embeddings for _, p in trainable]
+    else:
+        skip = [exempt(n, p) for n, p in trainable]
+    groups = [
+        {"params": [p for (_, p), s in zip(trainable, skip, strict=True) if not s], "weight_decay": optim.weight_decay},
+        {"params": [p for (_, p), s in zip(trainable, skip, strict=True) if s], "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def reference_adamw(model: torch.nn.Module, optim: OptimConfig, exempt: Exempt | None = None) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over the model's trainable parameters as the engine's ``optim``
+    configures it: its hyper-parameters, its kernel (``fused`` or the default foreach), and
+    the two groups of ``decay_groups``."""
+    kernel = {"fused": True} if optim.kernel == "fused" else {}
+    groups = decay_groups(model, optim, exempt)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, **kernel)
 
 
 def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -246,6 +246,7 @@ def ours(build: Build, workload: Workload, contestant: Contestant, nvme_path: Pa
             "precision": {"compute_dtype": "bf16"},
             "optim": {
                 **workload.adamw_kwargs(),
+                "no_decay": [],  # every parameter decays, as the workload's AdamW decays them in the others
                 "grad_clip": 0.0,
                 "warmup_steps": 0,
                 "schedule": "constant",

@@ -17,6 +17,7 @@ import torch
 
 from engine.config import OptimConfig
 from engine.runtime.compiled import LazyCompiled
+from engine.zero.decay import ShardDecay
 from engine.zero.quantize import BLOCK, blocks, decode, encode, noise_table, periodic, round_bits
 
 MomentHeld = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -54,16 +55,20 @@ def compact_adamw_(
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     hyper: torch.Tensor,
     grad_scale: torch.Tensor,
+    decays: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step, in place, with torch's arithmetic (decoupled weight decay, bias
     correction, ``eps`` outside the square root); ``hyper`` holds lr, beta1, beta2, eps,
     weight decay and the two bias corrections (a tensor: new values never recompile), and
     ``tables`` the noise of exp_avg, exp_avg_sq and the master (``noise_table``). The gradient
     (fp32, or a spilled one in bf16) is widened and multiplied by ``grad_scale`` (clipping's
-    coefficient, or 1) in the same pass."""
+    coefficient, or 1) in the same pass. ``decays`` (bool per element), if given, limits the
+    weight decay to the elements it marks: per element, since a shard's runs of decayed
+    parameters need not fall on the int8 moments' blocks, which cannot be cut."""
     lr, beta1, beta2, eps, weight_decay, correction1, correction2_sqrt = hyper.unbind()
     numel = master.numel()
-    param = master.float() * (1 - lr * weight_decay)
+    shrink = 1 - lr * weight_decay
+    param = master.float() * (shrink if decays is None else torch.where(decays, shrink, 1.0))
     g = grad.float() * grad_scale
     m = _widen(exp_avg, signed=True)
     v = _widen(exp_avg_sq, signed=False)
@@ -110,15 +115,21 @@ def compact_step(
     lr: float,
     seeds: tuple[int, int, int],
     grad_scale: torch.Tensor | None = None,
+    decay: ShardDecay | None = None,
 ) -> None:
     """AdamW's ``step``-th update (1-based) of one shard whose master or moments are compact;
     ``seeds`` draw the rounding noise of exp_avg, exp_avg_sq and the master (unused by one in
-    fp32); ``grad_scale`` multiplies the gradient first (``ShardAdamW.update``)."""
+    fp32); ``grad_scale`` multiplies the gradient first, and ``decay`` says which elements take
+    weight decay (None: all; ``ShardAdamW.update``). Only a shard holding both kinds pays for
+    a mask, a byte per element written and read."""
     beta1, beta2 = config.betas
     device = master.device
-    values = [lr, beta1, beta2, config.eps, config.weight_decay, 1 - beta1**step, math.sqrt(1 - beta2**step)]
+    uniform = True if decay is None else decay.uniform
+    weight_decay = config.weight_decay if uniform is not False else 0.0
+    values = [lr, beta1, beta2, config.eps, weight_decay, 1 - beta1**step, math.sqrt(1 - beta2**step)]
     hyper = torch.tensor(values, dtype=torch.float32, device=device)
     kinds = (moments[0].dtype == torch.uint8, moments[1].dtype == torch.uint8, False)
     tables = tuple(noise_table(seed, not floats, device) for seed, floats in zip(seeds, kinds, strict=True))
     scale = torch.ones((), device=device) if grad_scale is None else grad_scale
-    ADAMW(master, grad, held(moments[0]), held(moments[1]), tables, hyper, scale)
+    mask = None if decay is None or uniform is not None or weight_decay == 0 else decay.mask(device)
+    ADAMW(master, grad, held(moments[0]), held(moments[1]), tables, hyper, scale, mask)

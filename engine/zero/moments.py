@@ -31,6 +31,7 @@ import torch
 
 from engine.config import OptimConfig
 from engine.zero.compact_update import compact_step
+from engine.zero.decay import ShardDecay
 from engine.zero.optim import ShardAdamW
 from engine.zero.precision import DTYPES
 from engine.zero.quantize import BLOCK, PACKED, packed_bytes
@@ -182,11 +183,12 @@ class CompactAdamW(ShardAdamW):
         step: torch.Tensor,
         lr: float,
         grad_scale: torch.Tensor | None = None,
+        decay: ShardDecay | None = None,
     ) -> None:
         if master.dtype == exp_avg.dtype == torch.float32:
-            super().update(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale)
+            super().update(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale, decay)
             return
         step.add_(1)  # as torch's kernels count it
         count = int(step.item())
         seeds = (2 * count, 2 * count + 1, MASTER_SEED + count)  # a distinct stream per step and per tensor
-        compact_step(self.config, master, grad, (exp_avg, exp_avg_sq), count, lr, seeds, grad_scale)
+        compact_step(self.config, master, grad, (exp_avg, exp_avg_sq), count, lr, seeds, grad_scale, decay)

@@ -4,7 +4,9 @@ The update runs one unit's shard at a time (so shards can pass through host memo
 from disk) with torch's own AdamW kernels called functionally: ``fused`` is the fastest
 on CPU (see ``benchmarks.optimizer``) and bit-identical to ``AdamW(fused=True)``;
 ``foreach`` is bit-identical to torch's default ``AdamW``. Elementwise kernels give the
-same bits on a flat shard as on the separate parameters it concatenates.
+same bits on a flat shard as on the separate parameters it concatenates, and on a run of a
+shard's elements as on the parameters of one group: so the parameters exempt from weight decay
+(``engine.zero.decay``) are updated as torch updates a group with ``weight_decay = 0``.
 """
 
 from __future__ import annotations
@@ -16,33 +18,37 @@ from torch.optim.adamw import adamw
 
 from engine.config import OptimConfig
 from engine.runtime.comm import Comm
+from engine.zero.decay import ShardDecay
 
 
 def lr_factor(step: int, config: OptimConfig, total_steps: int) -> float:
-    """Multiplier of ``config.lr`` at optimizer step ``step`` (0-based): linear warmup, then
-    cosine decay to ``min_lr_ratio`` (or constant)."""
+    """Multiplier of ``config.lr`` at optimizer step ``step`` (0-based): linear warmup over
+    ``warmup_steps``, then ``constant``, or a decay to ``min_lr_ratio`` over ``decay_steps`` (0:
+    the rest of ``total_steps``), along a half cosine (``cosine``) or a straight line (``linear``,
+    Hugging Face's default), held there after."""
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
     if config.schedule == "constant":
         return 1.0
     decay_steps = config.decay_steps or max(1, total_steps - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / decay_steps)
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    left = 1.0 - progress if config.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * left
 
 
 def schedule_change(config: OptimConfig, step: int, planned: int | None, total: int) -> str | None:
     """What training for ``total`` steps changes of a run planned for ``planned`` (None: not
-    recorded), resumed at ``step``: a cosine that decays over ``train.steps`` (``optim.decay_steps
-    = 0``) is stretched or squeezed from there on, so the learning rate jumps. None where the
-    schedule is the same."""
+    recorded), resumed at ``step``: a decay (cosine or linear) over ``train.steps``
+    (``optim.decay_steps = 0``) is stretched or squeezed from there on, so the learning rate
+    jumps. None where the schedule is the same."""
     if planned is None or planned == total or config.schedule == "constant" or config.decay_steps:
         return None
     before, after = (config.lr * lr_factor(step, config, steps) for steps in (planned, total))
     keep = max(1, planned - config.warmup_steps)
     return (
-        f"train.steps is {total} where the run was planned for {planned}: its cosine decays over train.steps "
-        f"(optim.decay_steps = 0), so from step {step} the learning rate follows a new curve ({before:.3g} -> "
-        f"{after:.3g} now); to keep the old one, set optim.decay_steps = {keep}"
+        f"train.steps is {total} where the run was planned for {planned}: its {config.schedule} decay runs over "
+        f"train.steps (optim.decay_steps = 0), so from step {step} the learning rate follows a new curve "
+        f"({before:.3g} -> {after:.3g} now); to keep the old one, set optim.decay_steps = {keep}"
     )
 
 
@@ -66,28 +72,57 @@ class ShardAdamW:
         step: torch.Tensor,
         lr: float,
         grad_scale: torch.Tensor | None = None,
+        decay: ShardDecay | None = None,
     ) -> None:
         """One AdamW step on one shard, in place. A ``grad`` spilled in bf16 is widened first,
         and multiplied by ``grad_scale`` (clipping's coefficient, ``clip_coefficient``) if given:
-        the gradient is scratch, overwritten."""
+        the gradient is scratch, overwritten. ``decay`` says which elements take weight decay
+        (None: all); a shard holding both kinds is updated as torch's ``AdamW`` updates two
+        parameter groups: the kernel once over the runs that decay, once, at no decay, over
+        the others (views, no copy), each run with its own copy of the step count."""
         grad = grad.float()
         if grad_scale is not None:
             torch._foreach_mul_([grad], grad_scale)
+        uniform = True if decay is None else decay.uniform
+        if uniform is not None or self.config.weight_decay == 0:
+            weight_decay = self.config.weight_decay if uniform is not False else 0.0
+            self._adamw([master], [grad], [exp_avg], [exp_avg_sq], [step], lr, weight_decay)
+            return
+        assert decay is not None  # a uniform shard returned above
+        for decays in (True, False):
+            parts = decay.slices(decays)
+            params, grads, exp_avgs, exp_avg_sqs = ([t[p] for p in parts] for t in (master, grad, exp_avg, exp_avg_sq))
+            steps = [step.clone() for _ in parts]  # the kernels add 1 to each: the shard's step counts once
+            self._adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lr, self.config.weight_decay if decays else 0.0)
+        step.add_(1)
+
+    def _adamw(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+        lr: float,
+        weight_decay: float,
+    ) -> None:
+        """torch's AdamW kernel (fused or foreach) on one group of tensors, as ``torch.optim.AdamW``
+        calls it on one parameter group."""
         beta1, beta2 = self.config.betas
         adamw(
-            [master],
-            [grad],
-            [exp_avg],
-            [exp_avg_sq],
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
             [],
-            [step],
+            steps,
             foreach=not self._fused,
             fused=self._fused,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
             lr=lr,
-            weight_decay=self.config.weight_decay,
+            weight_decay=weight_decay,
             eps=self.config.eps,
             maximize=False,
         )

@@ -21,6 +21,7 @@ from engine.config import Config
 from engine.runtime.comm import Comm
 from engine.tiers.grad_spill import GradSpill
 from engine.tiers.optimizer import ShardState
+from engine.zero.decay import no_decay_names, shard_decays
 from engine.zero.divergence import nonfinite_units
 from engine.zero.grads import GradientShards, PendingShard
 from engine.zero.moments import CompactAdamW
@@ -55,6 +56,8 @@ class StepMath:
         """The model's own parameter order, which torch's gradient norm follows."""
         self.adam = CompactAdamW(config.optim)
         self._counters = {u.name: self.adam.new_step_counter(opt_device) for u in layout.units}
+        self._decay = shard_decays(layout, comm.rank, no_decay_names(model, config.optim.no_decay))
+        """Which elements of each unit's shard take weight decay (``optim.no_decay``)."""
         self.overlap = overlaps_backward(config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
         self.unit_norms: dict[str, float] = {}
@@ -133,9 +136,8 @@ class StepMath:
             norm = self.unit_norms[unit.name] = float(torch.linalg.vector_norm(grad))
             finite = math.isfinite(norm)
         if finite:
-            self.adam.update(
-                state.master, grad, state.exp_avg, state.exp_avg_sq, self._counters[unit.name], self.lr, scale
-            )
+            counter, decay = self._counters[unit.name], self._decay[unit.name]
+            self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, counter, self.lr, scale, decay)
 
     def hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None:
         """On the training thread, after ``compute``: hand the new master to the parameters (its

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from engine.engine import Engine  # noqa: E402
 from engine.zero.optim import lr_factor  # noqa: E402
-from tests.training import SEQ_LEN, batches, config  # noqa: E402
+from tests.training import SEQ_LEN, batches, config, reference_adamw  # noqa: E402
 
 STEPS = 3
 
@@ -72,9 +72,7 @@ def test_stage3_on_nvme_is_bit_identical_to_torch_adamw(build, tmp_path) -> None
 
     ref_model = build()
     o = cfg.optim
-    opt = torch.optim.AdamW(
-        ref_model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
-    )
+    opt = reference_adamw(ref_model, o)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, STEPS))
 
     def reference_step(x: torch.Tensor) -> float:
