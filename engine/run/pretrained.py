@@ -36,7 +36,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.run.loss import chunked_cross_entropy
+
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from engine.engine import Engine
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -292,10 +296,69 @@ def pretrained_model(folder: str, seq_len: int) -> tuple[nn.Module, Pretrained]:
     return model, init
 
 
-def causal_lm_loss(engine: Engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The next-token loss of a causal LM on inputs ``x`` and their shifted targets ``y``."""
-    logits = engine(input_ids=x).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.to(logits.device).flatten())
+def causal_lm_loss(
+    engine: Engine, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The next-token loss of a causal LM on inputs ``x`` and their shifted targets ``y`` (-100:
+    not counted), its logits never made whole (``chunked_cross_entropy``). ``positions``
+    (``[batch, seq]``) are packed examples' position ids, given to the model as ``position_ids``:
+    transformers then keeps attention within each example.
+
+    The model runs through the engine's forward, asked for its hidden states and the logits of
+    the last position alone (``logits_to_keep=1``), and the loss is computed inside that call,
+    by a forward hook that runs before the engine's own: at stage 3 the root unit, which holds
+    the head, is still gathered then. The loss becomes the model's output, so the engine's hook
+    arms the root's re-gather on the loss's gradient, which arrives before the loss's backward
+    recomputes the logits: that recompute reads the head's real weight even when the root was
+    released after forward. (It is on the first step, whose order is not yet traced, and when
+    the device budget is short; otherwise it stays gathered, being the next unit to run.) At
+    stages 1 and 2 every unit stays gathered."""
+    model: Any = engine.module
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"the model's output head is a {type(head).__module__}.{type(head).__qualname__}, not an nn.Linear "
+            f"(a LoRA adapter on it?): the chunked loss needs its plain weight; leave the head out of "
+            f"lora.target_modules"
+        )
+
+    def loss_of(module: nn.Module, args: Any, output: Any) -> torch.Tensor:
+        hidden = _head_input(output, head)
+        return chunked_cross_entropy(hidden, head.weight, y.to(hidden.device), head.bias)
+
+    handle = model.register_forward_hook(loss_of, prepend=True)
+    try:
+        packed = {} if positions is None else {"position_ids": positions}
+        # No cache: training keeps no keys and values, and with one transformers ignores packing.
+        return engine(input_ids=x, logits_to_keep=1, output_hidden_states=True, use_cache=False, **packed)
+    finally:
+        handle.remove()
+
+
+def _head_input(output: Any, head: nn.Linear) -> torch.Tensor:
+    """The last hidden state of a causal LM's ``output``, checked to be what its head turns into
+    its logits on the one position it made them for: a model that changes its logits after the
+    head (Gemma 2's soft-capping, Cohere's scale) is refused, as the chunked loss is not its loss."""
+    states = getattr(output, "hidden_states", None)
+    if not states:
+        raise ValueError(
+            f"the model returned no hidden states ({type(output).__name__}): causal_lm_loss needs a transformers "
+            f"causal LM that takes output_hidden_states and logits_to_keep"
+        )
+    hidden = states[-1]
+    if head.weight.untyped_storage().nbytes() == 0:
+        raise RuntimeError(
+            "the output head's parameters are released where the loss needs them: keep the head in the root "
+            "unit (leave its class out of zero.unit_classes)"
+        )
+    with torch.no_grad():
+        made = F.linear(hidden[:, -1:], head.weight, head.bias)
+    if not torch.allclose(made.float(), output.logits.float(), rtol=1e-5, atol=1e-6):
+        raise ValueError(
+            "the model's logits are not its output head applied to its last hidden state (soft-capped or "
+            "scaled?): causal_lm_loss cannot chunk its loss; compute it from engine(input_ids=x).logits"
+        )
+    return hidden
 
 
 def tokenizer_digest(folder: str | os.PathLike[str]) -> str:
@@ -308,9 +371,8 @@ def tokenizer_digest(folder: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def encode(folder: str, lines: list[str]) -> tuple[np.ndarray, int]:
-    """Token ids of ``lines`` (joined, no special tokens added) by the tokenizer in ``folder``,
-    and its vocabulary size, offline."""
+def load_tokenizer(folder: str) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in the model folder ``folder``, offline, for text of any length."""
     from transformers import AutoTokenizer
 
     try:
@@ -321,6 +383,13 @@ def encode(folder: str, lines: list[str]) -> tuple[np.ndarray, int]:
             f"tokenizer.save_pretrained, or give a pre-tokenised .bin data.source"
         ) from err
     tokenizer.model_max_length = 1 << 62  # a long line is data, not an overflow
+    return tokenizer
+
+
+def encode(folder: str, lines: list[str]) -> tuple[np.ndarray, int]:
+    """Token ids of ``lines`` (joined, no special tokens added) by the tokenizer in ``folder``,
+    and its vocabulary size, offline."""
+    tokenizer = load_tokenizer(folder)
 
     def ids() -> Iterator[int]:
         for start in range(0, len(lines), ENCODE_BATCH):

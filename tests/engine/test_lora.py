@@ -19,7 +19,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from torch.nn import functional as F  # noqa: E402
 
 from engine.config import Config, ConfigError  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -27,6 +26,7 @@ from engine.run import cli  # noqa: E402
 from engine.run.data import TokenBatches, load_tokens  # noqa: E402
 from engine.run.generate import Sampling, continue_ids, recorded_model  # noqa: E402
 from engine.run.lora import init_adapters_, peft_config  # noqa: E402
+from engine.run.loss import chunked_cross_entropy  # noqa: E402
 from engine.tiers.frozen import FROZEN  # noqa: E402
 from engine.tools.inspect import inspect_store  # noqa: E402
 from engine.zero.optim import lr_factor  # noqa: E402
@@ -34,7 +34,7 @@ from offload import IORunner, ShardStore, generation_prefix, unit_arrays  # noqa
 from tests.engine.test_hf_models import llama  # noqa: E402
 from tests.engine.test_pretrained import SHARD, TEXT, save_tokenizer  # noqa: E402
 from tests.engine.test_pretrained import llama as pretrained_llama  # noqa: E402
-from tests.training import batches, config  # noqa: E402
+from tests.training import batches, config, reference_adamw  # noqa: E402
 
 STEPS = 3
 
@@ -88,8 +88,7 @@ def test_lora_stage3_base_on_nvme_is_bit_identical_to_peft_and_adamw(tmp_path) -
 
     ref_model = lora_llama()
     o = cfg.optim
-    trainable = [p for p in ref_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
+    opt = reference_adamw(ref_model, o)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, STEPS))
 
     def reference_step(loss: torch.Tensor) -> float:
@@ -151,16 +150,17 @@ def peft_reference(folder: Path, corpus: Path, args: list[str]) -> tuple[torch.n
     adapters = {n: p for n, p in ref.named_parameters() if p.requires_grad}
     init_adapters_(adapters, cfg.train.seed)
     o, steps = cfg.optim, cfg.train.steps
-    opt = torch.optim.AdamW(
-        adapters.values(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
-    )
+    opt = reference_adamw(ref, o)  # over the adapters, the parameters that require grad
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, steps))
     tokens, _ = load_tokens(str(corpus), pretrained=str(folder))
     data = TokenBatches(tokens, seq_len=16, micro_batch=2, seed=cfg.data.seed)
     losses = []
     for _ in range(steps):
         x, y = data.next()
-        loss = F.cross_entropy(ref(input_ids=x).logits.flatten(0, 1), y.flatten())
+        # The engine's loss, taken in chunks from the last hidden states (equal to the full one
+        # within 1e-6, tests/engine/test_chunked_loss.py): what is compared here is the training.
+        hidden = ref(input_ids=x, output_hidden_states=True).hidden_states[-1]
+        loss = chunked_cross_entropy(hidden, ref.get_output_embeddings().weight, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(adapters.values(), o.grad_clip)
         opt.step()

@@ -25,7 +25,7 @@ from engine.tools.consolidate import consolidate  # noqa: E402
 from engine.tools.export import export  # noqa: E402
 from engine.zero.optim import lr_factor  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
-from tests.training import SEQ_LEN, batches, config  # noqa: E402
+from tests.training import SEQ_LEN, batches, config, reference_adamw  # noqa: E402
 
 STEPS = 3
 SHARD = "40KB"
@@ -112,9 +112,7 @@ def fine_tune(step) -> list[float]:
 def torch_adamw(folder: Path, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same fine-tuning in plain PyTorch, from ``from_pretrained``."""
     model, o = reference(folder), cfg.optim
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
-    )
+    opt = reference_adamw(model, o)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, STEPS))
 
     def step(x: torch.Tensor) -> float:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.run.loss import chunked_cross_entropy
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "GPTConfig",
     "KVCache",
     "init_parameters_",
+    "packed_causal_mask",
     "param_generator",
 ]
 
@@ -189,13 +192,17 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: LayerCache | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``mask`` (``packed_causal_mask``), if given, says which positions each one sees:
+        packed examples each see only their own, causally. Without it (and without a cache's
+        past), attention is plainly causal."""
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         # [batch, seq, width] -> [batch, head, seq, head_dim]
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
         past = 0 if cache is None else cache.length
-        mask = None
         if cache is not None:
             k, v = cache.append(k, v)
         if past:  # the new positions see every cached one, and each other causally
@@ -227,8 +234,10 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.d_model)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), cache)
+    def forward(
+        self, x: torch.Tensor, cache: LayerCache | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache, mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -264,11 +273,23 @@ class GPT(nn.Module):
         init_parameters_(dict(self.named_parameters()), self.config, seed)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (fp32) if ``targets`` is given.
+        """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (fp32) over the targets
+        that are not -100 if ``targets`` is given, computed a chunk of tokens at a time
+        (``chunked_cross_entropy``: the loss's logits never exist whole).
         With ``cache`` (decoding), ``idx`` holds the positions after those the cache holds, and
-        their keys and values are added to it."""
+        their keys and values are added to it. With ``positions`` (``[batch, seq]``, packed
+        examples: each starts where its position is 0), each token is embedded at its position
+        and attends only to the earlier tokens of its own example."""
+        if isinstance(cache, torch.Tensor):
+            raise TypeError("GPT.forward got a tensor as its cache: pass packed positions by keyword, positions=...")
+        if positions is not None and cache is not None:
+            raise ValueError("GPT.forward takes positions (packed training) or cache (decoding), not both: pass one")
         past = cache.length if cache is not None else 0
         seq = past + idx.shape[1]
         if seq > self.config.seq_len:
@@ -276,15 +297,36 @@ class GPT(nn.Module):
                 f"input has {seq} positions but GPTConfig.seq_len is {self.config.seq_len}: "
                 f"crop the input or build the model with seq_len >= {seq}"
             )
-        positions = torch.arange(past, seq, device=idx.device)
+        mask = None
+        if positions is None:
+            positions = torch.arange(past, seq, device=idx.device)
+        else:
+            mask = packed_causal_mask(positions, idx.shape)
         x = self.tok_emb(idx) + self.pos_emb(positions)
         for index, block in enumerate(self.blocks):
-            x = block(x) if cache is None else block(x, cache.layers[index])
-        logits = self.head(self.ln_f(x))
+            if cache is not None:
+                x = block(x, cache.layers[index])
+            else:
+                x = block(x) if mask is None else block(x, mask=mask)
+        x = self.ln_f(x)
         if targets is None:
-            return logits
-        # fp32 logits: a bf16/fp16 softmax over a large vocab loses the loss's precision
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return self.head(x)
+        return chunked_cross_entropy(x, self.head.weight, targets, self.head.bias)
+
+
+def packed_causal_mask(positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The attention mask of rows of packed examples, ``[batch, 1, seq, seq]`` (True: may
+    attend): block-diagonal and causal, an example starting wherever its position is 0 (what
+    comes before a row's first 0 is an example of its own)."""
+    if positions.shape != shape:
+        raise ValueError(
+            f"positions of shape {tuple(positions.shape)} do not match the input's {tuple(shape)}: give one "
+            f"position per token, counting from 0 in each packed example"
+        )
+    example = (positions == 0).cumsum(dim=1)
+    same = example.unsqueeze(2) == example.unsqueeze(1)
+    causal = torch.ones(shape[1], shape[1], dtype=torch.bool, device=positions.device).tril()
+    return (same & causal).unsqueeze(1)
 
 
 def param_generator(seed: int, name: str) -> torch.Generator:

@@ -6,6 +6,7 @@ the engine when it changes."""
 from __future__ import annotations
 
 from engine.config import shares_master
+from engine.run.loss import CHUNK_TOKENS
 from engine.runtime.heap import MMAP_THRESHOLD
 from engine.runtime.sizes import FP32
 from engine.tiers.grad_spill import grad_bytes, scratch_disk_bytes, spill_dtype
@@ -187,23 +188,25 @@ def activation_bytes(run: RunShape) -> int:
     input and GELU output, the residual)
     plus fp32 LayerNorm statistics and the attention's log-sum-exp per head; SDPA's fused CPU
     and CUDA kernels never hold the seq x seq scores. The root saves the final LayerNorm's
-    input and output and the fp32 log-softmax over the vocabulary. At the peak, the start of
-    backward, the fp32 gradients of the log-softmax and the logits exist too; later, inside a
-    block's backward, about 10 x d_model of gradients. With activation checkpointing a block
+    input and output; the loss keeps no logits (``engine.run.loss``): at the start of backward
+    it recomputes one chunk of them at a time (in the compute dtype, widened to fp32), and sums
+    the head's gradient in fp32 where the compute dtype is narrower. Later, inside a block's
+    backward, about 10 x d_model of gradients a token. With activation checkpointing a block
     saves only its input and recomputes its 16 x d_model in its backward.
     """
     shape, data = run.model, run.config.data
     tokens, e, d = data.micro_batch * data.seq_len, run.itemsize, shape.d_model
     block_saved = (8 * d + 2 * shape.ffn) * e + 4 * FP32 + shape.n_head * FP32
-    root_saved = 2 * d * e + FP32 * shape.vocab_size
-    logit_grads = max(2 * FP32, FP32 + e) * shape.vocab_size
+    root_saved = 2 * d * e
+    chunk = min(tokens, CHUNK_TOKENS) * shape.vocab_size * (FP32 + e)
+    loss_backward = chunk + (FP32 * shape.vocab_size * d if e < FP32 else 0)
     block_grads = 10 * d * e
     if run.config.zero.activation_checkpointing:
         saved = shape.n_layer * d * e + root_saved
         block_grads += block_saved  # the block recomputed for its backward
     else:
         saved = shape.n_layer * block_saved + root_saved
-    return tokens * (saved + max(logit_grads, block_grads))
+    return tokens * saved + max(loss_backward, tokens * block_grads)
 
 
 def heap_retention_bytes(churn: int) -> int:
