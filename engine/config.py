@@ -167,7 +167,15 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to every parameter."""
+    """Decoupled weight decay, applied to every parameter but those ``no_decay`` exempts."""
+    no_decay: list[str] = field(default_factory=lambda: ["bias", "norm", "embedding"])
+    """Parameters that take no weight decay, as Hugging Face's Trainer and torchtune leave them:
+    ``bias`` (parameters named ``*bias``), ``norm`` (the parameters of normalisation modules:
+    ``nn.LayerNorm``, ``nn.RMSNorm``, any class whose name ends with ``Norm``), ``embedding`` (the
+    weights of ``nn.Embedding`` modules; an output head tied to one is the same parameter, so it
+    follows its embedding); any other entry is an fnmatch pattern over a parameter's full name
+    (``"*.ln_f.*"``), refused if it matches none. ``[]``: every parameter decays. Taken from the
+    model at every start, so a resume with another list changes the groups from then on."""
     kernel: Literal["fused", "foreach"] = "fused"
     """``fused`` is torch's fastest AdamW (bit-identical to ``AdamW(fused=True)``); ``foreach``
     is bit-identical to torch's default AdamW."""
@@ -188,11 +196,14 @@ class OptimConfig:
     copy on disk, none rewritten each step), which needs ``precision.compute_dtype = "bf16"``.
     A store resumes only with the master dtype it was written with."""
     warmup_steps: int = 0
-    schedule: Literal["cosine", "constant"] = "cosine"
+    """Steps of linear warmup from ``lr / warmup_steps`` to ``lr``."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """After warmup: a half cosine down to ``min_lr_ratio * lr``, a straight line down to it
+    (``linear``, Hugging Face's default schedule), or ``constant`` at ``lr``."""
     decay_steps: int = 0
-    """Steps of the cosine decay after warmup; 0 means ``train.steps - warmup_steps``."""
+    """Steps of the decay after warmup (cosine or linear); 0 means ``train.steps - warmup_steps``."""
     min_lr_ratio: float = 0.1
-    """Final learning rate of the cosine, as a fraction of ``lr``."""
+    """Final learning rate of the decay, as a fraction of ``lr``."""
 
 
 @dataclass
@@ -231,7 +242,20 @@ class DataConfig:
     """The training text and how batches are drawn."""
 
     source: str = "shakespeare"
-    """``shakespeare`` (built in), a .txt/.md file or folder, or a uint16 token file ``*.bin``."""
+    """``shakespeare`` (built in), a .txt/.md file or folder, a uint16 token file ``*.bin``, or
+    fine-tuning records: a ``.jsonl``, ``.json`` or ``.parquet`` file, a folder of them, or a folder
+    ``datasets.save_to_disk`` wrote (tokenised by the ``model.hf`` tokenizer, see ``format``)."""
+    format: Literal["auto", "text", "messages", "prompt_completion"] = "auto"
+    """The form of the records: ``text``; ``messages`` (chat, rendered by the tokenizer's chat
+    template); ``prompt_completion`` (strings, or lists of messages); ``auto``: told by their fields."""
+    train_on: Literal["completion", "all"] = "completion"
+    """Which tokens of a record the loss counts: ``completion`` (the completion, or the assistant's
+    replies) or ``all``. ``text`` records count every token."""
+    pack: bool = True
+    """Put several records into one sequence of ``seq_len`` (no attention across them); false:
+    one record a sequence, padded."""
+    truncate: bool = True
+    """Cut a record longer than ``seq_len`` (the run logs how many); false refuses such a record."""
     tokenizer: Literal["bytes", "bpe"] = "bytes"
     vocab_size: int = 8192
     """BPE vocabulary size (``tokenizer = "bpe"`` only)."""
@@ -248,6 +272,9 @@ class TrainConfig:
     """The training loop of ``python -m engine train``."""
 
     steps: int = 200
+    epochs: int = 0
+    """Passes over fine-tuning records (``data.source`` records) instead of ``steps``: each visits
+    every record once, in an order drawn anew each epoch; 0: train for ``steps``."""
     log_every: int = 10
     seed: int = 0
     """Seed of the model initialisation."""

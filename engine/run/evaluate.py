@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,13 +24,15 @@ from engine.run.data import TokenBatches
 class Validation:
     """``batches`` forwards over held-out tokens, every ``every`` steps."""
 
-    tokens: np.ndarray
+    held_out: np.ndarray | Callable[[int, int], Any]
+    """Held-out tokens, drawn as windows, or what makes a rank's batches of held-out examples
+    from ``(rank, world_size)`` (fine-tuning records: ``RecordData.batches``)."""
     seq_len: int
     micro_batch: int
     batches: int
     every: int
-    loss_of: Callable[[Engine, torch.Tensor, torch.Tensor], torch.Tensor] = Engine.__call__
-    """The loss of a batch ``(x, y)`` through the engine's forward (a pretrained model's: its logits')."""
+    loss_of: Callable[..., torch.Tensor] = Engine.__call__
+    """The loss of a batch ``(x, y)`` (fine-tuning records: ``(x, y, positions)``) through the engine's forward."""
 
     def due(self, step: int, last_step: int) -> bool:
         """Every ``every`` steps, and after the last step, so a run always ends with a value."""
@@ -38,9 +41,17 @@ class Validation:
     def loss(self, engine: Engine, seed: int) -> float:
         """Mean next-token loss over the held-out batches, averaged over the ranks."""
         rank, world = engine.comm.rank, engine.comm.world_size
-        data = TokenBatches(
-            self.tokens, seq_len=self.seq_len, micro_batch=self.micro_batch, rank=rank, world_size=world, seed=seed
-        )
+        if callable(self.held_out):
+            data = self.held_out(rank, world)
+        else:
+            data = TokenBatches(
+                self.held_out,
+                seq_len=self.seq_len,
+                micro_batch=self.micro_batch,
+                rank=rank,
+                world_size=world,
+                seed=seed,
+            )
         total = 0.0
         with torch.no_grad():
             for _ in range(self.batches):

@@ -36,9 +36,12 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens, split
 from engine.run.evaluate import Validation, perplexity
+from engine.run.examples import ExampleBatches
 from engine.run.lora import LoraInit, lora_model
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
+from engine.run.records import is_records
+from engine.run.sft import RecordData, record_data
 from engine.run.watch import Scalars, step_record
 from engine.runtime.comm import node_of_env
 from engine.runtime.rss import peak_rss_bytes
@@ -218,7 +221,9 @@ def start_engine(
     return Engine(model, config, init_unit=init, overwrite=overwrite)
 
 
-def train_step(engine: Engine, data: TokenBatches, accum: int, loss_of: LossFn = Engine.__call__) -> float:
+def train_step(
+    engine: Engine, data: TokenBatches | ExampleBatches, accum: int, loss_of: LossFn = Engine.__call__
+) -> float:
     """One optimizer step over ``accum`` micro-batches; the loss averaged over them and the ranks.
     A loss that is not finite stops the step before it can be committed."""
     loss_sum = 0.0
@@ -256,13 +261,20 @@ def micro_batch_for(config: Config, saved: dict[str, Any] | None, world: int) ->
     return global_batch // world
 
 
-def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> None:
+def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float, fractions: dict[str, float]) -> None:
+    """The log line of a step; ``fractions``: of a fine-tuning step's positions, those in the loss and padding."""
     tiers = engine.memory_report()
+    shares = (
+        f" | {fractions['loss_token_fraction']:.0%} in the loss, {fractions['padding_fraction']:.0%} padding"
+        if fractions
+        else ""
+    )
     logger.info(
-        "step %d loss %.4f | %.0f tokens/s | peak RSS %.2f GiB | device %.1f MiB, cpu %.1f MiB, nvme %.1f MiB",
+        "step %d loss %.4f | %.0f tokens/s%s | peak RSS %.2f GiB | device %.1f MiB, cpu %.1f MiB, nvme %.1f MiB",
         step,
         loss,
         tokens_per_s,
+        shares,
         peak_rss_bytes() / GIB,
         tiers["device"] / MIB,
         tiers["cpu"] / MIB,
@@ -270,21 +282,68 @@ def log_step(engine: Engine, step: int, loss: float, tokens_per_s: float) -> Non
     )
 
 
-def run_model(config: Config) -> tuple[np.ndarray, nn.Module, Callable[[dict[str, torch.Tensor]], None], LossFn]:
-    """The tokens, the model to train on the meta device, its ``init_unit`` and the loss of a
+Corpus = np.ndarray | RecordData
+"""What a run trains on: a token corpus (random windows) or fine-tuning records (whole examples)."""
+
+
+def run_model(
+    config: Config, records: RecordData | None = None
+) -> tuple[Corpus, nn.Module, Callable[[dict[str, torch.Tensor]], None], LossFn]:
+    """The data, the model to train on the meta device, its ``init_unit`` and the loss of a
     batch with it: the built-in GPT, or the pretrained model at ``model.hf`` (with LoRA adapters
-    if ``lora.r``), which is checked against its checkpoint before the corpus is tokenised."""
+    if ``lora.r``), which is checked against its checkpoint before the corpus is tokenised (or
+    against the tokenizer of ``records``, already tokenised)."""
     data = config.data
     if not config.model.hf:
         tokens, vocab_size = load_tokens(data.source, data.tokenizer, vocab_size=data.vocab_size)
         model, init = meta_model(config, vocab_size)
         return tokens, model, init, Engine.__call__
     pretrained, init = pretrained_model(config.model.hf, data.seq_len)
-    tokens, vocab_size = load_tokens(data.source, data.tokenizer, pretrained=config.model.hf)
+    corpus: Corpus
+    if records is None:
+        corpus, vocab_size = load_tokens(data.source, data.tokenizer, pretrained=config.model.hf)
+    else:
+        corpus, vocab_size = records, records.vocab_size
     check_vocabulary(pretrained, vocab_size, config.model.hf)
     if config.lora.r:
-        return tokens, *lora_model(pretrained, init, config.lora, config.train.seed), causal_lm_loss
-    return tokens, pretrained, init, causal_lm_loss
+        return corpus, *lora_model(pretrained, init, config.lora, config.train.seed), causal_lm_loss
+    return corpus, pretrained, init, causal_lm_loss
+
+
+def fine_tuning_records(config: Config) -> tuple[Config, RecordData | None]:
+    """The records a fine-tuning run trains on (None: a token corpus), and the config with the
+    steps its ``train.epochs`` take."""
+    if is_records(config.data.source):
+        records = record_data(config)
+        return records.with_steps(config), records
+    if config.train.epochs:
+        raise ValueError(
+            f"train.epochs = {config.train.epochs} counts passes over fine-tuning records, but data.source = "
+            f"{config.data.source!r} is a corpus drawn as random windows: set train.steps instead"
+        )
+    return config, None
+
+
+def batches_for(config: Config, corpus: Corpus, engine: Engine) -> TokenBatches | ExampleBatches:
+    """This rank's training batches, continuing where the run's committed step left them."""
+    saved = engine.client_state.get("data")
+    rank, world = engine.comm.rank, engine.comm.world_size
+    micro_batch = micro_batch_for(config, saved, world)
+    data: TokenBatches | ExampleBatches
+    if isinstance(corpus, RecordData):
+        data = corpus.batches(config, rank, world, micro_batch)
+    else:
+        data = TokenBatches(
+            corpus,
+            seq_len=config.data.seq_len,
+            micro_batch=micro_batch,
+            rank=rank,
+            world_size=world,
+            seed=config.data.seed,
+        )
+    if saved is not None:
+        data.load_state_dict(saved)
+    return data
 
 
 def finished_at(config: Config, checkpoint: str | None, overwrite: bool) -> int | None:
@@ -310,32 +369,29 @@ def say_nothing_to_do(step: int, steps: int) -> None:
 
 
 def _train(config: Config, checkpoint: str | None, overwrite: bool) -> TrainResult:
+    config, records = fine_tuning_records(config)
     done = finished_at(config, checkpoint, overwrite)
     if done is not None:
         if int(os.environ.get("RANK", "0")) == 0:
             say_nothing_to_do(done, config.train.steps)
         return TrainResult(steps_done=done)
-    tokens, model, init, loss_of = run_model(config)
+    corpus, model, init, loss_of = run_model(config, records)
     validation = None
     if config.data.val_fraction > 0:
-        tokens, held_out = split(tokens, config.data.val_fraction)
+        if isinstance(corpus, np.ndarray):  # records hold their examples out themselves
+            corpus, held_out = split(corpus, config.data.val_fraction)
         every = config.train.eval_every or config.train.steps
         validation = Validation(
-            held_out, config.data.seq_len, config.data.micro_batch, config.train.eval_batches, every, loss_of
+            held_out if isinstance(corpus, np.ndarray) else functools.partial(corpus.batches, config, held_out=True),
+            config.data.seq_len,
+            config.data.micro_batch,
+            config.train.eval_batches,
+            every,
+            loss_of,
         )
     engine = start_engine(config, model, init, checkpoint, overwrite)
     keep_source = _source_keeper(config, engine, init)
-    data = TokenBatches(
-        tokens,
-        seq_len=config.data.seq_len,
-        micro_batch=micro_batch_for(config, engine.client_state.get("data"), engine.comm.world_size),
-        rank=engine.comm.rank,
-        world_size=engine.comm.world_size,
-        seed=config.data.seed,
-    )
-    if "data" in engine.client_state:
-        data.load_state_dict(engine.client_state["data"])
-    return _run_steps(config, engine, data, validation, loss_of, keep_source)
+    return _run_steps(config, engine, batches_for(config, corpus, engine), validation, loss_of, keep_source)
 
 
 def _source_keeper(config: Config, engine: Engine, init: object) -> Callable[[], None]:
@@ -362,7 +418,7 @@ def _source_keeper(config: Config, engine: Engine, init: object) -> Callable[[],
 def _run_steps(
     config: Config,
     engine: Engine,
-    data: TokenBatches,
+    data: TokenBatches | ExampleBatches,
     validation: Validation | None,
     loss_of: LossFn,
     keep_source: Callable[[], None],
@@ -387,7 +443,8 @@ def _run_steps(
             if validation and validation.due(result.steps_done, config.train.steps):
                 val_loss = validation.loss(engine, config.data.seed)
                 result.val_losses.append((result.steps_done, val_loss))
-            scalars.write(step_record(engine, loss_value, val_loss, tokens_per_step, peak_rss_bytes()))
+            fractions = data.take_fractions() if isinstance(data, ExampleBatches) else {}
+            scalars.write(step_record(engine, loss_value, val_loss, tokens_per_step, peak_rss_bytes()) | fractions)
             window_steps += 1
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}", **({"val": f"{val_loss:.3f}"} if val_loss else {}))
@@ -395,7 +452,7 @@ def _run_steps(
                 result.steps_done % config.train.log_every == 0 or result.steps_done == config.train.steps
             ):
                 tokens_per_s = tokens_per_step * window_steps / (time.perf_counter() - window_start)
-                log_step(engine, result.steps_done, loss_value, tokens_per_s)
+                log_step(engine, result.steps_done, loss_value, tokens_per_s, fractions)
                 window_start, window_steps = time.perf_counter(), 0
             if rank == 0 and val_loss is not None:
                 logger.info("step %d validation loss %.4f, perplexity %.2f", step + 1, val_loss, perplexity(val_loss))
