@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = ["CHUNK_TOKENS", "IGNORE_INDEX", "chunked_cross_entropy"]
 
@@ -162,3 +163,20 @@ def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         total.addmm_(a, b)
     else:
         total += a @ b
+
+
+def loss_through_head(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``chunked_cross_entropy`` of ``hidden`` through ``head``, computed inside a call of the
+    head module (on one position, whose logits are thrown away): an engine that gathers a
+    unit's parameters only while its module runs (ZeRO stage 3, the head a unit of its own) has
+    the weight gathered then, and, the loss being the head's output, gathers it again for the
+    loss's backward, which recomputes the logits from it."""
+
+    def loss_of(module: nn.Module, args: Any, output: Any) -> torch.Tensor:
+        return chunked_cross_entropy(hidden, head.weight, targets, head.bias)
+
+    handle = head.register_forward_hook(loss_of, prepend=True)  # before the engine's own hook
+    try:
+        return head(hidden[..., :1, :])
+    finally:
+        handle.remove()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.run.loss import chunked_cross_entropy
+from engine.run.loss import loss_through_head
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (fp32) over the targets
         that are not -100 if ``targets`` is given, computed a chunk of tokens at a time
-        (``chunked_cross_entropy``: the loss's logits never exist whole).
+        (``chunked_cross_entropy`` through the head module, ``loss_through_head``: the loss's logits never exist whole).
         With ``cache`` (decoding), ``idx`` holds the positions after those the cache holds, and
         their keys and values are added to it. With ``positions`` (``[batch, seq]``, packed
         examples: each starts where its position is 0), each token is embedded at its position
@@ -311,7 +311,7 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if targets is None:
             return self.head(x)
-        return chunked_cross_entropy(x, self.head.weight, targets, self.head.bias)
+        return loss_through_head(self.head, x, targets)
 
 
 def packed_causal_mask(positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
