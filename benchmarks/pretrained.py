@@ -45,20 +45,20 @@ FROM_PRETRAINED_MAX_BYTES = GIB
 """Up to this many bytes of exported weights the reload also loads the whole model with ``from_pretrained``."""
 
 
-def llama_config(params: float) -> Any:
+def llama_config(params: float, vocab: int = VOCAB, positions: int = 512) -> Any:
     """A Llama whose width follows its size and whose depth makes up ``params``."""
     from transformers import LlamaConfig
 
     hidden = 2048 if params >= 5e8 else 256
-    layers = max(1, round((params - 2 * VOCAB * hidden) / (12 * hidden * hidden)))
+    layers = max(1, round((params - 2 * vocab * hidden) / (12 * hidden * hidden)))
     return LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(hidden * 8 / 3) // 64 * 64,
         num_hidden_layers=layers,
         num_attention_heads=hidden // 64,
         num_key_value_heads=hidden // 64,
-        max_position_embeddings=512,
+        max_position_embeddings=positions,
     )
 
 

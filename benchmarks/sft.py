@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.chat import save_chat_tokenizer, write_chat_jsonl
+from benchmarks.pretrained import llama_config
 from benchmarks.report import base_parser, print_table, save_json, setup_logging
 from engine.runtime.sizes import GIB, MIB
 
@@ -48,20 +49,10 @@ def llama_folder(params: float, folder: Path, seq_len: int) -> int:
     """A random bf16 Llama of about ``params`` parameters with a ChatML tokenizer in ``folder``;
     its parameter count."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     vocab = save_chat_tokenizer(folder, vocab_size=TOKENIZER_VOCAB)
-    hidden = 2048 if params >= 5e8 else 256
-    layers = max(1, round((params - 2 * vocab * hidden) / (12 * hidden * hidden)))
-    settings = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 64,
-        max_position_embeddings=seq_len,
-    )
+    settings = llama_config(params, vocab, positions=seq_len)
     torch.manual_seed(0)
     model = LlamaForCausalLM(settings).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="500MB")
@@ -142,7 +133,7 @@ def train_rows(work: Path, params: float, options: dict[str, Any]) -> tuple[int,
     """The fine-tune packed and unpacked: a row each, from their steps after the first."""
     folder, data = work / "model", work / "chat.jsonl"
     count = llama_folder(params, folder, options["seq_len"])
-    write_chat_jsonl(data, options["records"])
+    write_chat_jsonl(data, options["records"], turns=options["turns"])
     rows = []
     for pack in (True, False):
         name = "packed" if pack else "unpacked"
@@ -213,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=float, default=1e9, help="the model's size (default 1e9)")
     parser.add_argument("--steps", type=int, default=3, help="steps of each fine-tune (default 3)")
     parser.add_argument("--records", type=int, default=2000, help="chat records generated (default 2000)")
+    parser.add_argument("--turns", type=int, default=2, help="exchanges a chat record holds (default 2)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--loss-tokens", type=int, default=4096)
@@ -226,14 +218,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup_logging(args.verbose)
     if args.quick:
-        args.params, args.steps, args.records, args.seq_len, args.micro_batch = 2e6, 2, 40, 128, 2
+        args.params, args.steps, args.records, args.turns, args.seq_len, args.micro_batch = 2e6, 2, 40, 1, 256, 2
         args.loss_tokens, args.loss_vocab, args.loss_hidden, args.tokenize_mb = 512, 8192, 128, 2.0
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         work = Path(scratch)
         result: dict[str, Any] = {}
         if "train" in args.only:
             options = {"steps": args.steps, "seq_len": args.seq_len, "micro_batch": args.micro_batch}
-            result["params"], result["train"] = train_rows(work, args.params, options | {"records": args.records})
+            options |= {"records": args.records, "turns": args.turns}
+            result["params"], result["train"] = train_rows(work, args.params, options)
             print_table(f"fine-tune of {result['params'] / 1e6:.0f}M params, everything on nvme", result["train"])
         if "loss" in args.only:
             result["loss"] = loss_rows(args.loss_tokens, args.loss_vocab, args.loss_hidden)

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.run.loss import IGNORE_INDEX
+
 if TYPE_CHECKING:
     import datasets
 
 logger = logging.getLogger(__name__)
 
-IGNORE = -100
-"""The target of a position the loss does not count (Hugging Face's ignore index)."""
 _SETTING_OF = {
     "seed": "data.seed",
     "seq_len": "data.seq_len",
@@ -141,7 +141,7 @@ class ExampleBatches:
         mine = taken[self.rank * self.micro_batch : (self.rank + 1) * self.micro_batch]
         x, y, positions = (np.empty((self.micro_batch, self.seq_len), dtype=np.int64) for _ in range(3))
         used = sum(self._fill(row, x[index], y[index], positions[index]) for index, row in enumerate(mine))
-        self._counts += (int((y != IGNORE).sum()), y.size - used, y.size)
+        self._counts += (int((y != IGNORE_INDEX).sum()), y.size - used, y.size)
         return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(positions)
 
     def take_fractions(self) -> dict[str, float]:
@@ -160,11 +160,11 @@ class ExampleBatches:
             ids, in_loss = self.examples.tokens(int(example))
             n = len(ids) - 1
             x[used : used + n] = ids[:-1]
-            y[used : used + n] = np.where(in_loss[1:], ids[1:], IGNORE)
+            y[used : used + n] = np.where(in_loss[1:], ids[1:], IGNORE_INDEX)
             positions[used : used + n] = np.arange(n)
             used += n
         x[used:] = self.pad_id
-        y[used:] = IGNORE
+        y[used:] = IGNORE_INDEX
         positions[used:] = np.arange(self.seq_len - used)
         return used
 

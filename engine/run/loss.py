@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CHUNK_TOKENS", "IGNORE_INDEX", "chunked_cross_entropy"]
+__all__ = ["CHUNK_TOKENS", "IGNORE_INDEX", "chunked_cross_entropy", "loss_through_head"]
 
 CHUNK_TOKENS = 1024
 """Tokens whose logits exist at once, unless the caller says otherwise: at 1,024 one chunk's

@@ -21,7 +21,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from engine.run.data import TokenBatches, load_tokens, split
 from engine.run.evaluate import Validation, perplexity
 from engine.run.examples import ExampleBatches
 from engine.run.lora import LoraInit, lora_model
+from engine.run.loss import IGNORE_INDEX
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
 from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
 from engine.run.records import is_records
@@ -224,11 +225,16 @@ def start_engine(
 def train_step(
     engine: Engine, data: TokenBatches | ExampleBatches, accum: int, loss_of: LossFn = Engine.__call__
 ) -> float:
-    """One optimizer step over ``accum`` micro-batches; the loss averaged over them and the ranks.
-    A loss that is not finite stops the step before it can be committed."""
+    """One optimizer step over ``accum`` micro-batches; the loss averaged over them and the ranks
+    (of fine-tuning records: over every counted token of the step, ``token_weights``). A loss
+    that is not finite stops the step before it can be committed."""
+    batches = [data.next() for _ in range(accum)]
     loss_sum = 0.0
-    for _ in range(accum):
-        loss = loss_of(engine, *data.next())
+    weights = token_weights(engine, batches) if isinstance(data, ExampleBatches) else [1.0] * accum
+    for batch, weight in zip(batches, weights, strict=True):
+        loss = loss_of(engine, *batch)
+        if weight != 1.0:
+            loss = loss * weight
         engine.backward(loss)
         loss_sum += loss.item()
     loss_value = engine.comm.all_reduce_value(loss_sum / accum) / engine.comm.world_size
@@ -237,6 +243,18 @@ def train_step(
     engine.client_state = {"data": data.state_dict()}
     engine.step()
     return loss_value
+
+
+def token_weights(engine: Engine, batches: Sequence[tuple[torch.Tensor, ...]]) -> list[float]:
+    """What each micro-batch's mean loss is weighed by so that the step's loss, averaged over
+    micro-batches and ranks as the engine averages gradients, is the mean over every counted
+    token of the step (fine-tuning rows count different numbers of tokens): the same at any
+    world size and accumulation (on one rank without accumulation, a weight of exactly 1).
+    Every rank calls it: the count is summed over them."""
+    counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
+    total = engine.comm.all_reduce_value(float(sum(counts)))
+    share = len(batches) * engine.comm.world_size / max(total, 1.0)
+    return [count * share for count in counts]
 
 
 def micro_batch_for(config: Config, saved: dict[str, Any] | None, world: int) -> int:

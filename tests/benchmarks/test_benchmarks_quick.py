@@ -146,6 +146,21 @@ def test_pretrained_quick(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-pretrained-")] == []
 
 
+def test_sft_quick(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    from benchmarks import sft
+
+    sft.main(["--quick", "--out", str(tmp_path), "--dir", str(tmp_path)])
+    record = load_record(tmp_path, "sft")
+    packed, unpacked = record["train"]
+    assert (packed["data"], unpacked["data"]) == ("packed", "unpacked")
+    assert packed["padding"] < unpacked["padding"] and packed["loss fraction"] > unpacked["loss fraction"]
+    assert all(row["tokens/s"] > 0 and row["peak RSS GiB"] > 0 for row in record["train"])
+    assert [row["loss"] for row in record["loss"]] == ["full", "chunked"]
+    small, large = record["tokenize"]
+    assert large["records"] > 5 * small["records"] and large["peak RSS GiB"] > 0
+
+
 def test_convergence_accumulates_forms_of_one_setting(tmp_path: Path) -> None:
     tiny = ["--quick", "--out", str(tmp_path), "--steps", "4", "--eval-every", "2"]
     convergence.main([*tiny, "--forms", "fp32"])

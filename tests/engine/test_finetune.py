@@ -18,10 +18,12 @@ from benchmarks.chat import save_chat_tokenizer, write_chat_jsonl
 from engine.config import Config
 from engine.engine import Engine
 from engine.run import train as train_module
-from engine.run.examples import IGNORE, ExampleBatches, Examples
+from engine.run.examples import ExampleBatches, Examples
+from engine.run.loss import IGNORE_INDEX
 from engine.run.models.gpt import GPT, GPTConfig
 from engine.run.pretrained import causal_lm_loss
 from engine.run.records import load_records, tokenize_records
+from tests.ranks import run_ranks
 from tests.training import config
 
 GENERATION = (
@@ -58,10 +60,10 @@ def hugging_face_loss(logits_of, tokenizer, conversations: list[dict]) -> float:
             record["messages"], chat_template=GENERATION, return_dict=True, return_assistant_tokens_mask=True
         )
         ids = torch.tensor([rendered["input_ids"]])
-        labels = torch.where(torch.tensor([rendered["assistant_masks"]]) == 1, ids, IGNORE)
+        labels = torch.where(torch.tensor([rendered["assistant_masks"]]) == 1, ids, IGNORE_INDEX)
         logits = logits_of(ids).float()
         losses = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="sum")
-        total, count = total + float(losses), count + int((labels[0, 1:] != IGNORE).sum())
+        total, count = total + float(losses), count + int((labels[0, 1:] != IGNORE_INDEX).sum())
     return total / count
 
 
@@ -141,3 +143,33 @@ def test_a_fine_tune_resumes_mid_epoch_as_if_it_never_stopped(tmp_path, folder, 
     rest = train_module.train(fine_tune(folder, tmp_path / "b"))
     assert first.steps_done == 3 and rest.steps_done == straight.steps_done
     assert first.losses + rest.losses == straight.losses, "bit-identical losses, step for step"
+
+
+def ranks_fine_tune(folder: Path, root: Path, stop_after: int) -> list[float]:
+    """On this process's rank: the fine-tune of ``fine_tune``, stopped (as SIGTERM stops it, on
+    every rank after the same step) after ``stop_after`` steps if not 0; its losses."""
+    real_step, taken = train_module.train_step, []
+
+    def stopped(*args, **kwargs) -> float:
+        taken.append(real_step(*args, **kwargs))
+        if len(taken) == stop_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return taken[-1]
+
+    train_module.train_step = stopped
+    try:
+        return train_module.train(fine_tune(folder, root, "data.micro_batch=1")).losses
+    finally:
+        train_module.train_step = real_step
+
+
+def test_a_fine_tune_of_two_ranks_resumes_mid_epoch_on_one(tmp_path, folder, monkeypatch) -> None:
+    """The same rows make each step on 2 ranks and on 1 (a micro-batch of 1 a rank, of 2 once
+    resumed on one: the global batch is kept), so the losses go on as the 2 ranks' would, to
+    the precision of a sum over ranks against one over rows."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    straight = run_ranks(2, ranks_fine_tune, folder, tmp_path / "a", 0)[0]
+    first = run_ranks(2, ranks_fine_tune, folder, tmp_path / "b", 3)[0]
+    rest = train_module.train(fine_tune(folder, tmp_path / "b")).losses
+    assert first == straight[:3] and len(first) + len(rest) == len(straight)
+    assert rest == pytest.approx(straight[3:], rel=1e-5)

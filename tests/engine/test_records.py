@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from benchmarks.chat import conversations, save_chat_tokenizer, write_chat_jsonl
-from engine.run.examples import IGNORE, ExampleBatches, Examples, lay_out
+from engine.run.examples import ExampleBatches, Examples
+from engine.run.loss import IGNORE_INDEX, lay_out
 from engine.run.records import RecordTokenizer, detect_form, is_records, load_records, tokenize_records
 
 CHAT = [
@@ -126,10 +127,10 @@ def test_a_row_is_each_examples_inputs_targets_and_positions(tmp_path, tokenizer
         ids, in_loss = examples.tokens(int(example))
         n = len(ids) - 1
         assert torch.equal(x[0, used : used + n], torch.from_numpy(ids[:-1]))
-        assert torch.equal(y[0, used : used + n], torch.from_numpy(np.where(in_loss[1:], ids[1:], IGNORE)))
+        assert torch.equal(y[0, used : used + n], torch.from_numpy(np.where(in_loss[1:], ids[1:], IGNORE_INDEX)))
         assert torch.equal(positions[0, used : used + n], torch.arange(n))
         used += n
-    assert (y[0, used:] == IGNORE).all() and (positions[0, used:] == torch.arange(128 - used)).all()
+    assert (y[0, used:] == IGNORE_INDEX).all() and (positions[0, used:] == torch.arange(128 - used)).all()
 
 
 def test_batches_resume_mid_epoch_and_are_the_same_at_any_world_size(tmp_path, tokenizer) -> None:
@@ -161,7 +162,7 @@ def test_an_unpacked_row_holds_one_example_padded(tmp_path, tokenizer) -> None:
     assert all(len(row) == 1 for row in batches.rows_of(0))
     x, y, _ = batches.next()
     fractions = batches.take_fractions()
-    assert fractions["padding_fraction"] > 0 and (x[y == IGNORE] == 7).any()
+    assert fractions["padding_fraction"] > 0 and (x[y == IGNORE_INDEX] == 7).any()
     assert 0 < fractions["loss_token_fraction"] < 1 - fractions["padding_fraction"]
-    assert fractions["loss_token_fraction"] == int((y != IGNORE).sum()) / y.numel()
+    assert fractions["loss_token_fraction"] == int((y != IGNORE_INDEX).sum()) / y.numel()
     assert batches.take_fractions() == {"loss_token_fraction": 0.0, "padding_fraction": 0.0}, "taken once"
