@@ -86,7 +86,7 @@ def test_the_loss_on_chat_records_equals_hugging_face_labels(tmp_path, folder, p
     (x, y, positions), records = chat_batch(tmp_path, tokenizer, pack)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     engine = Engine(model, config(zero={"stage": 2}), total_steps=1)
-    ours = float(causal_lm_loss(engine, x, y, positions=positions))
+    ours = causal_lm_loss(engine, x, y, positions=positions).item()
     engine.close()
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert ours == pytest.approx(
@@ -100,7 +100,7 @@ def test_the_built_in_gpt_takes_chat_records_as_hugging_face_labels_say(tmp_path
     (x, y, positions), records = chat_batch(tmp_path, tokenizer, pack)
     settings = GPTConfig.preset("tiny", vocab_size=len(tokenizer), seq_len=SEQ)
     engine = Engine(GPT(settings, seed=1), config(zero={"stage": 3}), total_steps=1)
-    ours = float(engine(x, y, positions=positions))
+    ours = engine(x, y, positions=positions).item()
     engine.close()
     reference = GPT(settings, seed=1)
     assert ours == pytest.approx(hugging_face_loss(reference, tokenizer, records), rel=1e-6)

@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from benchmarks.chat import conversations, save_chat_tokenizer, write_chat_jsonl
-from engine.run.examples import ExampleBatches, Examples
-from engine.run.loss import IGNORE_INDEX, lay_out
+from engine.run.examples import ExampleBatches, Examples, lay_out
+from engine.run.loss import IGNORE_INDEX
 from engine.run.records import RecordTokenizer, detect_form, is_records, load_records, tokenize_records
 
 CHAT = [
