@@ -12,7 +12,9 @@ Three measurements, each phase in a process of its own so that its peak RSS is i
   tokens at a ``--loss-vocab`` vocabulary (Llama 3's, 128,256), chunked and full: the growth of
   peak RSS over the inputs' own, and seconds.
 - ``tokenize``: text records of ``--tokenize-mb`` and of a tenth of it, read and tokenised as a
-  run does: peak RSS of each, which should not grow with the file.
+  run does: peak RSS of each, and the peak of its anonymous part (what the process allocated,
+  which must not grow with the file; the Arrow files it maps count in RSS while their pages are
+  cached, and the kernel drops them under pressure).
 
     python -m benchmarks.sft --params 1e9 --steps 3 --dir /path/on/nvme
     python -m benchmarks.sft --only loss tokenize
@@ -22,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from typing import Any
 from benchmarks.chat import save_chat_tokenizer, write_chat_jsonl
 from benchmarks.pretrained import llama_config
 from benchmarks.report import base_parser, print_table, save_json, setup_logging
+from engine.runtime.rss import peak_rss_bytes
 from engine.runtime.sizes import GIB, MIB
 
 PHASES = ("train", "loss", "tokenize")
@@ -40,9 +43,31 @@ PLAN = ["stage=3", "offload.param=nvme", "offload.optimizer=nvme", "compute_dtyp
 TOKENIZER_VOCAB = 8192
 
 
-def peak_rss() -> int:
-    """This process's peak resident set, in bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+class AnonymousPeak:
+    """The peak of this process's anonymous resident memory (``RssAnon``: what it allocated,
+    not the pages of files it maps, which the kernel drops when it wants them), sampled every
+    ``every`` seconds on a thread of its own while the block runs."""
+
+    def __init__(self, every: float = 0.02):
+        self.every, self.peak = every, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> AnonymousPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    self.peak = max(self.peak, int(line.split()[1]) * 1024)
+            if self._done.wait(self.every):
+                return
 
 
 def llama_folder(params: float, folder: Path, seq_len: int) -> int:
@@ -70,7 +95,7 @@ def train_phase(folder: Path, data: Path, store: Path, options: dict[str, Any]) 
     overrides += [f"data.pack={str(options['pack']).lower()}", "warmup_steps=0", "lr=1e-5", "log_every=1"]
     train(Config.from_dict({}, overrides))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return {"steps": records, "peak_rss_bytes": peak_rss()}
+    return {"steps": records, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def loss_phase(chunked: bool, tokens: int, vocab: int, hidden: int) -> dict[str, Any]:
@@ -83,7 +108,7 @@ def loss_phase(chunked: bool, tokens: int, vocab: int, hidden: int) -> dict[str,
     states = (torch.randn(1, tokens, hidden, generator=generator) / 8).to(torch.bfloat16).requires_grad_()
     weight = (torch.randn(vocab, hidden, generator=generator) / 64).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, vocab, (1, tokens), generator=generator)
-    before = peak_rss()
+    before = peak_rss_bytes()
     start = time.perf_counter()
     if chunked:
         loss = chunked_cross_entropy(states, weight, targets)
@@ -91,7 +116,7 @@ def loss_phase(chunked: bool, tokens: int, vocab: int, hidden: int) -> dict[str,
         logits = states @ weight.T
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     loss.backward()
-    return {"seconds": time.perf_counter() - start, "growth_bytes": peak_rss() - before, "loss": float(loss)}
+    return {"seconds": time.perf_counter() - start, "growth_bytes": peak_rss_bytes() - before, "loss": float(loss)}
 
 
 def tokenize_phase(folder: Path, data: Path, cache: Path) -> dict[str, Any]:
@@ -100,10 +125,11 @@ def tokenize_phase(folder: Path, data: Path, cache: Path) -> dict[str, Any]:
     from engine.run.records import load_records, tokenize_records
 
     start = time.perf_counter()
-    tokenized = tokenize_records(
-        load_records(str(data), cache), load_tokenizer(str(folder)), "text", "all", str(data), cache
-    )
-    return {"seconds": time.perf_counter() - start, "records": len(tokenized), "peak_rss_bytes": peak_rss()}
+    with AnonymousPeak() as anonymous:
+        tokenizer = load_tokenizer(str(folder))
+        tokenized = tokenize_records(load_records(str(data), cache), tokenizer, "text", "all", str(data), cache)
+    seconds, peak = time.perf_counter() - start, peak_rss_bytes()
+    return {"seconds": seconds, "records": len(tokenized), "peak_rss_bytes": peak, "peak_anon_bytes": anonymous.peak}
 
 
 def text_records(path: Path, megabytes: float) -> Path:
@@ -179,6 +205,7 @@ def tokenize_rows(work: Path, megabytes: float) -> list[dict[str, Any]]:
                 "seconds": result["seconds"],
                 "MB/s": data.stat().st_size / 1e6 / result["seconds"],
                 "peak RSS GiB": result["peak_rss_bytes"] / GIB,
+                "peak anonymous GiB": result["peak_anon_bytes"] / GIB,
             }
         )
     return rows
