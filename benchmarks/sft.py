@@ -93,6 +93,7 @@ def train_phase(folder: Path, data: Path, store: Path, options: dict[str, Any]) 
     overrides = [*PLAN, f"model.hf={folder}", f"data.source={data}", f"nvme_path={store}", f"metrics={metrics}"]
     overrides += [f"steps={options['steps']}", f"seq_len={options['seq_len']}", f"micro_batch={options['micro_batch']}"]
     overrides += [f"data.pack={str(options['pack']).lower()}", "warmup_steps=0", "lr=1e-5", "log_every=1"]
+    overrides += [f"zero.activation_checkpointing={str(options['recompute']).lower()}"]
     train(Config.from_dict({}, overrides))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return {"steps": records, "peak_rss_bytes": peak_rss_bytes()}
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=2, help="exchanges a chat record holds (default 2)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument(
+        "--recompute", action="store_true", help="zero.activation_checkpointing: the blocks' activations recomputed"
+    )
     parser.add_argument("--loss-tokens", type=int, default=4096)
     parser.add_argument("--loss-vocab", type=int, default=128_256, help="Llama 3's vocabulary")
     parser.add_argument("--loss-hidden", type=int, default=2048)
@@ -251,7 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(scratch)
         result: dict[str, Any] = {}
         if "train" in args.only:
-            options = {"steps": args.steps, "seq_len": args.seq_len, "micro_batch": args.micro_batch}
+            options = {
+                "steps": args.steps,
+                "seq_len": args.seq_len,
+                "micro_batch": args.micro_batch,
+                "recompute": args.recompute,
+            }
             options |= {"records": args.records, "turns": args.turns}
             result["params"], result["train"] = train_rows(work, args.params, options)
             print_table(f"fine-tune of {result['params'] / 1e6:.0f}M params, everything on nvme", result["train"])
