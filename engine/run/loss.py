@@ -73,6 +73,13 @@ def chunked_cross_entropy(
             f"the head's weight has shape {tuple(weight.shape)}, not [vocab, {hidden.shape[-1]}]: pass the output "
             f"head's weight (nn.Linear(d, vocab).weight)"
         )
+    if hidden.shape[:-1].numel() <= chunk:
+        # One chunk: its logits are all there is, and autograd's own loss is the deterministic
+        # one (the recomputing Function gave last-bit differences between runs of one step
+        # inside the engine, with two threads, that this path does not).
+        logits = _logits(hidden, weight, bias, F.linear(hidden[..., :0, :], weight, bias).dtype)
+        total = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        return total / (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
     loss = _ChunkedCrossEntropy.apply(hidden, weight, targets, bias, chunk)
     assert isinstance(loss, torch.Tensor)
     return loss
