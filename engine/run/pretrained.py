@@ -7,11 +7,14 @@ that unit's tensors from the folder's safetensors files (one file or several wit
 parameters. So a model larger than memory imports, on any tier and any world size (each rank
 reads whole units and keeps its shard).
 
-Everything that can be checked is checked before any work, from the files' headers alone: a
-tensor the model needs but the checkpoint lacks, one it holds but the model has no place for,
-a shape that differs, a dtype that is not a float, a file cut short. A weight the model ties to
+The checkpoint's names and layout are converted to the model's by transformers' own rules
+(``engine.run.conversion``): renamed keys, and one tensor per expert on disk stacked into the
+model's fused expert tensors. Everything that can be checked is checked before any work, from
+the files' headers alone and after conversion: a tensor the model needs but the checkpoint
+lacks, one it holds but the model has no place for, a shape that differs (each named on disk
+and in the model), a dtype that is not a float, a file cut short. A weight the model ties to
 another (GPT-2's ``lm_head`` is its token embedding) is loaded once, under whichever of its
-names the checkpoint holds.
+names the checkpoint holds; a persistent buffer the checkpoint holds is loaded with the model.
 
 The folder's other files (``config.json``, the tokenizer's) are copied into ``<store>/hf/``
 (``record_source``) so that ``python -m engine export`` can write a folder that
@@ -24,9 +27,9 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.run.conversion import match_checkpoint
 from engine.run.loss import chunked_cross_entropy
 
 if TYPE_CHECKING:
@@ -48,14 +52,12 @@ SINGLE_FILE = "model.safetensors"
 SOURCE_FOLDER = "hf"
 """Where a store keeps the source folder's config and tokenizer files, and ``source.json``."""
 SOURCE_RECORD = "source.json"
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 DTYPE_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 ITEM_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 """Bytes per element of each safetensors dtype, to check a header's offsets."""
 ENCODE_BATCH = 1024  # lines the tokenizer encodes at once
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
-SHOWN = 3  # names listed in an error before "and N more"
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,6 @@ class CheckpointTensor:
     file: Path
     dtype: str
     shape: tuple[int, ...]
-
-
-def _listing(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:SHOWN])
-    return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -144,89 +141,64 @@ def read_headers(folder: Path) -> dict[str, CheckpointTensor]:
 
 class Pretrained:
     """The ``init_unit`` that fills a meta-built model's units from a checkpoint folder, checked
-    against the model first (``Engine(model, config, init_unit=Pretrained(folder, model))``)."""
+    against the model first (``Engine(model, config, init_unit=Pretrained(folder, model))``).
+
+    The checkpoint is read through transformers' conversion rules (``engine.run.conversion``):
+    a unit's parameters are made by the conversions that make them, each reading its tensors
+    from the files and, for a stacked expert tensor, stacking that layer's experts."""
 
     def __init__(self, folder: str | os.PathLike[str], model: nn.Module):
         self.folder = Path(folder)
+        self.model = model
         self.tensors = read_headers(self.folder)
-        self.source = match_checkpoint(model, self.tensors, self.folder)
-        """The checkpoint name each parameter is read from, by the parameter's own name."""
+        self.match = match_checkpoint(model, self.tensors, self.folder)
+        self._read(list(dict.fromkeys(self.match.buffers.values())), self._set_buffer)
+
+    def _set_buffer(self, name: str, values: torch.Tensor) -> None:
+        """A persistent buffer the checkpoint holds, in place of the meta one (which the engine
+        would otherwise compute from the model's code, losing what training made of it)."""
+        if name in self.match.buffers:
+            module, _, key = name.rpartition(".")
+            owner = self.model.get_submodule(module)
+            meta = owner._buffers[key]
+            assert meta is not None
+            owner._buffers[key] = values.to(meta.dtype)
 
     @property
     def dtype(self) -> str:
         """The checkpoint's dtype (``fp32``, ``bf16``, ``fp16``): that of most of its elements."""
         counts: dict[str, int] = {}
-        for name in self.source.values():
-            tensor = self.tensors[name]
-            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + math.prod(tensor.shape)
+        for group in self.match.conversions.values():
+            for name in group.names:
+                tensor = self.tensors[name]
+                counts[tensor.dtype] = counts.get(tensor.dtype, 0) + math.prod(tensor.shape)
         return DTYPE_NAMES[max(counts, key=lambda d: counts[d])] if counts else "fp32"
 
     def __call__(self, params: dict[str, torch.Tensor]) -> None:
-        """Read one unit's parameters from the checkpoint, file by file, cast to their dtype."""
+        """Make one unit's parameters (by their first names) from the checkpoint, cast to their dtype."""
+        firsts = list(dict.fromkeys(self.match.made_by[name] for name in params))
+
+        def fill(target: str, values: torch.Tensor) -> None:
+            param = self.match.param_of.get(target)
+            if param in params:
+                params[param].copy_(values)
+
+        self._read(firsts, fill)
+
+    def _read(self, firsts: list[str], put: Callable[[str, torch.Tensor], None]) -> None:
+        """Run the conversions ``firsts`` (by first target) on the checkpoint's files, handing
+        each tensor they make to ``put(model name, values)``."""
         from safetensors import safe_open
 
-        by_file: dict[Path, list[str]] = {}
-        for name in params:
-            by_file.setdefault(self.tensors[self.source[name]].file, []).append(name)
-        with torch.no_grad():
-            for path, names in by_file.items():
-                with safe_open(str(path), framework="pt") as file:
-                    for name in names:
-                        params[name].copy_(file.get_tensor(self.source[name]))
-
-
-def match_checkpoint(model: nn.Module, tensors: dict[str, CheckpointTensor], folder: Path) -> dict[str, str]:
-    """For each parameter (by its first name), the checkpoint tensor it is read from; refuses a
-    checkpoint that lacks one, holds one the model has no place for, or differs in shape."""
-    aliases: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    prefix = f"{getattr(model, 'base_model_prefix', '')}."
-    for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
-        if prefix != "." and name.startswith(prefix):  # a checkpoint of the base model alone
-            aliases[id(param)].append(name.removeprefix(prefix))
-        params[id(param)] = param
-    source, missing, misshaped = {}, [], []
-    for key, names in aliases.items():
-        held = [n for n in names if n in tensors]
-        if not held:
-            missing.append(names[0])
-            continue
-        source[names[0]] = held[0]
-        if tensors[held[0]].dtype not in DTYPES:
-            raise ValueError(
-                f"checkpoint tensor {held[0]!r} in {tensors[held[0]].file} is {tensors[held[0]].dtype}, not a float "
-                f"the engine imports ({', '.join(DTYPES)}): save the model in fp32, bf16 or fp16"
-            )
-        shape = tuple(params[key].shape)
-        if tensors[held[0]].shape != shape:
-            misshaped.append(f"{held[0]!r} is {list(tensors[held[0]].shape)}, the model's is {list(shape)}")
-    every = {n for names in aliases.values() for n in names}
-    unexpected = [n for n in tensors if n not in every and not _ignored(model, n)]
-    what = f"the model {type(model).__name__} that {folder / 'config.json'} describes"
-    if missing:
-        raise ValueError(
-            f"checkpoint {folder} lacks tensor {_listing(missing)} of {what}: the weights and config.json do not "
-            f"match; use a folder that save_pretrained wrote whole"
-        )
-    if unexpected:
-        raise ValueError(
-            f"checkpoint {folder} holds tensor {_listing(sorted(unexpected))} that {what} has no parameter for: "
-            f"the weights and config.json do not match; use a folder that save_pretrained wrote whole"
-        )
-    if misshaped:
-        raise ValueError(
-            f"checkpoint {folder}: tensor {'; '.join(misshaped[:SHOWN])}"
-            f"{f' (and {len(misshaped) - SHOWN} more)' if len(misshaped) > SHOWN else ''}: the weights and "
-            f"config.json do not match; use a folder that save_pretrained wrote whole"
-        )
-    return source
-
-
-def _ignored(model: nn.Module, name: str) -> bool:
-    """A checkpoint tensor the model's own loader ignores (e.g. old checkpoints' rotary buffers)."""
-    patterns: Iterable[str] = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
-    return any(re.search(p, name) for p in [*patterns, r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$"])
+        groups = [self.match.conversions[first] for first in firsts]
+        files = {self.tensors[name].file for group in groups for name in group.names}
+        with ExitStack() as stack, torch.no_grad():
+            opened = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in files}
+            for group in groups:
+                made = group.run(lambda name: opened[self.tensors[name].file].get_tensor(name), self.model)
+                for target, values in made.items():
+                    put(target, values)
+                del made
 
 
 def meta_model(folder: str | os.PathLike[str]) -> nn.Module:

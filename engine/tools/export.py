@@ -6,12 +6,18 @@ The folder holds the weights as safetensors shards of at most ``max_shard_size``
 the ``config.json`` and tokenizer files the run recorded in ``<store>/hf/``
 (``engine.run.pretrained.record_source``).
 
-The model may be larger than memory, so nothing is held whole: each shard's header follows from
-the store's layout alone, and the masters are read one chunk at a time
-(``engine.tools.consolidate.open_masters``), cast and appended to the shard they belong to. Tied
-weights are written once, under the name the layout records, as ``save_pretrained`` does. Each
-shard is written under a temporary name and renamed when complete, and the index and config come
-last: an export cut short leaves no folder that loads.
+The folder is what ``save_pretrained`` of the same model writes, key for key: the tensors'
+names and layout on disk come from transformers' conversion rules reversed
+(``engine.run.conversion.stored_plan``), so a mixture-of-experts model's stacked experts are
+written one tensor per expert, under the names its checkpoints use.
+
+The model may be larger than memory, so nothing is held whole that need not be: each shard's
+header follows from the store's layout alone, and the masters are read one chunk at a time
+(``engine.tools.consolidate.open_masters``), cast and appended to the shard they belong to. A
+unit whose stored tensors are not slices of its parameters (split experts are copies) is read
+whole, one unit at a time. Tied weights are written once, under the name the layout records,
+as ``save_pretrained`` does. Each shard is written under a temporary name and renamed when
+complete, and the index and config come last: an export cut short leaves no folder that loads.
 
 A run that trained LoRA adapters (``lora.r > 0``) exports its adapter alone, as peft's
 ``save_pretrained`` writes it (``export_adapter``): the adapters are small, read whole; the
@@ -32,12 +38,21 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from engine.run.pretrained import INDEX_FILE, SINGLE_FILE, SOURCE_FOLDER, SOURCE_RECORD, WEIGHT_SUFFIXES
+from engine.run.conversion import StoredTensor, stored_plan, stored_tensors
+from engine.run.pretrained import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    SOURCE_FOLDER,
+    SOURCE_RECORD,
+    WEIGHT_SUFFIXES,
+    meta_model,
+)
 from engine.runtime.sizes import GIB, MIB
 from engine.tools.consolidate import Masters, Stores, header_bytes, open_masters
-from engine.zero.partition import ModelLayout, ParamSlot, UnitLayout
+from engine.zero.partition import ModelLayout, UnitLayout
 
 logger = logging.getLogger(__name__)
 
@@ -57,39 +72,42 @@ def parse_size(text: str | int) -> int:
 
 @dataclass
 class Shard:
-    """One output file: the parameters it holds, in layout order, and its header."""
+    """One output file: the tensors it holds, in the order they are written, and its header."""
 
     name: str
-    slots: list[ParamSlot]
+    tensors: list[StoredTensor]
     header: bytes
     nbytes: int
 
 
-def plan_shards(layout: ModelLayout, dtype: str, max_bytes: int, metadata: dict[str, str]) -> list[Shard]:
-    """Cut the parameters, in layout order, into files of at most ``max_bytes`` (a larger
-    parameter has a file of its own), as ``save_pretrained`` does."""
+def plan_shards(plan: list[StoredTensor], dtype: str, max_bytes: int, metadata: dict[str, str]) -> list[Shard]:
+    """Cut the stored tensors, in order, into files of at most ``max_bytes`` (a larger tensor has
+    a file of its own), as ``save_pretrained`` does."""
     itemsize = DTYPES[dtype][1].itemsize
-    groups: list[list[ParamSlot]] = [[]]
+    groups: list[list[StoredTensor]] = [[]]
     size = 0
-    for unit in layout.all_units:
-        for slot in unit.params:
-            nbytes = slot.numel * itemsize
-            if groups[-1] and size + nbytes > max_bytes:
-                groups.append([])
-                size = 0
-            groups[-1].append(slot)
-            size += nbytes
+    for tensor in plan:
+        nbytes = tensor.numel * itemsize
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += nbytes
     count = len(groups)
     shards = []
-    for index, slots in enumerate(groups, 1):
+    for index, tensors in enumerate(groups, 1):
         entries: dict[str, object] = {"__metadata__": metadata | {"format": "pt"}}
         offset = 0
-        for slot in slots:
-            end = offset + slot.numel * itemsize
-            entries[slot.name] = {"dtype": DTYPES[dtype][0], "shape": list(slot.shape), "data_offsets": [offset, end]}
+        for tensor in tensors:
+            end = offset + tensor.numel * itemsize
+            entries[tensor.name] = {
+                "dtype": DTYPES[dtype][0],
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, end],
+            }
             offset = end
         name = SINGLE_FILE if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
-        shards.append(Shard(name, slots, header_bytes(entries), offset))
+        shards.append(Shard(name, tensors, header_bytes(entries), offset))
     return shards
 
 
@@ -142,34 +160,66 @@ class _ShardWriter:
 
 
 def _write_shards(
+    model: nn.Module,
     layout: ModelLayout,
     pieces: Iterable[tuple[UnitLayout, int, torch.Tensor]],
     shards: list[Shard],
     dtype: torch.dtype,
     folder: Path,
 ) -> None:
-    """Stream the ``pieces`` of ``layout``'s units (``Masters.pieces``) into the shards, cast to ``dtype``."""
-    shard_of = {slot.name: index for index, shard in enumerate(shards) for slot in shard.slots}
-    segments = {
-        unit.name: [(slot.offset, slot.offset + slot.numel, shard_of[slot.name]) for slot in unit.params]
-        for unit in layout.all_units
-    }
+    """Stream the ``pieces`` of ``layout``'s units (``Masters.pieces``) into the shards, cast to
+    ``dtype``: a slice as its pieces come, a unit with computed tensors once it is whole."""
+    shard_of = {tensor.name: index for index, shard in enumerate(shards) for tensor in shard.tensors}
+    stored: dict[str, list[StoredTensor]] = {}
+    for shard in shards:
+        for tensor in shard.tensors:
+            stored.setdefault(tensor.unit, []).append(tensor)
     writer = _ShardWriter(folder, shards)
-    total = sum(shard.nbytes for shard in shards)
+    whole = _WholeUnits(model, layout, stored)
     try:
-        with tqdm(total=total, desc="export", unit="B", unit_scale=True, disable=None) as bar:
+        with tqdm(total=sum(s.nbytes for s in shards), desc="export", unit="B", unit_scale=True, disable=None) as bar:
             for unit, offset, values in pieces:
-                end = offset + values.numel()
-                for start, stop, shard in segments[unit.name]:
-                    low, high = max(start, offset), min(stop, end)
-                    if low < high:
-                        writer.write(shard, values[low - offset : high - offset].to(dtype))
-                        bar.update((high - low) * dtype.itemsize)
+                for tensor, part in whole.parts(unit, offset, values):
+                    writer.write(shard_of[tensor.name], part.to(dtype))
+                    bar.update(part.numel() * dtype.itemsize)
             writer.write(len(shards) - 1, torch.empty(0, dtype=dtype))  # opens any shard left (empty tensors)
             writer.finish()
     except BaseException:
         writer.abort()
         raise
+
+
+class _WholeUnits:
+    """The stored tensors' values from a unit's pieces, in their order: a slice's overlap with
+    each piece, or, for a unit with computed tensors, all of them once its pieces are gathered."""
+
+    def __init__(self, model: nn.Module, layout: ModelLayout, stored: dict[str, list[StoredTensor]]):
+        self.model, self.stored = model, stored
+        self.units = {unit.name: unit for unit in layout.all_units}
+        self.gathering: torch.Tensor | None = None
+
+    def parts(self, unit: UnitLayout, offset: int, values: torch.Tensor) -> Iterator[tuple[StoredTensor, torch.Tensor]]:
+        tensors = self.stored.get(unit.name, [])
+        if not tensors or tensors[0].offset is not None:
+            end = offset + values.numel()
+            for tensor in tensors:
+                assert tensor.offset is not None
+                low, high = max(tensor.offset, offset), min(tensor.offset + tensor.numel, end)
+                if low < high:
+                    yield tensor, values[low - offset : high - offset]
+            return
+        if offset == 0:
+            self.gathering = torch.empty(unit.numel, dtype=torch.float32)
+        assert self.gathering is not None
+        self.gathering[offset : offset + values.numel()] = values
+        if offset + values.numel() == unit.numel:
+            flat, self.gathering = self.gathering, None
+            made = stored_tensors(
+                self.model,
+                {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in unit.params},
+            )
+            for tensor in tensors:
+                yield tensor, made[tensor.name].reshape(-1)
 
 
 def source_files(store_path: Path) -> tuple[Path, dict[str, str]]:
@@ -222,8 +272,9 @@ def export(
         if adapter and not merged:
             return export_adapter(masters, out_dir, source, record, dtype)
         layout, pieces = _merged(masters, source, record) if merged else (masters.layout, masters.pieces())
-        shards = plan_shards(layout, dtype, max_bytes, masters.metadata)
-        _write_shards(layout, pieces, shards, DTYPES[dtype][1], out_dir)
+        model = meta_model(source)
+        shards = plan_shards(stored_plan(model, layout), dtype, max_bytes, masters.metadata)
+        _write_shards(model, layout, pieces, shards, DTYPES[dtype][1], out_dir)
         _write_side_files(source, out_dir, shards, dtype)
     logger.info(
         "exported %.1fM %s weights of %s (%s) to %s in %d file(s)",
@@ -269,7 +320,6 @@ def export_adapter(masters: Masters, out_dir: Path, source: Path, record: dict, 
     out_dir)`` loads it. Returns the weight files written."""
     from engine.config import LoraConfig
     from engine.run.lora import with_lora
-    from engine.run.pretrained import meta_model
 
     adapters = trained_weights(masters)
     model: Any = with_lora(meta_model(source), LoraConfig(**record["lora"]))  # a PeftModel
@@ -304,7 +354,7 @@ def _write_side_files(source: Path, out_dir: Path, shards: list[Shard], dtype: s
         config["torch_dtype"] = CONFIG_DTYPES[dtype]
     _write_json(out_dir / "config.json", config)
     if len(shards) > 1:
-        weight_map = {slot.name: shard.name for shard in shards for slot in shard.slots}
+        weight_map = {tensor.name: shard.name for shard in shards for tensor in shard.tensors}
         total = sum(shard.nbytes for shard in shards)
         _write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
