@@ -52,6 +52,8 @@ SINGLE_FILE = "model.safetensors"
 SOURCE_FOLDER = "hf"
 """Where a store keeps the source folder's config and tokenizer files, and ``source.json``."""
 SOURCE_RECORD = "source.json"
+BUFFERS_FILE = "buffers.safetensors"
+"""The persistent buffers the checkpoint holds, kept beside ``source.json`` for ``export``."""
 DTYPE_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 ITEM_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -154,6 +156,17 @@ class Pretrained:
         self.match = match_checkpoint(model, self.tensors, self.folder)
         self._read(list(dict.fromkeys(self.match.buffers.values())), self._set_buffer)
 
+    def buffer_values(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers the checkpoint holds, by model name, as stored."""
+        values: dict[str, torch.Tensor] = {}
+
+        def keep(name: str, tensor: torch.Tensor) -> None:
+            if name in self.match.buffers:
+                values[name] = tensor.contiguous()
+
+        self._read(list(dict.fromkeys(self.match.buffers.values())), keep)
+        return values
+
     def _set_buffer(self, name: str, values: torch.Tensor) -> None:
         """A persistent buffer the checkpoint holds, in place of the meta one (which the engine
         would otherwise compute from the model's code, losing what training made of it)."""
@@ -221,7 +234,7 @@ def record_source(
     folder: str | os.PathLike[str], store: str | os.PathLike[str], dtype: str, lora: dict[str, Any] | None = None
 ) -> Path:
     """Copy the checkpoint folder's files other than weights (config, tokenizer) into
-    ``<store>/hf/``, with ``source.json`` naming the folder, its dtype and the run's ``[lora]``
+    ``<store>/hf/``, with the persistent buffers it holds (``BUFFERS_FILE``) and ``source.json`` naming the folder, its dtype and the run's ``[lora]``
     settings if it trains adapters, for ``export`` and ``generate``."""
     folder, target = Path(folder), Path(store) / SOURCE_FOLDER
     staging = target.with_name(f".{SOURCE_FOLDER}.tmp-{os.getpid()}")
@@ -230,6 +243,11 @@ def record_source(
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name != INDEX_FILE:
             shutil.copyfile(path, staging / path.name)
+    buffers = Pretrained(folder, meta_model(folder)).buffer_values()
+    if buffers:
+        from safetensors.torch import save_file
+
+        save_file(buffers, staging / BUFFERS_FILE)
     record = {"folder": str(folder.resolve()), "dtype": dtype} | ({"lora": lora} if lora else {})
     (staging / SOURCE_RECORD).write_text(json.dumps(record) + "\n")
     shutil.rmtree(target, ignore_errors=True)

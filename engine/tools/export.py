@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from engine.run.conversion import StoredTensor, stored_plan, stored_tensors
 from engine.run.pretrained import (
+    BUFFERS_FILE,
     INDEX_FILE,
     SINGLE_FILE,
     SOURCE_FOLDER,
@@ -166,9 +167,11 @@ def _write_shards(
     shards: list[Shard],
     dtype: torch.dtype,
     folder: Path,
+    buffers: dict[str, torch.Tensor],
 ) -> None:
     """Stream the ``pieces`` of ``layout``'s units (``Masters.pieces``) into the shards, cast to
-    ``dtype``: a slice as its pieces come, a unit with computed tensors once it is whole."""
+    ``dtype``: a slice as its pieces come, a unit with computed tensors once it is whole; then
+    the persistent ``buffers``, which the plan puts last."""
     shard_of = {tensor.name: index for index, shard in enumerate(shards) for tensor in shard.tensors}
     stored: dict[str, list[StoredTensor]] = {}
     for shard in shards:
@@ -182,6 +185,8 @@ def _write_shards(
                 for tensor, part in whole.parts(unit, offset, values):
                     writer.write(shard_of[tensor.name], part.to(dtype))
                     bar.update(part.numel() * dtype.itemsize)
+            for name, values in buffers.items():
+                writer.write(shard_of[name], values.reshape(-1).to(dtype))
             writer.write(len(shards) - 1, torch.empty(0, dtype=dtype))  # opens any shard left (empty tensors)
             writer.finish()
     except BaseException:
@@ -273,8 +278,12 @@ def export(
             return export_adapter(masters, out_dir, source, record, dtype)
         layout, pieces = _merged(masters, source, record) if merged else (masters.layout, masters.pieces())
         model = meta_model(source)
-        shards = plan_shards(stored_plan(model, layout), dtype, max_bytes, masters.metadata)
-        _write_shards(model, layout, pieces, shards, DTYPES[dtype][1], out_dir)
+        buffers = stored_tensors(model, _recorded_buffers(source))
+        plan = stored_plan(model, layout) + [
+            StoredTensor(n, tuple(b.shape), BUFFERS_FILE, None) for n, b in buffers.items()
+        ]
+        shards = plan_shards(plan, dtype, max_bytes, masters.metadata)
+        _write_shards(model, layout, pieces, shards, DTYPES[dtype][1], out_dir, buffers)
         _write_side_files(source, out_dir, shards, dtype)
     logger.info(
         "exported %.1fM %s weights of %s (%s) to %s in %d file(s)",
@@ -343,10 +352,18 @@ def export_adapter(masters: Masters, out_dir: Path, source: Path, record: dict, 
     return sorted(p.name for p in out_dir.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
 
 
+def _recorded_buffers(source: Path) -> dict[str, torch.Tensor]:
+    """The persistent buffers the run's checkpoint held (``record_source``), by model name."""
+    from safetensors.torch import load_file
+
+    path = source / BUFFERS_FILE
+    return load_file(path) if path.is_file() else {}
+
+
 def _write_side_files(source: Path, out_dir: Path, shards: list[Shard], dtype: str) -> None:
     """The tokenizer and config files, the config naming the weights' dtype, and the index last."""
     for path in sorted(source.iterdir()):
-        if path.is_file() and path.name not in (SOURCE_RECORD, "config.json"):
+        if path.is_file() and path.name not in (SOURCE_RECORD, BUFFERS_FILE, "config.json"):
             shutil.copyfile(path, out_dir / path.name)
     config = json.loads((source / "config.json").read_text())
     config["dtype"] = CONFIG_DTYPES[dtype]

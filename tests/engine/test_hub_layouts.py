@@ -181,18 +181,33 @@ MORE = {
 
 
 @pytest.mark.parametrize("kind", MORE)
-def test_more_expert_layouts_import_as_from_pretrained_loads_them(kind: str, tmp_path: Path) -> None:
+def test_more_expert_layouts_import_and_export_as_transformers_does(kind: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(kind, **MORE[kind]))
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buffer.normal_()  # as training leaves it: not what the model's code initialises
-    model.save_pretrained(tmp_path / "pretrained", max_shard_size=SHARD)
-    eng = start(tmp_path / "pretrained", tmp_path / "store")
+    folder, store, out = tmp_path / "pretrained", tmp_path / "store", tmp_path / "out"
+    model.save_pretrained(folder, max_shard_size=SHARD)
+    eng = start(folder, store)
     x = torch.randint(0, 256, (2, SEQ_LEN))
     with torch.no_grad():
         ours = eng(input_ids=x).logits
-    eng.close()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained", dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(ours, theirs(input_ids=x).logits)
+    eng.backward(eng(input_ids=x, labels=x).loss)
+    eng.step()
+    with eng.gathered():
+        trained = params(eng.module) | {n: b.clone() for n, b in eng.module.named_buffers()}
+    eng.close()
+    record_source(folder, store, dtype="fp32")
+    export(store, out, max_shard_size=SHARD)
+    assert stored(out) == stored(folder), "the export's names and shapes are save_pretrained's"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    exported = params(loaded) | dict(loaded.named_buffers())
+    for name in params(loaded):
+        assert torch.equal(exported[name], trained[name]), f"{name} differs from the engine's"
+    for name in stored(folder):
+        if name.endswith("e_score_correction_bias"):
+            assert torch.equal(exported[name], trained[name]), f"buffer {name} was not kept"
