@@ -1,17 +1,14 @@
 """The compute-dtype parameters on the device: replicated (stages 1, 2) or sharded (stage 3).
 
-Either way each unit's parameters are views into one flat buffer, and an optimizer step
-hands each rank's updated fp32 master shard to ``write_back`` (then ``flush``). A frozen unit
-(``UnitLayout.trainable`` False) is held, gathered and released as any other, but nothing is
-written back to it after it is built (or restored). What differs is when the full buffer exists:
+Each unit's parameters are views into one flat buffer; a step hands each rank's updated
+master shard to ``write_back`` (then ``flush``), except for frozen units. What differs is when
+the full buffer exists:
 
-- ``ReplicatedParams`` keeps every unit gathered for the whole run and all-gathers each
-  unit right after its shard is updated.
+- ``ReplicatedParams`` keeps every unit gathered and all-gathers each after its update.
 - ``ShardedParams`` keeps only the rank's shard, on its tier (``engine.tiers.parameters``). A
-  unit is gathered just before its forward and again just before its backward, and
-  released right after each; releasing frees the buffer's storage (resized to zero bytes)
-  while the parameter views, and any views autograd saved for backward, stay valid
-  objects that the next gather refills in place. The units that come next in the traced
+  unit is gathered just before its forward and its backward and released right after each;
+  releasing frees the buffer's storage (resized to zero bytes) while the parameter views,
+  and any views autograd saved for backward, stay objects that the next gather refills. The units that come next in the traced
   order (``engine.zero.order``) are fetched and gathered ahead, within ``zero.prefetch_mb`` and
   the device budget.
 """
@@ -230,10 +227,9 @@ class ShardedParams:
                 self._handles.append(module.register_forward_hook(self._post_forward(units)))
 
     def check_fits(self, grad_bucket_bytes: dict[str, int], in_flight: int) -> None:
-        """Refuse, before the first forward, a limit that even one unit at a time cannot meet:
-        what stays resident, plus the root's working set (it stays gathered through forward
-        and backward), plus the largest other unit's parameters and gradient bucket, plus the
-        buckets of earlier units still being reduced."""
+        """Refuse, before the first forward, a limit that even one unit at a time cannot meet: what
+        stays resident, the root's working set, the largest other unit's parameters and gradient
+        bucket with those of the units it runs inside, and the buckets still being reduced."""
         budget = self._budget
         if not budget.limit:
             return
@@ -243,21 +239,24 @@ class ShardedParams:
             entry = self._units[name]
             return (0 if entry.persistent else entry.nbytes) + grad_bucket_bytes[name]
 
-        others = [n for n in self._units if n != root]
-        if not others:
+        if not (others := [n for n in self._units if n != root]):
             return
-        largest = max(others, key=working_set)
+
+        def running(name: str) -> list[str]:  # the unit and those it runs inside (experts in their layer)
+            return [o for o in others if o == name or name.startswith(f"{o}.")]
+
+        largest = max(others, key=lambda n: sum(working_set(o) for o in running(n)))
+        held, inside = sum(working_set(o) for o in running(largest)), [o for o in running(largest) if o != largest]
         resident = budget.used + (working_set(root) if root else 0)
-        need = resident + working_set(largest) + (in_flight - 1) * max(grad_bucket_bytes.values())
+        need = resident + held + (in_flight - 1) * max(grad_bucket_bytes.values())
         if need > budget.limit:
             raise DeviceMemoryError(
-                f"unit {largest!r} needs {working_set(largest) / MIB:.2f} MiB of device memory while it runs "
-                f"({self._units[largest].nbytes / MIB:.2f} MiB of gathered parameters and a "
-                f"{grad_bucket_bytes[largest] / MIB:.2f} MiB gradient bucket) on top of {resident / MIB:.2f} MiB "
-                f"held throughout (shards, persistent units, the root unit) and "
-                f"{(in_flight - 1) * max(grad_bucket_bytes.values()) / MIB:.2f} MiB of buckets being reduced: "
-                f"{need / MIB:.2f} MiB in all, over zero.device_memory_limit_mb = {budget.limit / MIB:.4g}; raise "
-                f"the limit to at least {need / MIB:.1f}, or split the unit (zero.unit_classes)"
+                f"unit {largest!r}{f' (inside {inside[0]!r})' if inside else ''} needs {held / MIB:.2f} MiB of device "
+                f"memory while it runs (gathered parameters and gradient buckets) on top of {resident / MIB:.2f} MiB "
+                f"held throughout (shards, persistent units, the root unit) and buckets being reduced: "
+                f"{need / MIB:.2f} MiB in all, over zero.device_memory_limit_mb = {budget.limit / MIB:.4g}; raise the "
+                f"limit to at least {need / MIB:.1f}, or split the unit (zero.unit_classes: name a class inside it "
+                f"too, such as a mixture-of-experts layer's experts, to make that a unit of its own)"
             )
 
     # --------------------------------------------------------------- hooks

@@ -112,7 +112,9 @@ def find_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[
     """The unit modules in execution-friendly (definition) order, root last.
 
     ``unit_classes`` names module classes that form units; without it every entry of
-    every ``nn.ModuleList`` does. Units do not nest: the outermost match wins. A name no
+    every ``nn.ModuleList`` does (the outermost ones). Named classes nest: a mixture-of-experts
+    layer whose experts' class is named too is two units, the experts' and the rest of the
+    layer's, listed inner first so that each parameter belongs to the innermost unit. A name no
     module of the model has is refused (``check_unit_classes``).
     """
     check_unit_classes(model, unit_classes or [])
@@ -126,6 +128,8 @@ def find_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[
                 if unit_classes
                 else isinstance(module, nn.ModuleList) and any(True for _ in child.parameters())
             )
+            if is_unit and unit_classes:
+                visit(f"{path}.", child)
             if is_unit:
                 units.append((path, child))
             else:

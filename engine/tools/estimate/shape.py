@@ -98,7 +98,8 @@ class ModelShape:
     vocab_size: int
     seq_len: int
     ffn: int
-    """The feed-forward layer's inner width (4 x d_model in the built-in GPT)."""
+    """The feed-forward layer's inner width a token passes through (4 x d_model in the built-in
+    GPT; the routed experts' and any shared expert's together in a mixture of experts)."""
 
     @classmethod
     def of_gpt(cls, gpt: GPTConfig) -> ModelShape:
@@ -136,8 +137,19 @@ def module_shape(model: nn.Module, seq_len: int, blocks: int) -> ModelShape:
         n_head=found["n_head"] or max(1, d_model // HEAD_DIM),
         vocab_size=found["vocab_size"],
         seq_len=seq_len,
-        ffn=found["ffn"] or 4 * d_model,
+        ffn=_active_ffn(settings, found["ffn"]) or 4 * d_model,
     )
+
+
+def _active_ffn(settings: Any, ffn: int) -> int:
+    """The feed-forward width a token passes through: in a mixture of experts, that of the
+    experts it is routed to (``num_experts_per_tok``) and of any shared expert; else ``ffn``."""
+    routed = getattr(settings, "num_experts_per_tok", None)
+    if not isinstance(routed, int):
+        return ffn
+    expert = getattr(settings, "moe_intermediate_size", None) or ffn
+    shared = getattr(settings, "shared_expert_intermediate_size", None) or 0
+    return routed * expert + shared
 
 
 @dataclass(frozen=True)
