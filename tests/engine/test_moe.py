@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from engine.config import Config  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.run.pretrained import read_headers  # noqa: E402
 from engine.runtime.budget import DeviceMemoryError  # noqa: E402
 from engine.tools.estimate import run_shape  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
@@ -162,3 +163,51 @@ def test_estimate_lays_out_and_sizes_the_experts_as_the_engine_does(tmp_path: Pa
     assert run.layout.numel == sum(p.numel() for p in model.parameters())
     assert len(run.layout.units) == 2 * 2 + 1, "each layer's experts, the rest of each layer, the root"
     assert run.model.ffn == 2 * 96, "a token passes through the two experts it is routed to"
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_command_line_fine_tunes_exports_and_generates_a_mixture_of_experts(lora, tmp_path, monkeypatch) -> None:
+    """A Mixtral checkpoint (experts stored one per tensor) fine-tuned from the command line at
+    stage 3 on nvme, its experts in units of their own, with every weight trained or with LoRA
+    adapters on the attention projections; the export loads in transformers (with peft for the
+    adapters), and ``generate`` decodes greedily as that loaded model does."""
+    peft = pytest.importorskip("peft")
+    from engine.run import cli
+    from engine.run.generate import Sampling, continue_ids, recorded_model
+    from tests.engine.test_pretrained import SHARD, TEXT, save_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder, store, out = tmp_path / "pretrained", tmp_path / "store", tmp_path / "out"
+    model = mixtral()
+    model.resize_token_embeddings(320)
+    model.save_pretrained(folder, max_shard_size=SHARD)
+    save_tokenizer(folder)
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    args = ["train", "--model.hf", str(folder), "--data.source", str(tmp_path / "corpus.txt"), "--steps", "2"]
+    args += ["--seq_len", "16", "--micro_batch", "2", "--nvme_path", str(store), "--stage", "3", "--param", "nvme"]
+    args += ["--compute_dtype", "fp32", "--zero.unit_classes", '["MixtralDecoderLayer", "MixtralExperts"]']
+    args += ["--lora.r", "4", "--lora.target_modules", '["q_proj", "v_proj"]'] if lora else []
+    assert cli.main(args) == 0
+    assert cli.main(["export", str(store), str(out)]) == 0
+    if lora:
+        loaded = peft.AutoPeftModelForCausalLM.from_pretrained(out)
+    else:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+        assert set(read_headers(out)) == set(read_headers(folder)), "stored one tensor per expert, as it came"
+    prompt = transformers.AutoTokenizer.from_pretrained(folder)("the quick")["input_ids"]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(loaded(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    same = [
+        "--nvme_path",
+        str(store),
+        "--stage",
+        "3",
+        "--param",
+        "nvme",
+        "--zero.unit_classes",
+        args[args.index("--zero.unit_classes") + 1],
+    ]
+    cfg = recorded_model(cli._load_config(None, same))
+    assert continue_ids(cfg, prompt, Sampling(tokens=6, temperature=0)) == ids[len(prompt) :]
