@@ -12,8 +12,13 @@ shard, equal to the store's; ``from_pretrained`` too at small sizes), its peak R
 Each phase's bytes read and written per second are set against raw O_DIRECT disk bandwidth
 measured in the same run.
 
+With ``--moe`` the checkpoint is a Mixtral-style mixture of experts (8 experts, 2 per token,
+stored one tensor per expert as ``save_pretrained`` writes it), whose experts train as units of
+their own inside their layers'.
+
     python -m benchmarks.pretrained --params 1e9 --dir /path/on/nvme
     python -m benchmarks.pretrained --params 3e9 --finetune-steps 20 --dir /path/on/nvme
+    python -m benchmarks.pretrained --params 1e9 --moe --finetune-steps 3 --dir /path/on/nvme
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ PLAN = ["stage=3", "offload.param=nvme", "offload.optimizer=nvme", "compute_dtyp
 optimizer state on disk: a 3B fine-tune's (36 GB) twice, beside the checkpoint and the export,
 would not fit the ~80 GB free here."""
 FINETUNE = ["seq_len=128", "micro_batch=1", "lr=1e-3", "warmup_steps=0", "val_fraction=0.1", "eval_every=1"]
+MOE_UNITS = "zero.unit_classes=MixtralDecoderLayer,MixtralExperts"
+"""A mixture of experts' units: each layer's experts apart from the rest of the layer."""
 CHECKED = "model.layers.0.self_attn.q_proj.weight"
 """The tensor the reload compares with the store's trained value and the checkpoint's first one."""
 FROM_PRETRAINED_MAX_BYTES = GIB
@@ -62,13 +69,40 @@ def llama_config(params: float, vocab: int = VOCAB, positions: int = 512) -> Any
     )
 
 
-def save_checkpoint(params: float, folder: Path) -> int:
+def mixtral_config(params: float, vocab: int = VOCAB, positions: int = 512) -> Any:
+    """A Mixtral (8 experts, 2 a token) whose depth makes up ``params``."""
+    from transformers import MixtralConfig
+
+    hidden = 1024 if params >= 2e8 else 256
+    ffn, experts = int(hidden * 8 / 3) // 64 * 64, 8
+    layers = max(1, round((params - 2 * vocab * hidden) / (4 * hidden * hidden + experts * 3 * hidden * ffn)))
+    return MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=positions,
+    )
+
+
+def plan(folder: Path) -> list[str]:
+    """The import's and fine-tune's settings for the checkpoint in ``folder``."""
+    moe = "num_local_experts" in json.loads((folder / "config.json").read_text())
+    return [*PLAN, MOE_UNITS] if moe else PLAN
+
+
+def save_checkpoint(params: float, folder: Path, moe: bool = False) -> int:
     """Save a random model of about ``params`` parameters in bf16 shards; its parameter count."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(params)).to(torch.bfloat16)
+    settings = mixtral_config(params) if moe else llama_config(params)
+    model = AutoModelForCausalLM.from_config(settings).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="500MB")
     return sum(p.numel() for p in model.parameters())
 
@@ -80,7 +114,7 @@ def import_phase(folder: Path, store: Path) -> dict[str, float]:
     from engine.run.pretrained import pretrained_model, record_source
 
     model, init = pretrained_model(str(folder), seq_len=128)
-    config = Config.from_dict({}, [*PLAN, f"nvme_path={store}"])  # buffer_mb "auto": sized for the root
+    config = Config.from_dict({}, [*plan(folder), f"nvme_path={store}"])  # buffer_mb "auto": sized for the root
     start = time.perf_counter()
     engine = Engine(model, config, init_unit=init)
     engine.close()
@@ -104,7 +138,7 @@ def finetune_phase(folder: Path, store: Path, tokens: Path, metrics: Path, steps
     from engine.config import Config
     from engine.run.train import resumable, train
 
-    overrides = [*PLAN, *FINETUNE, f"model.hf={folder}", f"data.source={tokens}", f"nvme_path={store}"]
+    overrides = [*plan(folder), *FINETUNE, f"model.hf={folder}", f"data.source={tokens}", f"nvme_path={store}"]
     overrides += [f"steps={steps}", f"eval_batches={eval_batches}", f"metrics={metrics}", f"log_every={steps}"]
     config = Config.from_dict({}, overrides)
     resumed = resumable(config)  # from the imported store, not the checkpoint again
@@ -197,13 +231,13 @@ def row(phase: str, timing: dict[str, float], read: int, written: int, raw: dict
     }
 
 
-def run(params: float, work: Path, steps: int, eval_batches: int) -> dict[str, Any]:
+def run(params: float, work: Path, steps: int, eval_batches: int, moe: bool = False) -> dict[str, Any]:
     checkpoint, store, out = work / "checkpoint", work / "store", work / "exported"
-    count = save_checkpoint(params, checkpoint)
+    count = save_checkpoint(params, checkpoint, moe)
     raw = raw_disk_gbps(work, 1 * GIB if params >= 5e8 else 64 * MIB, threads=4)
     imported = in_process("import", checkpoint, store)
     rows = [row("import", imported, disk_usage(checkpoint), disk_usage(store), raw)]
-    result: dict[str, Any] = {"params": count, "raw_disk_gbps": raw}
+    result: dict[str, Any] = {"params": count, "moe": moe, "raw_disk_gbps": raw}
     if steps:
         options = ("--finetune-steps", str(steps), "--eval-batches", str(eval_batches))
         paths = (checkpoint, store, byte_tokens(work / "tokens"), work / "metrics.jsonl")
@@ -247,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--finetune-steps", type=int, help="fine-tune steps between import and export (default 0; --quick: 3)"
     )
+    parser.add_argument("--moe", action="store_true", help="a Mixtral-style mixture of experts, not a Llama")
     parser.add_argument("--eval-batches", type=int, default=2, help="micro-batches per validation loss (default 2)")
     parser.add_argument("--phase", choices=["import", "finetune", "export"], help=argparse.SUPPRESS)
     parser.add_argument("paths", nargs="*", type=Path, help=argparse.SUPPRESS)
@@ -258,9 +293,10 @@ def main(argv: list[str] | None = None) -> None:
     params = 2e7 if args.quick else args.params
     steps = args.finetune_steps if args.finetune_steps is not None else (3 if args.quick else 0)
     with tempfile.TemporaryDirectory(prefix="bench-pretrained-", dir=args.dir) as work:
-        result = run(params, Path(work), steps, args.eval_batches)
+        result = run(params, Path(work), steps, args.eval_batches, args.moe)
     what = "import, fine-tune and export" if steps else "import and export"
-    print_table(f"{what} of a {result['params'] / 1e9:.2f}B-parameter bf16 checkpoint", result["rows"])
+    kind = "mixture-of-experts " if args.moe else ""
+    print_table(f"{what} of a {result['params'] / 1e9:.2f}B-parameter bf16 {kind}checkpoint", result["rows"])
     if steps:
         tuned = result["finetune"]
         print(
