@@ -36,7 +36,9 @@ class ZeroConfig:
     """Recompute each unit's activations in backward instead of keeping them (root excluded)."""
     unit_classes: list[str] = field(default_factory=list)
     """Module class names that form a unit (the grain of sharding and I/O). Empty: every
-    entry of every ``nn.ModuleList`` (transformer blocks), plus a root unit for the rest."""
+    entry of every ``nn.ModuleList`` (transformer blocks), plus a root unit for the rest. Named
+    classes nest: ``["MixtralDecoderLayer", "MixtralExperts"]`` makes each layer's experts a
+    unit of their own inside the unit of the rest of the layer."""
     prefetch_mb: float = 64.0
     """Stage 3: bytes of the units ahead in the traced order gathered while the current one
     computes, in MiB; 0 gathers each unit only when it is needed."""
