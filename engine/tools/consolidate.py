@@ -92,6 +92,14 @@ class Masters:
                 offset += values.numel()
 
 
+def unit_values(masters: Masters, unit: UnitLayout) -> torch.Tensor:
+    """One unit's weights whole, in fp32 (its master, or a frozen unit's values)."""
+    flat = torch.empty(unit.numel, dtype=torch.float32)
+    for _, offset, values in masters.pieces([unit]):
+        flat[offset : offset + values.numel()] = values
+    return flat
+
+
 def unit_array(prefix: str, unit: UnitLayout) -> str:
     """The array holding a unit's weights: its master in the group ``prefix``, or a frozen unit's values."""
     return array_name(prefix, unit.name, "master") if unit.trainable else frozen_array(unit)
