@@ -33,7 +33,7 @@ from engine import build
 from engine.config import Config
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
-from engine.runtime.device import Device
+from engine.runtime.detect import detect_device
 from engine.runtime.host_worker import HostWorker, uses_host_worker
 from engine.runtime.sizes import MIB
 from engine.tiers import hosts, rng
@@ -72,7 +72,7 @@ class Engine:
         (without it, only a store that never held a trained step is replaced; any other is refused)."""
         config.validate()
         resume = resume or checkpoint is not None  # a checkpoint is only ever resumed from
-        self.device = Device.detect()
+        self.device = detect_device()
         self.comm = Comm.from_env(self.device.backend, self.device.device)
         self.config = settle_for_ranks(config, resume, self.comm)  # this host's store, "auto" I/O settings made numbers
         self.io = StoreIO.from_config(self.config.offload, self.comm, node_local=config.offload.node_local)
