@@ -316,11 +316,6 @@ class Engine:
         """The units in the order the step updates them (``update_order``)."""
         return update_order(self.grads.order.recorded, self.layout)
 
-    @property
-    def is_accumulation_boundary(self) -> bool:
-        """Whether the step's last micro-batch went backward, so that ``step()`` updates."""
-        return self._phase is StepPhase.UPDATING
-
     def step(self) -> bool:
         """Apply the optimizer once every ``grad_accum_steps`` micro-batches; True if it updated.
 

@@ -179,10 +179,6 @@ class RunShape:
         return max(u.padded_numel for u in self.layout.all_units)
 
     @property
-    def largest_shard(self) -> int:
-        return max(u.shard_numel for u in self.layout.units)
-
-    @property
     def largest_param(self) -> int:
         return max(slot.numel for u in self.layout.units for slot in u.params)
 
