@@ -3,8 +3,8 @@
 Where things are
 ----------------
 - ``engine.engine``: ``Engine``, the user's object; ``engine.build`` puts one together from a
-  ``Config`` (``engine.config``, read from a file by ``engine.config_parse``, checked by
-  ``engine.config_checks``).
+  ``Config`` (``engine.config``, with its checks; its sections in ``engine.config_sections``,
+  read from a file by ``engine.config_parse``).
 - ``engine.zero``: the ZeRO mechanics of one step: units and their flat layout (``partition``),
   gathering and releasing parameters (``params``), gradient shards (``grads``), the update
   (``update``, ``step``, ``optim``; which parameters decay in ``decay``; compact moments in ``moments`` and

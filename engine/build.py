@@ -15,7 +15,7 @@ import psutil
 import torch
 from torch import nn
 
-from engine.config import Config, shares_master
+from engine.config import Config, shares_master, spills_gradients
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
@@ -52,7 +52,6 @@ from engine.zero.partition import (
     unit_parameters,
 )
 from engine.zero.recompute import checkpoint_forward
-from engine.zero.update import spills_gradients
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.config import Config
+from engine.config import Config, overlaps_backward
 from engine.runtime.comm import Comm
 from engine.tiers.grad_spill import GradSpill
 from engine.tiers.optimizer import ShardState
@@ -29,7 +29,7 @@ from engine.zero.optim import clip_coefficient, clip_grads_, global_norm, grad_n
 from engine.zero.params import ReplicatedParams, ShardedParams
 from engine.zero.partition import ModelLayout, UnitLayout, param_views
 from engine.zero.precision import LossScaler
-from engine.zero.update import Update, overlaps_backward
+from engine.zero.update import Update
 
 
 class StepMath:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.build import units_layout
-from engine.config import Config, ConfigError, Tier
+from engine.config import Config, ConfigError, Tier, spills_gradients
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
@@ -27,7 +27,6 @@ from engine.zero.partition import (
     find_units,
 )
 from engine.zero.precision import compute_dtype
-from engine.zero.update import spills_gradients
 
 TIER_ORDER: tuple[tuple[Tier, Tier], ...] = (
     ("device", "device"),

@@ -5,7 +5,7 @@ the engine when it changes."""
 
 from __future__ import annotations
 
-from engine.config import shares_master
+from engine.config import overlaps_backward, shares_master, spills_gradients
 from engine.run.loss import CHUNK_TOKENS
 from engine.runtime.heap import MMAP_THRESHOLD
 from engine.runtime.sizes import FP32
@@ -24,7 +24,6 @@ from engine.tools.estimate.shape import Plan, RunShape
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
 from engine.zero.partition import FROZEN_SUFFIX, ROOT_UNIT
-from engine.zero.update import overlaps_backward, spills_gradients
 from offload import array_bytes, shard_bytes
 
 ADAM_KINDS = len(STATE_KINDS)
