@@ -179,7 +179,7 @@ class OptimConfig:
     state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """How AdamW's moments are held and stored: ``fp32`` (bit-exact with torch), ``bf16`` (a
     third fewer optimizer bytes) or ``int8`` (8-bit blocks, half), rounded stochastically
-    (``engine.zero.moments``). A store resumes only in the form it was written in."""
+    (``engine.state.forms``). A store resumes only in the form it was written in."""
     master_dtype: Literal["fp32", "bf16"] = "fp32"
     """How the master weights are held and stored: ``fp32`` (bit-exact with torch), or ``bf16``
     (2 B/param fewer, updated in fp32 and rounded back stochastically). At stage 3 with

@@ -36,6 +36,8 @@ from engine.runtime.comm import Comm
 from engine.runtime.detect import detect_device
 from engine.runtime.host_worker import HostWorker, uses_host_worker
 from engine.runtime.sizes import MIB
+from engine.state.dtypes import compute_dtype
+from engine.state.partition import UnitLayout, unit_needs
 from engine.tiers import hosts, rng
 from engine.tiers.checkpoint import PendingCheckpoint
 from engine.tiers.store_io import StoreIO, settle_for_ranks
@@ -43,9 +45,8 @@ from engine.zero.divergence import DivergedError, diverged_message
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.optim import lr_factor, schedule_change
 from engine.zero.order import TracedOrder, adopt_orders, saved_orders
-from engine.zero.partition import UnitLayout, unit_needs
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
-from engine.zero.precision import LossScaler, compute_dtype
+from engine.zero.precision import LossScaler
 from engine.zero.stats import StepClock, StepStats, measure_step
 from engine.zero.step import StepMath
 from engine.zero.update import Update, update_order

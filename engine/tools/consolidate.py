@@ -38,12 +38,12 @@ import torch
 from tqdm import tqdm
 
 from engine.runtime.sizes import FP32
+from engine.state.forms import StateForm
+from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.frozen import frozen_array
 from engine.tiers.store_checks import naming_way_out
 from engine.tools.gather import gathered
 from engine.tools.inspect import IO_THREADS, committed_record, open_store, store_layout
-from engine.zero.moments import StateForm
-from engine.zero.partition import ModelLayout, UnitLayout
 from offload import ChunkReader, Generations, IORunner, ShardStore, array_name, generation_prefix
 
 logger = logging.getLogger(__name__)

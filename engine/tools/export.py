@@ -36,8 +36,8 @@ from tqdm import tqdm
 
 from engine.run.pretrained import INDEX_FILE, SINGLE_FILE, SOURCE_FOLDER, SOURCE_RECORD, WEIGHT_SUFFIXES
 from engine.runtime.sizes import GIB, MIB
+from engine.state.partition import ModelLayout, ParamSlot, UnitLayout
 from engine.tools.consolidate import Masters, Stores, header_bytes, open_masters, unit_values
-from engine.zero.partition import ModelLayout, ParamSlot, UnitLayout
 
 logger = logging.getLogger(__name__)
 

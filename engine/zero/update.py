@@ -30,9 +30,10 @@ from typing import Protocol
 import torch
 
 from engine.runtime.host_worker import HostWorker
-from engine.tiers.optimizer import OptimizerState, ShardState
+from engine.state.forms import ShardState
+from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout
+from engine.tiers.optimizer import OptimizerState
 from engine.zero.grads import PendingShard
-from engine.zero.partition import ROOT_UNIT, ModelLayout, UnitLayout
 
 
 def update_order(recorded: Sequence[str], layout: ModelLayout) -> list[UnitLayout]:

@@ -18,14 +18,15 @@ from torch import nn
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.detect import detect_device
 from engine.runtime.sizes import MIB
+from engine.state.forms import STATE_KINDS, ShardState
+from engine.state.partition import ModelLayout, UnitLayout, build_layout
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.frozen import FrozenAdder, read_frozen, read_frozen_async
-from engine.tiers.optimizer import STATE_KINDS, MemoryOptimizerState, OptimizerState, ShardState
+from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_KIND, MemoryParamTier, ParamTier, StoreParamTier
 from engine.tiers.store_checks import unit_state_bytes
 from engine.tiers.store_io import StoreIO
-from engine.zero.partition import ModelLayout, UnitLayout, build_layout
 from offload import TOP, IORunner, ShardStore, read_shard, unit_arrays
 
 SIZES = (3000, 1000, 5000)  # elements per unit: shards padded to their chunks

@@ -19,14 +19,10 @@ from engine.config import Config, ConfigError, Tier, spills_gradients
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
+from engine.state.dtypes import compute_dtype
+from engine.state.forms import StateForm
+from engine.state.partition import ROOT_UNIT, ModelLayout, find_units
 from engine.tiers.store_io import settle_io
-from engine.zero.moments import StateForm
-from engine.zero.partition import (
-    ROOT_UNIT,
-    ModelLayout,
-    find_units,
-)
-from engine.zero.precision import compute_dtype
 
 TIER_ORDER: tuple[tuple[Tier, Tier], ...] = (
     ("device", "device"),
