@@ -47,6 +47,7 @@ from benchmarks.bandwidth import interleaved_medians
 from benchmarks.plans import PLANS, TierPlan
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import RunResult, Schedule, add_schedule_arguments, run_isolated, schedule_from
+from engine.runtime.detect import detect_device
 from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
 
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     preset = args.preset or ("tiny" if args.quick else None)
     sections = {"model": {"preset": preset}} if preset else {}
     plans = [PLANS[key] for key in args.plans]
-    device = Device.detect()
+    device = detect_device()
 
     copies = copy_rows(device, extent.copy_mib, extent.reps)
     args.dir.mkdir(parents=True, exist_ok=True)

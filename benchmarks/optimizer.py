@@ -72,11 +72,12 @@ from benchmarks.bandwidth import (
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from engine.config import OffloadConfig, OptimConfig
 from engine.runtime.sizes import MIB
+from engine.state.forms import FP32_STATE, StateForm
+from engine.state.partition import ModelLayout, build_layout, max_chunk_numel
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB, optimizer_buffer_bytes
 from engine.tiers.store_io import StoreIO
-from engine.zero.moments import FP32_STATE, CompactAdamW, StateForm
-from engine.zero.partition import ModelLayout, build_layout, max_chunk_numel
+from engine.zero.compact_update import CompactAdamW
 from offload import CHUNK_RANGE, IORunner, PipelineStats, auto_settings
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v

@@ -39,8 +39,8 @@ from engine.run.models.gpt import GPT
 from engine.run.train import meta_model, peak_rss_bytes
 from engine.runtime.device import SIM_ENV
 from engine.runtime.heap import tune_heap
+from engine.state.partition import ModelLayout, build_layout, find_units, max_chunk_numel, unit_parameters
 from engine.tiers.store_io import settle_io
-from engine.zero.partition import ModelLayout, build_layout, find_units, max_chunk_numel, unit_parameters
 
 DEFAULT_THREADS = os.cpu_count() or 1
 """What `python -m engine train` gives one rank: every core."""

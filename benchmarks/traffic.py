@@ -38,15 +38,14 @@ from typing import Self
 import torch
 
 from benchmarks.plans import TierPlan
-from engine.config import Config, OffloadConfig
+from engine.config import Config, OffloadConfig, spills_gradients
+from engine.state.dtypes import compute_dtype
+from engine.state.forms import STATE_KINDS
+from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.grad_spill import GRAD
-from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.parameters import PARAM_KIND, PARAM_STORE
 from engine.tiers.sizing import optimizer_buffer_bytes, read_ahead_bytes
 from engine.tiers.store_io import settle_io
-from engine.zero.partition import ModelLayout, UnitLayout
-from engine.zero.precision import compute_dtype
-from engine.zero.update import spills_gradients
 from offload import (
     SCRATCH,
     BufferPool,

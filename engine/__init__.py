@@ -3,13 +3,17 @@
 Where things are
 ----------------
 - ``engine.engine``: ``Engine``, the user's object; ``engine.build`` puts one together from a
-  ``Config`` (``engine.config``, read from a file by ``engine.config_parse``, checked by
-  ``engine.config_checks``).
-- ``engine.zero``: the ZeRO mechanics of one step: units and their flat layout (``partition``),
-  gathering and releasing parameters (``params``), gradient shards (``grads``), the update
-  (``update``, ``step``, ``optim``; which parameters decay in ``decay``; compact moments in ``moments`` and
-  ``quantize``, their fused update in ``compact_update``), the step
-  cycle (``phase``) and what a step cost (``stats``).
+  ``Config`` (``engine.config``, with its checks; its sections in ``engine.config_sections``,
+  read from a file by ``engine.config_parse``).
+- ``engine.state``: what a rank's training state is made of and how it is laid out, below both
+  the tiers that hold it and the step that updates it: units and their flat layout and shards
+  (``partition``), the optimizer state's kinds and forms (``forms``), the int8 block format
+  (``quantize``) and the dtypes by name (``dtypes``).
+- ``engine.zero``: the ZeRO mechanics of one step, driving the tiers: gathering and releasing
+  parameters (``params``), gradient shards (``grads``), the update (``update``, ``step``,
+  ``optim``; which parameters decay in ``decay``; the update of compact state in
+  ``compact_update``), loss scaling (``precision``), the step cycle (``phase``) and what a step
+  cost (``stats``).
 - ``engine.tiers``: where a rank's shards live between uses: optimizer tiers (``optimizer``,
   ``optimizer_store`` with its checks and store modes), parameter tiers (``parameters``), the
   sizes they take (``sizing``), checkpoints of the memory tiers, the committed step record, the

@@ -15,10 +15,22 @@ import psutil
 import torch
 from torch import nn
 
-from engine.config import Config, shares_master
+from engine.config import Config, shares_master, spills_gradients
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
+from engine.state.forms import HostAllocator, StateForm
+from engine.state.partition import (
+    ROOT_UNIT,
+    ModelLayout,
+    build_layout,
+    find_units,
+    flatten_into,
+    materialize_,
+    max_chunk_numel,
+    param_views,
+    unit_parameters,
+)
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.frozen import read_frozen_async
 from engine.tiers.grad_spill import GradSpill, scratch_disk_bytes, spill_dtype
@@ -38,21 +50,8 @@ from engine.tiers.store_io import StoreIO
 from engine.zero.buffers import materialize_buffers_
 from engine.zero.decay import no_decay_names
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
-from engine.zero.moments import HostAllocator, StateForm
 from engine.zero.params import ReplicatedParams, ShardedParams
-from engine.zero.partition import (
-    ROOT_UNIT,
-    ModelLayout,
-    build_layout,
-    find_units,
-    flatten_into,
-    materialize_,
-    max_chunk_numel,
-    param_views,
-    unit_parameters,
-)
 from engine.zero.recompute import checkpoint_forward
-from engine.zero.update import spills_gradients
 
 logger = logging.getLogger(__name__)
 

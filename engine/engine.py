@@ -33,9 +33,11 @@ from engine import build
 from engine.config import Config
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
-from engine.runtime.device import Device
+from engine.runtime.detect import detect_device
 from engine.runtime.host_worker import HostWorker, uses_host_worker
 from engine.runtime.sizes import MIB
+from engine.state.dtypes import compute_dtype
+from engine.state.partition import UnitLayout, unit_needs
 from engine.tiers import hosts, rng
 from engine.tiers.checkpoint import PendingCheckpoint
 from engine.tiers.store_io import StoreIO, settle_for_ranks
@@ -43,9 +45,8 @@ from engine.zero.divergence import DivergedError, diverged_message
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.optim import lr_factor, schedule_change
 from engine.zero.order import TracedOrder, adopt_orders, saved_orders
-from engine.zero.partition import UnitLayout, unit_needs
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
-from engine.zero.precision import LossScaler, compute_dtype
+from engine.zero.precision import LossScaler
 from engine.zero.stats import StepClock, StepStats, measure_step
 from engine.zero.step import StepMath
 from engine.zero.update import Update, update_order
@@ -72,7 +73,7 @@ class Engine:
         (without it, only a store that never held a trained step is replaced; any other is refused)."""
         config.validate()
         resume = resume or checkpoint is not None  # a checkpoint is only ever resumed from
-        self.device = Device.detect()
+        self.device = detect_device()
         self.comm = Comm.from_env(self.device.backend, self.device.device)
         self.config = settle_for_ranks(config, resume, self.comm)  # this host's store, "auto" I/O settings made numbers
         self.io = StoreIO.from_config(self.config.offload, self.comm, node_local=config.offload.node_local)
@@ -315,11 +316,6 @@ class Engine:
     def _update_order(self) -> list[UnitLayout]:
         """The units in the order the step updates them (``update_order``)."""
         return update_order(self.grads.order.recorded, self.layout)
-
-    @property
-    def is_accumulation_boundary(self) -> bool:
-        """Whether the step's last micro-batch went backward, so that ``step()`` updates."""
-        return self._phase is StepPhase.UPDATING
 
     def step(self) -> bool:
         """Apply the optimizer once every ``grad_accum_steps`` micro-batches; True if it updated.

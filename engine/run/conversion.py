@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.zero.partition import ModelLayout
+from engine.state.partition import ModelLayout
 
 SOURCE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 SHOWN = 3  # names listed in an error before "and N more"

@@ -94,9 +94,9 @@ class Comm:
     def join(cls) -> Comm:
         """``from_env`` on this rank's device: the group made before the engine (which then joins
         it, as ``Engine`` does any existing group) where the ranks must agree on something first."""
-        from engine.runtime.device import Device
+        from engine.runtime.detect import detect_device
 
-        device = Device.detect()
+        device = detect_device()
         return cls.from_env(device.backend, device.device)
 
     def shard_range(self, shard_numel: int) -> slice:

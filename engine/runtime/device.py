@@ -8,11 +8,11 @@ waits for that event first, the compute stream with ``wait_for``, the host with 
 ``synchronize``. On an accelerator that is what lets copies overlap compute; on CPU copies
 are synchronous and the events are already complete, so a missing wait is invisible there:
 ``engine.runtime.sim_device`` runs copies later, on worker threads, to make it visible in tests.
+``engine.runtime.detect`` picks the one a rank computes on.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
@@ -52,24 +52,6 @@ class Device:
         self.pinned: PinnedPool | None = None
         """The bounded pool of host tensors that copies read or fill (``bound_pinned``); None
         where the device is the host."""
-
-    @classmethod
-    def detect(cls, local_rank: int | None = None) -> Device:
-        """The accelerator for this rank if there is one (``LOCAL_RANK`` picks it), else the CPU,
-        or the simulated asynchronous device where ``OFFLOAD_SIM_DEVICE`` asks for it (tests and
-        benchmarks)."""
-        sim = os.environ.get(SIM_ENV)
-        if sim is not None:
-            from engine.runtime.sim_device import SimDevice  # only tests and benchmarks pay for it
-
-            return SimDevice.from_spec(sim)
-        accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        if accel is None:
-            return cls(torch.device("cpu"))
-        index = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device(accel.type, index)
-        torch.accelerator.set_device_index(index)
-        return cls(device)
 
     @property
     def is_accelerator(self) -> bool:

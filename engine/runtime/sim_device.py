@@ -13,7 +13,7 @@ on any of its events. Waiting for an event (``wait_for``, ``synchronize``) block
 which is what the compute stream waiting for it means when the host is that stream.
 
 Selected with the environment variable ``OFFLOAD_SIM_DEVICE`` (``seed=S,delay_ms=D,gbps=B``,
-each optional) by ``Device.detect``: for tests and benchmarks only.
+each optional) by ``engine.runtime.detect``: for tests and benchmarks only.
 """
 
 from __future__ import annotations

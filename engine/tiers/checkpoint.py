@@ -14,14 +14,13 @@ from pathlib import Path
 
 import torch
 
+from engine.state.forms import FP32_STATE, ShardState, StateForm, create_state_arrays, state_groups
+from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.frozen import FrozenAdder, read_frozen
-from engine.tiers.optimizer import ShardState, create_state_arrays, state_groups
 from engine.tiers.parameters import PARAM_STORE
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import first_difference, naming_way_out
 from engine.tiers.store_io import StoreIO
-from engine.zero.moments import FP32_STATE, StateForm
-from engine.zero.partition import ModelLayout, UnitLayout
 from offload import Generations, ShardStore, generation_prefix, read_shard, write_shard_async
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from concurrent.futures import Future
 
 import torch
 
+from engine.state.partition import UnitLayout
 from engine.tiers.parameters import PARAM_KIND
 from engine.tiers.store_io import StoreIO
-from engine.zero.partition import UnitLayout
 from offload import (
     ShardStore,
     array_in_layout,

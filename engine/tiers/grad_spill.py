@@ -36,11 +36,10 @@ from pathlib import Path
 
 import torch
 
-from engine.config import Config, OffloadConfig
+from engine.config import Config, OffloadConfig, spills_gradients
+from engine.state.dtypes import DTYPES
+from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.store_io import StoreIO
-from engine.zero.partition import ModelLayout, UnitLayout
-from engine.zero.precision import DTYPES
-from engine.zero.update import spills_gradients
 from offload import SCRATCH, TOP, BufferPool, HostBuffer, Pipeline, ReadAhead, ShardStore, array_name, shard_bytes
 
 logger = logging.getLogger(__name__)

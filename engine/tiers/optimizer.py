@@ -8,59 +8,18 @@ and write them back behind the update, so the step's code is the same on every t
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.zero.moments import FP32_STATE, HostAllocator, StateForm
-from engine.zero.partition import UnitLayout
-from offload import ShardedUnit, ShardStore, create_arrays
-
-Views = list[tuple[str, torch.Tensor]]
+from engine.state.forms import FP32_STATE, HostAllocator, ShardState, StateForm
+from engine.state.partition import UnitLayout
+from offload import ShardStore
 
 if TYPE_CHECKING:
     from engine.tiers.checkpoint import MemoryCheckpoints, PendingCheckpoint
-
-
-@dataclass
-class ShardState:
-    """One unit's optimizer state on this rank (``shard_numel`` elements each: a master and
-    moments of the run's ``StateForm``)."""
-
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.master, self.exp_avg, self.exp_avg_sq
-
-    def views(self) -> list[tuple[str, torch.Tensor]]:
-        """Each kind's name (its store array's) with its tensor."""
-        return list(zip(STATE_KINDS, self.tensors(), strict=True))
-
-
-STATE_KINDS = tuple(field.name for field in dataclasses.fields(ShardState))
-"""The kinds of optimizer state a unit has, by name: the names of its arrays in a store."""
-
-
-def create_state_arrays(store: ShardStore, prefix: str, units: Iterable[UnitLayout], form: StateForm) -> None:
-    """Every unit's optimizer state arrays under ``prefix``, each kind in its ``form`` dtype and geometry."""
-    for unit in units:
-        for kind, geometry, dtype in zip(STATE_KINDS, form.geometries(unit), form.dtypes(), strict=True):
-            create_arrays(store, prefix, (geometry,), (kind,), dtype)
-
-
-def state_groups(form: StateForm, unit: UnitLayout, state: ShardState) -> list[tuple[ShardedUnit, Views]]:
-    """The state's ``(kind, tensor)`` views grouped by array geometry (one group but for int8
-    moments), each to read or write in one call of ``offload``'s shard functions."""
-    groups: dict[ShardedUnit, Views] = {}
-    for geometry, view in zip(form.geometries(unit), state.views(), strict=True):
-        groups.setdefault(geometry, []).append(view)
-    return list(groups.items())
 
 
 class OptimizerState(Protocol):

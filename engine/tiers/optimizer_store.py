@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from engine.state.forms import FP32_STATE, STATE_KINDS, ShardState, StateForm, create_state_arrays, state_groups
+from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.frozen import FrozenAdder, read_frozen
-from engine.tiers.optimizer import STATE_KINDS, ShardState, create_state_arrays, state_groups
 from engine.tiers.sizing import read_ahead_bytes
 from engine.tiers.step_record import check_step_record
 from engine.tiers.store_checks import (
@@ -47,8 +48,6 @@ from engine.tiers.store_checks import (
 )
 from engine.tiers.store_io import StoreIO
 from engine.tiers.store_modes import store_mode
-from engine.zero.moments import FP32_STATE, StateForm
-from engine.zero.partition import ModelLayout, UnitLayout
 from offload import (
     BufferPool,
     Generations,

@@ -30,9 +30,9 @@ import torch
 
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.device import Device
+from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.sizing import param_pool_bytes
 from engine.tiers.store_io import StoreIO
-from engine.zero.partition import ModelLayout, UnitLayout
 from offload import (
     TOP,
     BufferPool,

@@ -14,10 +14,9 @@ import torch
 from engine.config import Config, OffloadConfig, ZeroConfig
 from engine.runtime.pinned import aligned
 from engine.runtime.sizes import MIB
-from engine.tiers.optimizer import STATE_KINDS
+from engine.state.forms import FP32_STATE, STATE_KINDS, StateForm
+from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.store_checks import IN_PLACE, store_bytes
-from engine.zero.moments import FP32_STATE, StateForm
-from engine.zero.partition import ModelLayout, UnitLayout
 from offload import shard_bytes
 
 

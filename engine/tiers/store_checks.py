@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engine.runtime.sizes import GIB, MIB
-from engine.zero.moments import FP32_STATE, StateForm
-from engine.zero.partition import ModelLayout, UnitLayout
+from engine.state.forms import FP32_STATE, StateForm
+from engine.state.partition import ModelLayout, UnitLayout
 from offload import ChecksumError, Generations, IORunner, ManifestError, ShardStore, generation_prefix
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from pathlib import Path
 from engine.config import Config, OffloadConfig
 from engine.runtime.comm import Comm
 from engine.runtime.sizes import FP32, MIB
+from engine.state.partition import ModelLayout
 from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB
-from engine.zero.partition import ModelLayout
 from offload import CHUNK_RANGE, CostAccount, IORunner, IOSettings, auto_settings, group_attrs
 
 logger = logging.getLogger(__name__)

@@ -15,13 +15,29 @@ is replaced, never rewritten (its shards fall elsewhere), by writing a fresh one
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from engine.tiers.store_checks import GENERATIONS, IN_PLACE, LIVE_GENERATIONS, check_clean, check_mode
-from offload import KEEP, generation_prefix
+from offload import KEEP, Generations, generation_prefix
 
-if TYPE_CHECKING:
-    from engine.tiers.optimizer_store import StoreOptimizerState
+
+class ModeTier(Protocol):
+    """What a mode works on of the nvme optimizer tier (``StoreOptimizerState``): its store's
+    generations, which of them is committed and which the next step writes, and the tier's own
+    ways to create, check and copy a generation."""
+
+    generations: Generations
+    committed_generation: int
+    target_generation: int
+    leader: bool
+    barrier: Callable[[], None]
+
+    def create_arrays(self, prefix: str) -> None: ...
+
+    def in_layout(self, prefix: str) -> bool: ...
+
+    def keep_by_copy(self, tag: str, record: dict, retain: int) -> None: ...
 
 
 class StoreMode(Protocol):
@@ -31,16 +47,16 @@ class StoreMode(Protocol):
     live_generations: int
     """Generations on disk besides the checkpoints."""
 
-    def open(self, tier: StoreOptimizerState, live: dict | None) -> int:
+    def open(self, tier: ModeTier, live: dict | None) -> int:
         """On resume, with ``live`` the committed record (None: checkpoints only): make the next
         step's target ready (the leader's part, every rank calling), and return its number."""
         ...
 
-    def before_write(self, tier: StoreOptimizerState) -> None:
+    def before_write(self, tier: ModeTier) -> None:
         """A unit's new state is about to be written to the target generation."""
         ...
 
-    def after_commit(self, tier: StoreOptimizerState, generation: int) -> None:
+    def after_commit(self, tier: ModeTier, generation: int) -> None:
         """On the leader, once ``generation`` is committed: ready the next target."""
         ...
 
@@ -48,7 +64,7 @@ class StoreMode(Protocol):
         """The generation the step after the commit of ``generation`` writes."""
         ...
 
-    def keep(self, tier: StoreOptimizerState, tag: str, retain: int) -> None:
+    def keep(self, tier: ModeTier, tag: str, retain: int) -> None:
         """Keep the committed step as checkpoint ``tag`` (every rank calls it), then apply ``retain``."""
         ...
 
@@ -59,22 +75,22 @@ class GenerationsMode:
     name = GENERATIONS
     live_generations = LIVE_GENERATIONS[GENERATIONS]
 
-    def open(self, tier: StoreOptimizerState, live: dict | None) -> int:
+    def open(self, tier: ModeTier, live: dict | None) -> int:
         target = tier.committed_generation + 1
         if tier.leader:  # the tier has dropped every uncommitted generation: the target is made afresh
             tier.generations.prepare(target, tier.create_arrays)
         return target
 
-    def before_write(self, tier: StoreOptimizerState) -> None:
+    def before_write(self, tier: ModeTier) -> None:
         return None  # the committed generation is never written
 
-    def after_commit(self, tier: StoreOptimizerState, generation: int) -> None:
+    def after_commit(self, tier: ModeTier, generation: int) -> None:
         tier.generations.prepare(generation + 1, tier.create_arrays)
 
     def next_target(self, generation: int) -> int:
         return generation + 1
 
-    def keep(self, tier: StoreOptimizerState, tag: str, retain: int) -> None:
+    def keep(self, tier: ModeTier, tag: str, retain: int) -> None:
         """By rename once the next commit supersedes the generation: the request is in
         ``COMMITTED``, so it survives a crash."""
         tier.generations.check_new_tag(tag)  # on every rank, so that all of them raise or none
@@ -94,7 +110,7 @@ class InPlaceMode:
     def __init__(self) -> None:
         self._marked = False  # this step has marked the store dirty
 
-    def open(self, tier: StoreOptimizerState, live: dict | None) -> int:
+    def open(self, tier: ModeTier, live: dict | None) -> int:
         """The committed generation if it is cut for this layout, else (another world size, or
         no live generation) a fresh one, which the commit then makes the only one. A keep still
         pending from the generations mode is taken now, by copy, since no step will supersede
@@ -114,14 +130,14 @@ class InPlaceMode:
                 tier.generations.prepare(target, tier.create_arrays)
         return target
 
-    def before_write(self, tier: StoreOptimizerState) -> None:
+    def before_write(self, tier: ModeTier) -> None:
         if tier.target_generation == tier.committed_generation and not self._marked:
             # The first write over the committed generation: from here until the commit a
             # crash leaves it mixing two steps, which the durable mark lets every reader see.
             tier.generations.mark_dirty()
             self._marked = True
 
-    def after_commit(self, tier: StoreOptimizerState, generation: int) -> None:
+    def after_commit(self, tier: ModeTier, generation: int) -> None:
         if generation != tier.committed_generation:
             tier.generations.drop_uncommitted()  # the generation a fresh target replaced
 
@@ -129,7 +145,7 @@ class InPlaceMode:
         self._marked = False
         return generation
 
-    def keep(self, tier: StoreOptimizerState, tag: str, retain: int) -> None:
+    def keep(self, tier: ModeTier, tag: str, retain: int) -> None:
         """By a copy now: nothing supersedes the generation."""
         check_clean(tier.generations)  # after a failed step: a copy would keep a mix of two steps
         tier.generations.check_free_tag(tag)  # on every rank, so that all of them raise or none

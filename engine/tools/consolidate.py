@@ -38,12 +38,12 @@ import torch
 from tqdm import tqdm
 
 from engine.runtime.sizes import FP32
+from engine.state.forms import StateForm
+from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.frozen import frozen_array
 from engine.tiers.store_checks import naming_way_out
 from engine.tools.gather import gathered
 from engine.tools.inspect import IO_THREADS, committed_record, open_store, store_layout
-from engine.zero.moments import StateForm
-from engine.zero.partition import ModelLayout, UnitLayout
 from offload import ChunkReader, Generations, IORunner, ShardStore, array_name, generation_prefix
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,14 @@ class Masters:
             for values in self.reader.content(name, unit.numel):
                 yield unit, offset, values.float()
                 offset += values.numel()
+
+
+def unit_values(masters: Masters, unit: UnitLayout) -> torch.Tensor:
+    """One unit's weights whole, in fp32 (its master, or a frozen unit's values)."""
+    flat = torch.empty(unit.numel, dtype=torch.float32)
+    for _, offset, values in masters.pieces([unit]):
+        flat[offset : offset + values.numel()] = values
+    return flat
 
 
 def unit_array(prefix: str, unit: UnitLayout) -> str:

@@ -52,8 +52,8 @@ from engine.run.pretrained import (
     meta_model,
 )
 from engine.runtime.sizes import GIB, MIB
-from engine.tools.consolidate import Masters, Stores, header_bytes, open_masters
-from engine.zero.partition import ModelLayout, UnitLayout
+from engine.state.partition import ModelLayout, UnitLayout
+from engine.tools.consolidate import Masters, Stores, header_bytes, open_masters, unit_values
 
 logger = logging.getLogger(__name__)
 
@@ -313,14 +313,6 @@ def trained_weights(masters: Masters) -> dict[str, torch.Tensor]:
         flat = unit_values(masters, unit)
         weights |= {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in unit.params}
     return weights
-
-
-def unit_values(masters: Masters, unit: UnitLayout) -> torch.Tensor:
-    """One unit's weights whole, in fp32 (its master, or a frozen unit's values)."""
-    flat = torch.empty(unit.numel, dtype=torch.float32)
-    for _, offset, values in masters.pieces([unit]):
-        flat[offset : offset + values.numel()] = values
-    return flat
 
 
 def export_adapter(masters: Masters, out_dir: Path, source: Path, record: dict, dtype: str) -> list[str]:

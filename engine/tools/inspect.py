@@ -22,8 +22,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from engine.state.forms import MASTER_DTYPE_ATTR, STATE_DTYPE_ATTR, STATE_KINDS, StateForm
+from engine.state.partition import ModelLayout
 from engine.tiers.frozen import FROZEN
-from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.parameters import PARAM_KIND
 from engine.tiers.store_checks import (
     GENERATIONS,
@@ -34,8 +35,6 @@ from engine.tiers.store_checks import (
     naming_way_out,
 )
 from engine.tiers.store_io import HOSTS_ATTR, stored_chunk_mb
-from engine.zero.moments import MASTER_DTYPE_ATTR, STATE_DTYPE_ATTR, StateForm
-from engine.zero.partition import ModelLayout
 from offload import (
     CHECKPOINTS,
     FORMAT_VERSION,

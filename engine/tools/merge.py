@@ -22,9 +22,8 @@ import torch
 from engine.config import LoraConfig
 from engine.run.lora import merges, with_lora_named
 from engine.run.pretrained import SOURCE_RECORD, meta_model
-from engine.tools.consolidate import Masters
-from engine.tools.export import unit_values
-from engine.zero.partition import ModelLayout, UnitLayout
+from engine.state.partition import ModelLayout, UnitLayout
+from engine.tools.consolidate import Masters, unit_values
 
 
 def merged_pieces(

@@ -1,4 +1,16 @@
-"""AdamW on compact optimizer state (``engine.zero.moments``) as one fused, compiled pass.
+"""AdamW on compact optimizer state (``engine.state.forms``) as one fused, compiled pass, and
+``CompactAdamW``, which sends state of each form to its kernel.
+
+The update widens the moments (and a bf16 master) to fp32, runs AdamW with torch's
+arithmetic and rounds them back. Rounding is stochastic: a moment is an exponential average
+whose per-step change, ``(1 - beta2) * g**2`` against ``v``, is often below half a bfloat16 ulp
+(2**-9 relative), so rounding to nearest would freeze it; stochastic rounding keeps it
+unbiased. A bf16 master's update far below its ulp (lr times a step of about 1, against a
+weight of about 1, is below bfloat16's 2**-8 for any usual lr) likewise still moves it on
+average instead of being lost. The random bits are seeded by the step count
+(``engine.state.quantize.noise_table``), so a resumed run draws the same ones and stays
+bit-identical to an uninterrupted run; the master's draws are a stream of their own
+(``MASTER_SEED``).
 
 Widening a bf16 master and the moments to fp32, running AdamW, and rounding all three back
 stochastically is some forty elementwise passes in eager torch, each over memory: measured
@@ -17,8 +29,13 @@ import torch
 
 from engine.config import OptimConfig
 from engine.runtime.compiled import LazyCompiled
+from engine.state.quantize import BLOCK, blocks, decode, encode, noise_table, periodic, round_bits
 from engine.zero.decay import ShardDecay
-from engine.zero.quantize import BLOCK, blocks, decode, encode, noise_table, periodic, round_bits
+from engine.zero.optim import ShardAdamW
+
+MASTER_SEED = 1 << 62
+"""Offset of the master's rounding seeds, ``MASTER_SEED + step``: apart from the moments'
+``2 * step + i`` at any step count a run reaches."""
 
 MomentHeld = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """A moment as the kernel takes it: a flat bf16/fp32 tensor, or int8 blocks' codes and scales,
@@ -133,3 +150,29 @@ def compact_step(
     scale = torch.ones((), device=device) if grad_scale is None else grad_scale
     mask = None if decay is None or uniform is not None or weight_decay == 0 else decay.mask(device)
     ADAMW(master, grad, held(moments[0]), held(moments[1]), tables, hyper, scale, mask)
+
+
+class CompactAdamW(ShardAdamW):
+    """``ShardAdamW`` on state of any form: fp32 goes straight to torch's kernel (bit-exact as
+    before); bf16 and packed 8-bit moments, and a bf16 master, go through one fused pass that
+    widens them to fp32, updates and rounds them back stochastically
+    (``compact_step``)."""
+
+    def update(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: torch.Tensor,
+        lr: float,
+        grad_scale: torch.Tensor | None = None,
+        decay: ShardDecay | None = None,
+    ) -> None:
+        if master.dtype == exp_avg.dtype == torch.float32:
+            super().update(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale, decay)
+            return
+        step.add_(1)  # as torch's kernels count it
+        count = int(step.item())
+        seeds = (2 * count, 2 * count + 1, MASTER_SEED + count)  # a distinct stream per step and per tensor
+        compact_step(self.config, master, grad, (exp_avg, exp_avg_sq), count, lr, seeds, grad_scale, decay)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.zero.partition import ModelLayout, UnitLayout
+from engine.state.partition import ModelLayout, UnitLayout
 
 BIAS, NORM, EMBEDDING = "bias", "norm", "embedding"
 """The keywords of ``optim.no_decay``: parameters named ``*bias``; the parameters of

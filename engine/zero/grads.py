@@ -30,8 +30,8 @@ from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm, Work
 from engine.runtime.device import Device, Event
 from engine.runtime.sizes import FP32
+from engine.state.partition import ModelLayout, ParamSlot, UnitLayout
 from engine.zero.order import TracedOrder
-from engine.zero.partition import ModelLayout, ParamSlot, UnitLayout
 
 # Reductions in flight at once during backward: enough to overlap one with the next
 # unit's backward, few enough that reduced shards never pile up for the whole model.

@@ -30,9 +30,9 @@ from engine.runtime.budget import DeviceBudget, DeviceMemoryError
 from engine.runtime.comm import Comm, Work
 from engine.runtime.device import Device, Event
 from engine.runtime.sizes import MIB
+from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout
 from engine.tiers.parameters import Fetch, ParamTier
 from engine.zero.order import TracedOrder
-from engine.zero.partition import ROOT_UNIT, ModelLayout, UnitLayout
 
 logger = logging.getLogger(__name__)
 

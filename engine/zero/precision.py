@@ -1,4 +1,4 @@
-"""Compute dtype and loss scaling.
+"""Loss scaling.
 
 fp16 gradients underflow without a loss scale, and overflow with too large a one: the
 dynamic scaler backs off and skips the step when any rank saw an inf/nan (so the fp32
@@ -11,12 +11,6 @@ import torch
 
 from engine.config import PrecisionConfig
 from engine.runtime.comm import Comm
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def compute_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
 
 
 class LossScaler:

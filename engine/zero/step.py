@@ -17,19 +17,19 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.config import Config
+from engine.config import Config, overlaps_backward
 from engine.runtime.comm import Comm
+from engine.state.forms import ShardState
+from engine.state.partition import ModelLayout, UnitLayout, param_views
 from engine.tiers.grad_spill import GradSpill
-from engine.tiers.optimizer import ShardState
+from engine.zero.compact_update import CompactAdamW
 from engine.zero.decay import no_decay_names, shard_decays
 from engine.zero.divergence import nonfinite_units
 from engine.zero.grads import GradientShards, PendingShard
-from engine.zero.moments import CompactAdamW
 from engine.zero.optim import clip_coefficient, clip_grads_, global_norm, grad_norm, norm_of_norms, piece_norms
 from engine.zero.params import ReplicatedParams, ShardedParams
-from engine.zero.partition import ModelLayout, UnitLayout, param_views
 from engine.zero.precision import LossScaler
-from engine.zero.update import Update, overlaps_backward
+from engine.zero.update import Update
 
 
 class StepMath:

@@ -29,33 +29,11 @@ from typing import Protocol
 
 import torch
 
-from engine.config import Config
 from engine.runtime.host_worker import HostWorker
-from engine.tiers.optimizer import OptimizerState, ShardState
+from engine.state.forms import ShardState
+from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout
+from engine.tiers.optimizer import OptimizerState
 from engine.zero.grads import PendingShard
-from engine.zero.partition import ROOT_UNIT, ModelLayout, UnitLayout
-
-
-def overlaps_backward(config: Config) -> bool:
-    """Whether each unit is updated as its gradient is reduced on the step's last micro-batch:
-    asked for, and nothing (clipping, loss scaling) needs every gradient first. Stage 1 reduces
-    at the step, so it has nothing to overlap."""
-    return (
-        config.optim.overlap
-        and config.optim.grad_clip == 0
-        and config.zero.stage >= 2
-        and config.precision.loss_scaling == "none"
-    )
-
-
-def spills_gradients(config: Config) -> bool:
-    """Whether each unit's final gradient shard goes to the store's scratch folder during
-    backward and comes back with its optimizer state at the step (``offload.grad_spill``): on
-    ``auto``, whenever the optimizer is on nvme and the update waits for every gradient at stage
-    2 or 3 (the config refuses ``true`` elsewhere)."""
-    if config.offload.grad_spill != "auto":
-        return bool(config.offload.grad_spill)
-    return config.offload.optimizer == "nvme" and config.zero.stage >= 2 and not overlaps_backward(config)
 
 
 def update_order(recorded: Sequence[str], layout: ModelLayout) -> list[UnitLayout]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks import convergence, copies, optimizer, report, tiers
-from engine.zero.moments import StateForm
+from engine.state.forms import StateForm
 
 TINY_TIERS = ["--quick", "--mb", "16", "--chunk-mb", "4", "16", "--threads", "2", "--reps", "1"]
 MACHINE_KEYS = {"cpu_count", "ram_bytes", "torch", "zarr", "date", "command"}

@@ -17,9 +17,9 @@ from engine.engine import Engine
 from engine.run import loss as loss_module
 from engine.run.loss import IGNORE_INDEX, chunked_cross_entropy
 from engine.run.models.gpt import GPT
+from engine.state.partition import ROOT_UNIT
 from engine.zero.optim import lr_factor
 from engine.zero.params import UnitState
-from engine.zero.partition import ROOT_UNIT
 from tests.training import SEQ_LEN, batches, config, reference_adamw, rel_diff, tiny_gpt
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine.config import OptimConfig
+from engine.state.quantize import packed_bytes
 from engine.zero import compact_update
 from engine.zero.compact_update import compact_step
-from engine.zero.quantize import packed_bytes
 
 N = 1 << 15
 FORMS = [("bf16", "fp32"), ("int8", "fp32"), ("fp32", "bf16"), ("int8", "bf16"), ("bf16", "bf16")]

@@ -19,13 +19,13 @@ from safetensors.torch import load_file
 from engine.config import Config
 from engine.engine import Engine
 from engine.runtime.device import SIM_ENV
+from engine.state.partition import FROZEN_SUFFIX
 from engine.tiers.frozen import FROZEN
 from engine.tiers.parameters import PARAM_KIND
 from engine.tools.consolidate import consolidate
 from engine.tools.export import export
 from engine.tools.inspect import inspect_store
 from engine.zero.optim import lr_factor
-from engine.zero.partition import FROZEN_SUFFIX
 from offload import IORunner, ShardStore, generation_prefix, unit_arrays
 from tests.ranks import run_ranks
 from tests.training import _snapshot, batches, config, reference_adamw, rel_diff, tiny_gpt

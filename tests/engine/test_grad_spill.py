@@ -10,11 +10,10 @@ import errno
 import pytest
 import torch
 
-from engine.config import ConfigError
+from engine.config import ConfigError, spills_gradients
 from engine.engine import Engine
 from engine.tiers.grad_spill import scratch_path
 from engine.tiers.store_checks import store_bytes
-from engine.zero.update import spills_gradients
 from offload import OffloadIOError, ShardStore
 from tests.engine.test_nvme_tier import FailingOps
 from tests.ranks import run_ranks

@@ -10,9 +10,9 @@ from torch import nn
 
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
-from engine.runtime.device import Device
+from engine.runtime.detect import detect_device
+from engine.state.partition import ModelLayout, build_layout, flatten_into
 from engine.zero.grads import GradientShards, bucket_bytes, grad_shard_bytes
-from engine.zero.partition import ModelLayout, build_layout, flatten_into
 
 
 def two_units(seed: int = 0) -> tuple[nn.Sequential, dict[str, list[tuple[str, nn.Parameter]]]]:
@@ -47,7 +47,7 @@ def shards(stage: int, budget: DeviceBudget | None = None):
         layout,
         owned,
         Comm(),
-        Device.detect(),
+        detect_device(),
         torch.device("cpu"),
         reduce_per_micro_batch=stage >= 2,
         budget=budget or DeviceBudget(),

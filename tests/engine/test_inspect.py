@@ -12,10 +12,10 @@ import torch
 
 from engine.engine import Engine
 from engine.run.models.gpt import GPT, GPTConfig
-from engine.tiers.optimizer import STATE_KINDS
+from engine.state.forms import STATE_KINDS
+from engine.state.partition import ModelLayout
 from engine.tiers.store_checks import DirtyStoreError
 from engine.tools.inspect import committed_record, format_report, inspect_store
-from engine.zero.partition import ModelLayout
 from offload.generations import Generations
 from offload.io import IORunner
 from offload.manifest import ManifestError, commit

@@ -14,8 +14,8 @@ from torch import nn
 import offload.tuning as tuning
 from engine.config import Config, ConfigError
 from engine.engine import Engine
+from engine.state.partition import build_layout, max_chunk_numel
 from engine.tiers.store_io import settle_io, stored_chunk_mb
-from engine.zero.partition import build_layout, max_chunk_numel
 from tests.training import batches, config, tiny_gpt
 
 MEASURED = {"8x4": {"write": 1.0, "read": 1.0}, "32x8": {"write": 3.0, "read": 3.0}}

@@ -21,7 +21,7 @@ from engine.tools.estimate import Plan, estimate_plans, plan_of, run_shape, stor
 from engine.tools.estimate.terms import step_io_bytes
 from engine.tools.export import export
 from engine.tools.inspect import format_report, inspect_store
-from engine.zero.moments import CompactAdamW
+from engine.zero.compact_update import CompactAdamW
 from engine.zero.optim import ShardAdamW
 from tests.engine.test_crafted_stores import snapshot
 from tests.engine.test_resume import params, run

@@ -12,11 +12,11 @@ from torch import nn
 
 from engine.config import ConfigError, OptimConfig
 from engine.engine import Engine
+from engine.state.partition import build_layout
+from engine.state.quantize import packed_bytes
 from engine.zero.compact_update import compact_step
 from engine.zero.decay import ShardDecay, no_decay_names, shard_decay
 from engine.zero.optim import ShardAdamW
-from engine.zero.partition import build_layout
-from engine.zero.quantize import packed_bytes
 from tests.training import _snapshot, batches, config, rel_diff, tiny_gpt, train_engine, train_reference
 
 STEPS = 4

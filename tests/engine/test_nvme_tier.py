@@ -11,9 +11,9 @@ import torch
 import zarr
 
 from engine.engine import Engine
-from engine.zero.partition import flatten_into
-from offload.io import OffloadIOError
+from engine.state.partition import flatten_into
 from offload.chunks import FileOps
+from offload.io import OffloadIOError
 from tests.ranks import run_ranks
 from tests.training import batches, config, tiny_gpt, train_engine_on_ranks
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.zero.partition import ALIGN_ELEMS, ROOT_UNIT, build_layout, find_units
+from engine.state.partition import ALIGN_ELEMS, ROOT_UNIT, build_layout, find_units
 from tests.training import config, tiny_gpt
 
 MAX_CHUNK = 1 << 18

@@ -17,10 +17,10 @@ from engine.engine import Engine
 from engine.runtime.device import SIM_ENV
 from engine.runtime.pinned import PinnedMemoryError, PinnedPool, aligned
 from engine.runtime.sizes import MIB
+from engine.state.forms import StateForm
 from engine.tiers.sizing import pinned_bytes
 from engine.tools.estimate.memory import estimate
 from engine.tools.estimate.shape import Plan, run_shape
-from engine.zero.moments import StateForm
 from tests.training import batches, config, tiny_gpt
 
 PLANS = [(2, "cpu", "device"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "device", "cpu")]

@@ -17,8 +17,8 @@ import zarr
 
 from engine.config import Config
 from engine.engine import Engine
-from engine.tiers.optimizer import STATE_KINDS
-from engine.zero.partition import ModelLayout
+from engine.state.forms import STATE_KINDS
+from engine.state.partition import ModelLayout
 from offload.manifest import read_committed
 from tests.ranks import run_ranks
 from tests.training import batches, config, rel_diff, tiny_gpt, train_reference

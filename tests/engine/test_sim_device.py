@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from engine.runtime.device import SIM_ENV, Device
+from engine.runtime.detect import detect_device
+from engine.runtime.device import SIM_ENV
 from engine.runtime.sim_device import CopyRaceError, SimDevice
 from engine.zero.divergence import DivergedError
 from engine.zero.grads import PendingShard
@@ -60,10 +61,10 @@ def test_the_delays_follow_the_seed_and_the_bandwidth() -> None:
 
 def test_the_environment_selects_the_sim_device(monkeypatch) -> None:
     monkeypatch.setenv(SIM_ENV, "seed=2,delay_ms=0.5")
-    assert isinstance(Device.detect(), SimDevice)
+    assert isinstance(detect_device(), SimDevice)
     monkeypatch.setenv(SIM_ENV, "speed=9")
     with pytest.raises(ValueError, match="unknown field"):
-        Device.detect()
+        detect_device()
 
 
 @pytest.mark.parametrize("seed", [0, 1])

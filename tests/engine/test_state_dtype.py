@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from engine.engine import Engine
+from engine.state.quantize import BLOCK, decode, encode, noise_table, periodic, round_bits
 from engine.tools.consolidate import consolidate
 from engine.tools.estimate import plan_of, run_shape, store_bytes
 from engine.tools.inspect import format_report, inspect_store
-from engine.zero.quantize import BLOCK, decode, encode, noise_table, periodic, round_bits
 from tests.engine.test_crafted_stores import snapshot
 from tests.engine.test_resume import nvme, params, run
 from tests.training import config, tiny_gpt, train_engine, train_reference

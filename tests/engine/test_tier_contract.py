@@ -16,16 +16,17 @@ import torch
 from torch import nn
 
 from engine.runtime.budget import DeviceBudget
-from engine.runtime.device import Device
+from engine.runtime.detect import detect_device
 from engine.runtime.sizes import MIB
+from engine.state.forms import STATE_KINDS, ShardState
+from engine.state.partition import ModelLayout, UnitLayout, build_layout
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.frozen import FrozenAdder, read_frozen, read_frozen_async
-from engine.tiers.optimizer import STATE_KINDS, MemoryOptimizerState, OptimizerState, ShardState
+from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_KIND, MemoryParamTier, ParamTier, StoreParamTier
 from engine.tiers.store_checks import unit_state_bytes
 from engine.tiers.store_io import StoreIO
-from engine.zero.partition import ModelLayout, UnitLayout, build_layout
 from offload import TOP, IORunner, ShardStore, read_shard, unit_arrays
 
 SIZES = (3000, 1000, 5000)  # elements per unit: shards padded to their chunks
@@ -340,7 +341,7 @@ def no_frozen(unit: UnitLayout, values: torch.Tensor) -> None:
 
 
 def new_param_tier(kind: str, path: Path, layout: ModelLayout, io: StoreIO) -> ParamTier:
-    device = Device.detect()
+    device = detect_device()
     if kind == "nvme":
         return StoreParamTier(path / "params", layout, 0, DTYPE, io, buffer_bytes=MIB, read_frozen=no_frozen)
     return MemoryParamTier(kind == "device", device, DTYPE, DeviceBudget())
@@ -395,7 +396,7 @@ def test_param_io_counters_count_and_reset_when_taken(param_kind, tmp_path, io) 
 def test_host_bytes_are_the_host_memory_held(param_kind, tmp_path, io) -> None:
     tier, layout = added_param_tier(param_kind, tmp_path, io)
     shard_bytes = sum(u.shard_numel for u in layout.units) * DTYPE.itemsize
-    on_cpu_device = Device.detect().device.type == "cpu"
+    on_cpu_device = detect_device().device.type == "cpu"
     if param_kind == "cpu" or (param_kind == "device" and on_cpu_device):
         assert tier.host_bytes() == (0 if param_kind == "device" else shard_bytes)
     if param_kind == "nvme":  # staged through a bounded pool: at most its budget, never the model

@@ -11,11 +11,13 @@ import pytest
 import torch
 from torch import nn
 
+from engine.config import overlaps_backward
 from engine.runtime.host_worker import WORKER_THREAD, HostWorker
-from engine.tiers.optimizer import MemoryOptimizerState, ShardState
+from engine.state.forms import ShardState
+from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout, build_layout
+from engine.tiers.optimizer import MemoryOptimizerState
 from engine.zero.grads import PendingShard
-from engine.zero.partition import ROOT_UNIT, ModelLayout, UnitLayout, build_layout
-from engine.zero.update import Update, overlaps_backward, update_order
+from engine.zero.update import Update, update_order
 from tests.training import config
 
 

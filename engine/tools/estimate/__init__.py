@@ -20,7 +20,7 @@ Each term is a small named function of the layout and the config (``terms``), si
 engine's own functions wherever the engine sizes that part itself (``engine.tiers.sizing``,
 ``engine.zero.grads``, ``offload.shards``), so a change in how the engine holds memory is made
 once and the estimate follows it. The layout is the engine's own
-(``engine.zero.partition``), computed from the model built on the ``meta`` device, so padding and
+(``engine.state.partition``), computed from the model built on the ``meta`` device, so padding and
 unit sizes are exact. Two terms are measured rather than derived: the baseline of a Python
 process that has loaded torch and the engine (measured once, in a subprocess), and the memory
 glibc's heap keeps after the engine frees it (a documented fraction; see ``HEAP_RETENTION``).

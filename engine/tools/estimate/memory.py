@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.config import Tier
+from engine.config import Tier, spills_gradients
 from engine.config_parse import ConfigError
 from engine.tiers.sizing import optimizer_buffer_bytes
 from engine.tiers.sizing import pinned_bytes as pinned_need
@@ -38,7 +38,6 @@ from engine.tools.estimate.terms import (
 )
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
-from engine.zero.update import spills_gradients
 from offload import array_bytes
 
 

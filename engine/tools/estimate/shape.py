@@ -15,19 +15,14 @@ import torch
 from torch import nn
 
 from engine.build import units_layout
-from engine.config import Config, ConfigError, Tier
+from engine.config import Config, ConfigError, Tier, spills_gradients
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
+from engine.state.dtypes import compute_dtype
+from engine.state.forms import StateForm
+from engine.state.partition import ROOT_UNIT, ModelLayout, find_units
 from engine.tiers.store_io import settle_io
-from engine.zero.moments import StateForm
-from engine.zero.partition import (
-    ROOT_UNIT,
-    ModelLayout,
-    find_units,
-)
-from engine.zero.precision import compute_dtype
-from engine.zero.update import spills_gradients
 
 TIER_ORDER: tuple[tuple[Tier, Tier], ...] = (
     ("device", "device"),
@@ -189,10 +184,6 @@ class RunShape:
     def largest_unit(self) -> int:
         """Of every unit the parameters hold, frozen ones too."""
         return max(u.padded_numel for u in self.layout.all_units)
-
-    @property
-    def largest_shard(self) -> int:
-        return max(u.shard_numel for u in self.layout.units)
 
     @property
     def largest_param(self) -> int:

@@ -5,12 +5,13 @@ the engine when it changes."""
 
 from __future__ import annotations
 
-from engine.config import shares_master
+from engine.config import overlaps_backward, shares_master, spills_gradients
 from engine.run.loss import CHUNK_TOKENS
 from engine.runtime.heap import MMAP_THRESHOLD
 from engine.runtime.sizes import FP32
+from engine.state.forms import STATE_KINDS
+from engine.state.partition import FROZEN_SUFFIX, ROOT_UNIT
 from engine.tiers.grad_spill import grad_bytes, scratch_disk_bytes, spill_dtype
-from engine.tiers.optimizer import STATE_KINDS
 from engine.tiers.sizing import (
     checkpoint_bytes,
     optimizer_buffer_bytes,
@@ -23,8 +24,6 @@ from engine.tiers.store_checks import store_bytes as optimizer_store_bytes
 from engine.tools.estimate.shape import Plan, RunShape
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
-from engine.zero.partition import FROZEN_SUFFIX, ROOT_UNIT
-from engine.zero.update import overlaps_backward, spills_gradients
 from offload import array_bytes, shard_bytes
 
 ADAM_KINDS = len(STATE_KINDS)

@@ -1,28 +1,21 @@
-"""The optimizer state's forms (``optim.state_dtype``): AdamW's moments in fewer bytes.
+"""The optimizer state's kinds and forms: what one unit's state is made of on a rank
+(``ShardState``: a master and AdamW's two moments), and how it is held and stored
+(``StateForm``: ``optim.state_dtype`` and ``optim.master_dtype``), with the store arrays it
+takes. Below the tiers that hold the state and the step that updates it.
 
 ``fp32`` holds the master and both moments in fp32 (12 B/param), bit-exact with torch.
 ``bf16`` holds the moments in bfloat16 (8 B/param, a third less to store and move each
 step on the ``nvme`` tier); ``int8`` in 8-bit blocks (about 6 B/param, half;
-``engine.zero.quantize``). The update widens the moments to fp32, runs AdamW with torch's
-arithmetic and rounds them back, in one compiled pass (``engine.zero.compact_update``).
-
-The master is fp32 unless ``optim.master_dtype = "bf16"`` (2 B/param fewer): the update widens
-it to fp32 too and rounds it back stochastically, so an update far below its ulp (lr times a
-step of about 1, against a weight of about 1, is below bfloat16's 2**-8 for any usual lr)
-still moves it on average instead of being lost. At stage 3 with a bf16 compute dtype such a
-master is the parameter itself (``engine.tiers.parameters``).
-
-Rounding is stochastic: a moment is an exponential average whose per-step change,
-``(1 - beta2) * g**2`` against ``v``, is often below half a bfloat16 ulp (2**-9 relative),
-so rounding to nearest would freeze it; stochastic rounding keeps it unbiased. Its random
-bits are seeded by the step count (``engine.zero.quantize.noise_table``), so a resumed run
-draws the same ones and stays bit-identical to an uninterrupted run; the master's draws are a
-stream of their own (``MASTER_SEED``).
+``engine.state.quantize``). The master is fp32 unless ``optim.master_dtype = "bf16"``
+(2 B/param fewer); at stage 3 with a bf16 compute dtype such a master is the parameter itself
+(``engine.tiers.parameters``). How the update widens, updates and rounds back each form is
+``engine.zero.compact_update``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,19 +23,16 @@ from typing import Any
 import torch
 
 from engine.config import OptimConfig
-from engine.zero.compact_update import compact_step
-from engine.zero.decay import ShardDecay
-from engine.zero.optim import ShardAdamW
-from engine.zero.precision import DTYPES
-from engine.zero.quantize import BLOCK, PACKED, packed_bytes
-from offload import array_bytes, shard_bytes
-from offload.shards import ShardedUnit
+from engine.state.dtypes import DTYPES
+from engine.state.partition import UnitLayout
+from engine.state.quantize import BLOCK, PACKED, packed_bytes
+from offload import ShardedUnit, ShardStore, array_bytes, create_arrays, shard_bytes
 
 HostAllocator = Callable[[int, torch.dtype, str], torch.Tensor]
 """``Device.empty_host``: ``numel`` elements of ``dtype`` for what the string names."""
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
-"""Each ``optim.state_dtype``'s moment dtype as stored (int8: packed blocks, ``engine.zero.quantize``)."""
+"""Each ``optim.state_dtype``'s moment dtype as stored (int8: packed blocks, ``engine.state.quantize``)."""
 
 STATE_DTYPE_ATTR = "state_dtype"
 """The store attribute recording the form its optimizer state was written in (absent: fp32,
@@ -50,14 +40,10 @@ a store written before the option existed)."""
 MASTER_DTYPE_ATTR = "master_dtype"
 """The store attribute recording its masters' dtype (absent: fp32, as above)."""
 
-MASTER_SEED = 1 << 62
-"""Offset of the master's rounding seeds, ``MASTER_SEED + step``: apart from the moments'
-``2 * step + i`` at any step count a run reaches."""
-
 
 @dataclass(frozen=True)
 class PackedUnit:
-    """A unit's geometry in bytes of packed 8-bit blocks (``engine.zero.quantize``): every size
+    """A unit's geometry in bytes of packed 8-bit blocks (``engine.state.quantize``): every size
     a multiple of ``BLOCK`` elements (shards and chunks are, see ``ALIGN_ELEMS``) scaled to
     ``PACKED`` bytes per block, so rank ``r``'s shard is still ``shard_slice(r)``."""
 
@@ -168,27 +154,41 @@ class StateForm:
 FP32_STATE = StateForm()
 
 
-class CompactAdamW(ShardAdamW):
-    """``ShardAdamW`` on state of any form: fp32 goes straight to torch's kernel (bit-exact as
-    before); bf16 and packed 8-bit moments, and a bf16 master, go through one fused pass that
-    widens them to fp32, updates and rounds them back stochastically
-    (``engine.zero.compact_update``)."""
+Views = list[tuple[str, torch.Tensor]]
 
-    def update(
-        self,
-        master: torch.Tensor,
-        grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        step: torch.Tensor,
-        lr: float,
-        grad_scale: torch.Tensor | None = None,
-        decay: ShardDecay | None = None,
-    ) -> None:
-        if master.dtype == exp_avg.dtype == torch.float32:
-            super().update(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale, decay)
-            return
-        step.add_(1)  # as torch's kernels count it
-        count = int(step.item())
-        seeds = (2 * count, 2 * count + 1, MASTER_SEED + count)  # a distinct stream per step and per tensor
-        compact_step(self.config, master, grad, (exp_avg, exp_avg_sq), count, lr, seeds, grad_scale, decay)
+
+@dataclass
+class ShardState:
+    """One unit's optimizer state on this rank (``shard_numel`` elements each: a master and
+    moments of the run's ``StateForm``)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.master, self.exp_avg, self.exp_avg_sq
+
+    def views(self) -> list[tuple[str, torch.Tensor]]:
+        """Each kind's name (its store array's) with its tensor."""
+        return list(zip(STATE_KINDS, self.tensors(), strict=True))
+
+
+STATE_KINDS = tuple(field.name for field in dataclasses.fields(ShardState))
+"""The kinds of optimizer state a unit has, by name: the names of its arrays in a store."""
+
+
+def create_state_arrays(store: ShardStore, prefix: str, units: Iterable[UnitLayout], form: StateForm) -> None:
+    """Every unit's optimizer state arrays under ``prefix``, each kind in its ``form`` dtype and geometry."""
+    for unit in units:
+        for kind, geometry, dtype in zip(STATE_KINDS, form.geometries(unit), form.dtypes(), strict=True):
+            create_arrays(store, prefix, (geometry,), (kind,), dtype)
+
+
+def state_groups(form: StateForm, unit: UnitLayout, state: ShardState) -> list[tuple[ShardedUnit, Views]]:
+    """The state's ``(kind, tensor)`` views grouped by array geometry (one group but for int8
+    moments), each to read or write in one call of ``offload``'s shard functions."""
+    groups: dict[ShardedUnit, Views] = {}
+    for geometry, view in zip(form.geometries(unit), state.views(), strict=True):
+        groups.setdefault(geometry, []).append(view)
+    return list(groups.items())

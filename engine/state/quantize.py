@@ -13,7 +13,7 @@ Both play the part of bitsandbytes' dynamic quantisation map, with a closed-form
 decode instead of a search over its 256 values, so the code is a few vectorised torch ops.
 
 Rounding to a code is stochastic, with noise seeded by the step count (``noise_table``; as
-for bf16 moments, ``engine.zero.moments``): small per-step changes to a moment survive on
+for bf16 moments, ``engine.zero.compact_update``): small per-step changes to a moment survive on
 average, and a resumed run draws the same noise. ``encode`` and ``decode`` are pure tensor
 functions, so the update fuses them with AdamW into one compiled pass
 (``engine.zero.compact_update``).
