@@ -48,12 +48,12 @@ class Section:
     keys: tuple[Key, ...]
 
 
-def reference(root: type = Config) -> list[Section]:
-    """Every section of ``root`` and every key in it, in the order of the source, each with its
+def reference() -> list[Section]:
+    """Every section of ``Config`` and every key in it, in the order of the source, each with its
     default and documentation; a key without a docstring has an empty summary (the docs test
     refuses that)."""
-    sections, classes = [], typing.get_type_hints(root)
-    for section in dataclasses.fields(root):
+    sections, classes = [], typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
         cls = classes[section.name]
         docs = _field_docs(cls)
         defaults = cls()
