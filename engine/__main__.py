@@ -4,4 +4,4 @@ import sys
 
 from engine.run.cli import main
 
-sys.exit(main())
+sys.exit(main(prog="python -m engine"))

@@ -1,4 +1,4 @@
-"""Typed run configuration, mirrored one-to-one by a TOML or JSON file: the whole run's
+"""Typed run configuration, mirrored one-to-one by a TOML, JSON or YAML file: the whole run's
 ``Config`` (its sections are ``engine.config_sections``'), what a configuration implies that
 several parts of the engine must agree on (``shares_master``, ``overlaps_backward``,
 ``spills_gradients``), and its checks.
@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config_parse import ConfigError, build_section, parse_override
+from engine.config_parse import ConfigError, build_section, parse_override, read_file
 from engine.config_sections import (
     NODE,
     CheckpointConfig,
@@ -82,16 +80,8 @@ class Config:
 
     @classmethod
     def load(cls, path: str | Path, overrides: list[str] | None = None) -> Config:
-        """Read a ``.toml`` or ``.json`` file, apply ``key=value`` overrides, validate."""
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        text = path.read_text()
-        try:
-            raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-            raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {err}") from err
-        return cls.from_dict(raw, overrides)
+        """Read a ``.toml``, ``.json``, ``.yaml`` or ``.yml`` file, apply ``key=value`` overrides, validate."""
+        return cls.from_dict(read_file(Path(path)), overrides)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], overrides: list[str] | None = None) -> Config:

@@ -1,19 +1,88 @@
 """Reading a config file's tables into the typed dataclasses of ``engine.config``: unknown keys
 refused with the closest known one, every value checked against its field's type (an int where
-a float is expected is accepted), ``key=value`` overrides parsed as TOML values."""
+a float is expected is accepted), ``key=value`` overrides parsed as TOML values; and writing a
+configuration back as TOML, the form ``--print-config`` shows and a file takes."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import re
 import tomllib
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
+
+FORMATS = (".toml", ".json", ".yaml", ".yml")
+"""The extensions of the config files read, each by its own parser."""
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot run; the message names the key and the fix."""
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """The tables of a config file, parsed as its extension says: TOML, JSON or YAML. Any other
+    extension is refused by name rather than guessed at, since a wrong guess reports a syntax
+    error that hides the real mistake."""
+    if path.suffix not in FORMATS:
+        raise ConfigError(
+            f"config file {path} has the extension {path.suffix or '(none)'!r}, which is not a config format: "
+            f"name it {', '.join(FORMATS[:-1])} or {FORMATS[-1]}"
+        )
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    kind = path.suffix[1:].upper().replace("YML", "YAML")
+    try:
+        raw = tomllib.loads(text) if kind == "TOML" else json.loads(text) if kind == "JSON" else _yaml(text)
+    except ValueError as err:  # each parser's syntax error is one (_yaml's included)
+        raise ConfigError(f"config file {path} is not valid {kind}: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"config file {path} holds a {type(raw).__name__}, not a table of sections: write [section] keys"
+        )
+    return raw
+
+
+def _yaml(text: str) -> Any:
+    """YAML, with ``1e-3`` read as the number it reads as in TOML and JSON (YAML 1.1, PyYAML's,
+    needs a dot and a signed exponent, ``1.0e-3``, and would give a string); an empty file is no
+    section. A YAML syntax error comes back as a ValueError."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    exponent = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent, list("-+0123456789"))
+    try:
+        return yaml.load(text, Loader=Loader) or {}  # Loader is a SafeLoader: no Python objects
+    except yaml.YAMLError as err:
+        raise ValueError(str(err)) from err
+
+
+def to_toml(tables: dict[str, dict[str, Any]]) -> str:
+    """Sections of keys (as ``Config.to_dict`` gives them) as a TOML file that reads back to them."""
+    return "\n".join(
+        f"[{name}]\n" + "".join(f"{key} = {toml_value(value)}\n" for key, value in table.items())
+        for name, table in tables.items()
+    )
+
+
+def toml_value(value: Any) -> str:
+    """One value as TOML writes it: a float keeps its exponent (``1e-08``), a string its escapes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"{value!r}: no TOML form for {type(value).__name__}")
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """The sections of a run's configuration (``[zero]``, ``[offload]``, ...), each a dataclass whose
 fields are the keys a TOML or JSON file may set, with their defaults and meanings. The whole
 run's ``Config``, its loading and its checks are ``engine.config``'s.
+
+The docstrings below are the configuration reference: ``engine.config_docs`` renders them as
+``docs/configuration.md`` and as ``python -m engine train --help``. A section's or a key's
+first paragraph is its one-line summary; the paragraphs after it are detail.
 """
 
 from __future__ import annotations
@@ -24,21 +28,26 @@ class ZeroConfig:
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; ``Engine.step()`` acts only on the last one."""
     activation_checkpointing: bool = False
-    """Recompute each unit's activations in backward instead of keeping them (root excluded)."""
+    """Recompute each unit's activations in backward instead of keeping them (root unit excluded)."""
     unit_classes: list[str] = field(default_factory=list)
-    """Module class names that form a unit (the grain of sharding and I/O). Empty: every
-    entry of every ``nn.ModuleList`` (transformer blocks), plus a root unit for the rest. Named
-    classes nest: ``["MixtralDecoderLayer", "MixtralExperts"]`` makes each layer's experts a
+    """Module class names that form a unit, the grain of sharding and I/O.
+
+    Empty: every entry of every ``nn.ModuleList`` (transformer blocks), plus a root unit for the rest.
+    Named classes nest: ``["MixtralDecoderLayer", "MixtralExperts"]`` makes each layer's experts a
     unit of their own inside the unit of the rest of the layer."""
     prefetch_mb: float = 64.0
-    """Stage 3: bytes of the units ahead in the traced order gathered while the current one
-    computes, in MiB; 0 gathers each unit only when it is needed."""
+    """Stage 3: MiB of the units next in the traced order gathered while the current one computes.
+
+    0 gathers each unit only when it is needed."""
     persistence_threshold: int = 0
-    """Stage 3: units with fewer parameters than this stay gathered for the whole run (their
-    gathers would cost more in latency than their bytes save)."""
+    """Stage 3: units with fewer parameters than this stay gathered for the whole run.
+
+    Their gathers would cost more in latency than their bytes save."""
     device_memory_limit_mb: float = 0.0
-    """Device bytes the engine may hold (parameters, shards, gradient buckets, prefetch
-    window), in MiB; the prefetch window shrinks to stay under it. 0: no limit."""
+    """Device MiB the engine may hold (gathered units, shards, gradient buckets, prefetch window); 0: no limit.
+
+    The prefetch window shrinks to stay under it, and a unit that cannot fit is refused before
+    the first forward. Activations are not counted."""
 
 
 @dataclass
@@ -48,51 +57,70 @@ class OffloadConfig:
     optimizer: Tier = "nvme"
     """Tier of the masters and AdamW moments: ``device`` (no offload), ``cpu`` or ``nvme``."""
     param: Tier = "device"
-    """Tier of the compute-dtype parameter shards (stage 3 only)."""
+    """Tier of the compute-dtype parameter shards (stage 3 only): ``device``, ``cpu`` or ``nvme``.
+
+    On ``nvme`` they are the store's kind ``param``; with ``optim.master_dtype = "bf16"`` there is
+    no such copy: the gathers read the bf16 masters."""
     nvme_path: str | list[str] = "offload_store"
-    """Folder of the zarr store used by the ``nvme`` tier (created if missing). A ``{node}`` in it
-    stands for the index of the host a rank runs on: each host then writes its own store on its
-    own disk (``/nvme/run/node-{node}``), and the hosts commit each step together. Without it,
-    every rank writes one folder (a single host, or a filesystem every host shares). A list of
-    folders (one per drive; on the command line, separated by commas) stripes the store's chunks
-    across them (``offload.stripes``): the first keeps the store's identity and records the list,
-    which a resume must give again, in the same order; ``{node}`` applies to every folder."""
+    """Folder of the zarr store of the ``nvme`` tier (created if missing); a list stripes it across drives.
+
+    A ``{node}`` in it stands for the index of the host a rank runs on: each host then writes its
+    own store on its own disk (``/nvme/run/node-{node}``), and the hosts commit each step together.
+    Without it, every rank writes one folder (a single host, or a filesystem every host shares). A
+    list of folders (one per drive; on the command line, separated by commas) stripes the store's
+    chunks across them: the first keeps the store's identity and records the list, which a resume
+    must give again, in the same order; ``{node}`` applies to every folder. Checkpoints of every
+    tier are kept here too."""
     buffer_mb: int | Literal["auto"] = "auto"
-    """Host staging budget for the ``nvme`` tier in MiB: peak host memory for streamed state.
-    ``auto``: twice the largest unit's optimizer state (one unit read while another is written),
-    at least 256 MiB (``engine.tiers.sizing.optimizer_buffer_bytes``)."""
+    """Host staging budget of the ``nvme`` tier in MiB: the peak host memory of streamed state.
+
+    ``auto``: twice the largest unit's optimizer state (one unit read while another is written), at
+    least 256 MiB (``engine.tiers.sizing.optimizer_buffer_bytes``), refused if this machine's free
+    memory cannot hold it. Half of it is the read-ahead window, counted in bytes whatever the units'
+    sizes; every unit's chunks are read and written on all ``io_threads`` at once."""
     chunk_mb: int | Literal["auto"] = "auto"
-    """Largest zarr chunk in MiB of fp32; a shard is cut into the fewest chunks within it, all of
-    one 4 KiB-aligned size, so padding (read and written every step) stays under 4 KiB a chunk.
-    ``auto``: the fastest on the store's disk, from the machine's I/O profile (measured in a few
-    seconds by the first run on a disk, see ``offload.tuning``), at most ``buffer_mb / 3``; a
-    resumed store keeps its own chunk size."""
+    """Largest zarr chunk in MiB of fp32; ``auto``: the best for the store's disk, from its I/O profile.
+
+    A shard is cut into the fewest chunks within it, all of one 4 KiB-aligned size, so padding (read
+    and written every step) stays under 4 KiB a chunk. ``auto`` takes the fastest setting on the
+    store's disk or, among those within 5% of it, the one costing least CPU per byte, from the
+    machine's I/O profile (``$XDG_CACHE_HOME/offload-engine/io_profile.json``, measured in a few
+    seconds by the first run on a disk, or by ``python -m benchmarks.tiers``), at most a third of
+    ``buffer_mb``. A resumed store keeps its own chunk size."""
     io_threads: int | Literal["auto"] = "auto"
-    """Threads doing positional reads and writes; ``auto``: from the I/O profile, as ``chunk_mb``."""
+    """Threads doing positional reads and writes, each on its own chunk; ``auto``: from the I/O profile."""
     checksum: bool = True
     """Store a CRC-32C with every chunk and verify it on every read."""
     direct_io: bool = True
     """Use O_DIRECT where the filesystem allows it (falls back by itself where it does not)."""
     grad_spill: bool | Literal["auto"] = "auto"
-    """Spill each unit's final gradient shard to the store's ``scratch`` folder during backward
-    and read it back with its optimizer state at the step, when the update must wait for every
-    gradient (clipping, loss scaling): host memory then holds no gradient shard of the whole
-    model. ``auto``: whenever the optimizer is on ``nvme`` and the update waits (stages 2 and 3;
-    stage 1 reduces every gradient at the step)."""
+    """Spill gradient shards to the store during backward when the update waits for every gradient.
+
+    Each unit's final gradient shard goes to the store's ``scratch`` folder as soon as backward
+    makes it and comes back with its optimizer state at the step (clipping, loss scaling), so host
+    memory holds no gradient shard of the whole model. ``auto``: whenever the optimizer is on
+    ``nvme`` and the update waits (stages 2 and 3; stage 1 reduces every gradient at the step);
+    ``true`` elsewhere is refused. It costs 8 B/param of I/O a step and 4 B/param of disk."""
     grad_spill_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Dtype of the spilled gradient shards on disk: ``bf16`` halves their disk and I/O (2 B/param
-    each way), rounded to nearest (a gradient is used once: no error piles up), and widened back to
-    fp32 for the update; the norm and the overflow check are taken from the fp32 shard first."""
+    """Dtype of the spilled gradient shards on disk: ``fp32``, or ``bf16`` for half their disk and I/O.
+
+    ``bf16`` rounds to nearest (a gradient is used once: no error piles up) and widens back to fp32
+    for the update; the norm and the overflow check are taken from the fp32 shard first. Refused
+    where no gradient is spilled."""
     pinned_mb: float | Literal["auto"] = "auto"
-    """Host memory, in MiB, that copies between host and device go through: one bounded pool
-    (pinned on an accelerator) of the host tensors a copy reads or fills and the nvme tiers'
-    staging. ``auto``: what the plan needs (``python -m engine estimate`` prints it); a number
-    below that is refused at start with the size that fits. Nothing is pinned on a CPU-only machine."""
+    """Host MiB that copies between host and device go through; ``auto``: what the plan needs.
+
+    One bounded pool (pinned on an accelerator) of the host tensors a copy reads or fills and of the
+    nvme tiers' staging. ``python -m engine estimate`` prints what a plan needs (its ``pinned``
+    column); a number below that is refused at start with the size that fits. Nothing is pinned on
+    a CPU-only machine."""
     host_worker: bool | Literal["auto"] = "auto"
-    """Run AdamW on the host shards (optimizer on ``cpu`` or ``nvme``) on a host thread of its
-    own while the training thread goes on with backward; bit-identical either way. ``auto``: on
-    where the device is not the host (an accelerator, or the simulated one); on a CPU-only
-    machine the worker takes the cores backward computes on."""
+    """Run AdamW on the host shards on a thread of its own while backward goes on; ``auto``: where it pays.
+
+    Applies with the optimizer on ``cpu`` or ``nvme``; bit-identical either way. ``auto``: on where
+    the device is not the host (an accelerator, or the simulated one), off on a CPU-only machine,
+    where the worker would take the cores backward computes on. ``true`` with ``optimizer =
+    "device"`` is refused."""
 
     @property
     def nvme_paths(self) -> list[str]:
@@ -125,15 +153,18 @@ class StoreConfig:
     """How the ``nvme`` store keeps its state between steps."""
 
     mode: Literal["generations", "in-place"] = "generations"
-    """``generations``: each step writes a new generation and commits it atomically, so a crash
-    at any instant resumes from the last step (about twice the disk). ``in-place``: one
-    generation rewritten each step (half the disk); a crash mid-step leaves it unusable and
-    resuming falls back to the last explicit checkpoint."""
+    """``generations``: a crash at any instant resumes from the last step; ``in-place``: half the disk.
+
+    ``generations`` writes each step to a new generation and commits it atomically (about twice the
+    disk of the state rewritten each step). ``in-place`` rewrites one generation each step, marked
+    dirty while a step is in flight: ``python -m engine train`` resumes a dirty store from its last
+    checkpoint, and ``Engine.resume`` refuses it, naming that checkpoint."""
     defer_commit: bool = True
-    """Let a step's last writes, fsync and commit finish behind the next step's forward, which
-    hides them; the commit then comes when the next step's optimizer state is first read (or
-    at ``save``/``close``), so a crash in between resumes from the step before. ``false``
-    commits every step before ``step()`` returns."""
+    """Finish a step's last writes, fsync and commit behind the next step's forward.
+
+    The commit then comes when the next step's optimizer state is first read (or at ``save`` or
+    ``close``), so a crash in between resumes from the step before. ``false`` commits every step
+    before ``step()`` returns."""
 
 
 @dataclass
@@ -141,13 +172,17 @@ class PrecisionConfig:
     """Compute dtype and loss scaling."""
 
     compute_dtype: DType = "bf16"
-    """Dtype of the parameters the model computes with; masters are fp32 unless ``optim.master_dtype = "bf16"``."""
+    """Dtype of the parameters the model computes with: ``fp32``, ``bf16`` or ``fp16``.
+
+    The masters are fp32 unless ``optim.master_dtype = "bf16"``."""
     loss_scaling: Literal["dynamic", "static", "none"] = "none"
-    """``dynamic`` (fp16's usual choice), ``static`` (fixed ``initial_scale``) or ``none``."""
+    """``dynamic`` (needed by fp16), ``static`` (a fixed ``initial_scale``) or ``none``."""
     initial_scale: float = 65536.0
+    """First loss scale, and the only one with ``static``."""
     growth_interval: int = 1000
     """Clean steps before the dynamic scale grows by ``growth_factor``."""
     growth_factor: float = 2.0
+    """Multiplier of the dynamic scale after ``growth_interval`` clean steps."""
     backoff_factor: float = 0.5
     """Multiplier of the dynamic scale after a step with an inf/nan gradient (the step is skipped)."""
 
@@ -157,44 +192,56 @@ class OptimConfig:
     """AdamW on the master shards, and its learning-rate schedule."""
 
     lr: float = 3e-4
+    """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's betas: the decay rates of the first and second moments."""
     eps: float = 1e-8
+    """AdamW's epsilon, added to the square root of the second moment."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to every parameter but those ``no_decay`` exempts."""
     no_decay: list[str] = field(default_factory=lambda: ["bias", "norm", "embedding"])
-    """Parameters that take no weight decay, as Hugging Face's Trainer and torchtune leave them:
-    ``bias`` (parameters named ``*bias``), ``norm`` (the parameters of normalisation modules:
-    ``nn.LayerNorm``, ``nn.RMSNorm``, any class whose name ends with ``Norm``), ``embedding`` (the
-    weights of ``nn.Embedding`` modules; an output head tied to one is the same parameter, so it
-    follows its embedding); any other entry is an fnmatch pattern over a parameter's full name
-    (``"*.ln_f.*"``), refused if it matches none. ``[]``: every parameter decays. Taken from the
-    model at every start, so a resume with another list changes the groups from then on."""
+    """Parameters that take no weight decay: ``bias``, ``norm``, ``embedding``, or fnmatch patterns of names.
+
+    As Hugging Face's Trainer and torchtune leave them: ``bias`` (parameters named ``*bias``),
+    ``norm`` (the parameters of normalisation modules: ``nn.LayerNorm``, ``nn.RMSNorm``, any class
+    whose name ends with ``Norm``), ``embedding`` (the weights of ``nn.Embedding`` modules; an
+    output head tied to one is the same parameter, so it follows its embedding); any other entry is
+    an fnmatch pattern over a parameter's full name (``"*.ln_f.*"``), refused if it matches none.
+    ``[]``: every parameter decays. Taken from the model at every start, so a resume with another
+    list changes the groups from then on. Bit-identical to ``torch.optim.AdamW`` with the two
+    parameter groups."""
     kernel: Literal["fused", "foreach"] = "fused"
-    """``fused`` is torch's fastest AdamW (bit-identical to ``AdamW(fused=True)``); ``foreach``
-    is bit-identical to torch's default AdamW."""
+    """``fused`` (torch's fastest, equal to ``AdamW(fused=True)``) or ``foreach`` (torch's default AdamW).
+
+    Each is bit-identical to the torch AdamW it names."""
     grad_clip: float = 1.0
     """Global gradient-norm clipping across ranks; 0 disables it."""
     overlap: bool = True
-    """Without clipping (``grad_clip = 0``), update each unit as soon as its gradient shard is
-    reduced on the last micro-batch, overlapped with the rest of backward; the result is
-    bit-identical either way. With clipping every gradient must be reduced first."""
+    """Without clipping, update each unit as soon as its gradient shard is reduced, during backward.
+
+    On the last micro-batch, overlapped with the rest of backward; the result is bit-identical
+    either way. With clipping (``grad_clip > 0``) every gradient must be reduced first."""
     state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
-    """How AdamW's moments are held and stored: ``fp32`` (bit-exact with torch), ``bf16`` (a
-    third fewer optimizer bytes) or ``int8`` (8-bit blocks, half), rounded stochastically
-    (``engine.state.forms``). A store resumes only in the form it was written in."""
+    """AdamW's moments: ``fp32`` (bit-exact with torch), ``bf16`` or ``int8`` (8-bit blocks of 256).
+
+    Stored bytes per parameter with an fp32 master: 12, 8 and 6.03. The compact forms are widened
+    to fp32 for the update and rounded back stochastically (``engine.state.forms``). A store
+    resumes only in the form it was written in."""
     master_dtype: Literal["fp32", "bf16"] = "fp32"
-    """How the master weights are held and stored: ``fp32`` (bit-exact with torch), or ``bf16``
-    (2 B/param fewer, updated in fp32 and rounded back stochastically). At stage 3 with
-    ``offload.param = "nvme"`` a bf16 master is the parameter itself, read by the gathers (one
-    copy on disk, none rewritten each step), which needs ``precision.compute_dtype = "bf16"``.
-    A store resumes only with the master dtype it was written with."""
+    """The master weights: ``fp32`` (bit-exact with torch) or ``bf16`` (2 B/param fewer, rounded stochastically).
+
+    A bf16 master is updated in fp32 and rounded back. At stage 3 with ``offload.param = "nvme"``
+    a bf16 master is the parameter itself, read by the gathers (one copy on disk, none rewritten
+    each step), which needs ``precision.compute_dtype = "bf16"``. A store resumes only with the
+    master dtype it was written with."""
     warmup_steps: int = 0
     """Steps of linear warmup from ``lr / warmup_steps`` to ``lr``."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """After warmup: a half cosine down to ``min_lr_ratio * lr``, a straight line down to it
-    (``linear``, Hugging Face's default schedule), or ``constant`` at ``lr``."""
+    """After warmup: ``cosine`` or ``linear`` decay to ``min_lr_ratio * lr``, or ``constant`` at ``lr``.
+
+    ``linear`` is Hugging Face's default schedule."""
     decay_steps: int = 0
-    """Steps of the decay after warmup (cosine or linear); 0 means ``train.steps - warmup_steps``."""
+    """Steps of the decay after warmup (cosine or linear); 0: ``train.steps - warmup_steps``."""
     min_lr_ratio: float = 0.1
     """Final learning rate of the decay, as a fraction of ``lr``."""
 
@@ -204,20 +251,26 @@ class ModelConfig:
     """The model ``python -m engine train`` trains: the built-in GPT, or a pretrained one (``hf``)."""
 
     preset: str = "small"
-    """``tiny``, ``small``, ``medium``, ``large``, ``1b``, ``3b``."""
+    """Size of the built-in GPT: ``tiny``, ``small``, ``medium``, ``large``, ``1b`` or ``3b``.
+
+    About 0.24M, 4.9M, 26M, 129M, 1B and 3B parameters."""
     params: float = 0.0
-    """If > 0, choose depth and width for about this many parameters instead of ``preset``."""
+    """If > 0, the built-in GPT's depth and width for about this many parameters instead of ``preset``."""
     tie_embeddings: bool = False
+    """Share one weight between the built-in GPT's input embedding and its output head."""
     hf: str = ""
-    """A Hugging Face checkpoint folder (``config.json``, safetensors weights, tokenizer) to
-    fine-tune instead of the built-in GPT: built on the meta device and imported unit by unit,
-    the data tokenised with its own tokenizer. Empty: the built-in GPT."""
+    """A Hugging Face checkpoint folder to fine-tune instead of the built-in GPT; empty: the built-in GPT.
+
+    The folder holds ``config.json``, safetensors weights and a tokenizer: the model is built on the
+    meta device and imported unit by unit, and the data is tokenised with its own tokenizer."""
 
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters on a ``model.hf`` run, through the ``peft`` library: the pretrained weights
-    frozen, the adapters trained; ``export`` writes the adapter in peft's format."""
+    """LoRA adapters on a ``model.hf`` run, through the ``peft`` library.
+
+    The pretrained weights are frozen and the adapters trained; ``export`` writes the adapter in
+    peft's format."""
 
     r: int = 0
     """Rank of the adapters; 0: no LoRA (every parameter trains)."""
@@ -226,38 +279,52 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input (0 keeps training deterministic)."""
     target_modules: list[str] = field(default_factory=list)
-    """Names of the linear layers that get adapters (e.g. ``["q_proj", "v_proj"]``); empty:
-    peft's default for the model's architecture."""
+    """Names of the linear layers that get adapters (``["q_proj", "v_proj"]``); empty: peft's default.
+
+    The default is peft's for the model's architecture."""
 
 
 @dataclass
 class DataConfig:
-    """The training text and how batches are drawn."""
+    """The training text or records, and how batches are drawn."""
 
     source: str = "shakespeare"
-    """``shakespeare`` (built in), a .txt/.md file or folder, a uint16 token file ``*.bin``, or
-    fine-tuning records: a ``.jsonl``, ``.json`` or ``.parquet`` file, a folder of them, or a folder
-    ``datasets.save_to_disk`` wrote (tokenised by the ``model.hf`` tokenizer, see ``format``)."""
+    """``shakespeare`` (built in), a text file or folder, a uint16 token file ``*.bin``, or fine-tuning records.
+
+    Text: a ``.txt`` or ``.md`` file or a folder of them. Records: a ``.jsonl``, ``.json`` or
+    ``.parquet`` file, a folder of them, or a folder ``datasets.save_to_disk`` wrote, tokenised by
+    the ``model.hf`` tokenizer (see ``format``)."""
     format: Literal["auto", "text", "messages", "prompt_completion"] = "auto"
-    """The form of the records: ``text``; ``messages`` (chat, rendered by the tokenizer's chat
-    template); ``prompt_completion`` (strings, or lists of messages); ``auto``: told by their fields."""
+    """The records' form: ``text``, ``messages``, ``prompt_completion``; ``auto``: told by their fields.
+
+    ``messages`` are chats, rendered by the tokenizer's chat template; ``prompt_completion`` holds
+    strings, or lists of messages."""
     train_on: Literal["completion", "all"] = "completion"
-    """Which tokens of a record the loss counts: ``completion`` (the completion, or the assistant's
-    replies) or ``all``. ``text`` records count every token."""
+    """Which tokens of a record the loss counts: ``completion`` (or the assistant's replies) or ``all``.
+
+    ``text`` records count every token."""
     pack: bool = True
-    """Put several records into one sequence of ``seq_len`` (no attention across them); false:
-    one record a sequence, padded."""
+    """Put several records into one sequence of ``seq_len``, attention within each; false: one record a sequence.
+
+    Unpacked records are padded to ``seq_len``."""
     truncate: bool = True
     """Cut a record longer than ``seq_len`` (the run logs how many); false refuses such a record."""
     tokenizer: Literal["bytes", "bpe"] = "bytes"
+    """``bytes`` (256 ids) or ``bpe`` (trained offline and cached; needs the ``bpe`` extra).
+
+    With ``model.hf``, the model's own tokenizer is used instead."""
     vocab_size: int = 8192
     """BPE vocabulary size (``tokenizer = "bpe"`` only)."""
     seq_len: int = 128
+    """Tokens per sequence."""
     micro_batch: int = 8
     """Sequences per rank per micro-batch."""
     seed: int = 0
+    """Seed of the batch order, the same batches at any world size (``--seed`` sets it and ``train.seed``)."""
     val_fraction: float = 0.0
-    """Fraction of the tokens, at the end of the corpus, held out for the validation loss; 0: none."""
+    """Fraction of the data held out for the validation loss; 0: none.
+
+    Of a text corpus, the tokens at its end; of fine-tuning records, the last whole records."""
 
 
 @dataclass
@@ -265,30 +332,40 @@ class TrainConfig:
     """The training loop of ``python -m engine train``."""
 
     steps: int = 200
+    """Optimizer steps."""
     epochs: int = 0
-    """Passes over fine-tuning records (``data.source`` records) instead of ``steps``: each visits
-    every record once, in an order drawn anew each epoch; 0: train for ``steps``."""
+    """Passes over fine-tuning records instead of ``steps``; 0: train for ``steps``.
+
+    Each epoch visits every record once, in an order drawn anew from ``data.seed`` and the epoch."""
     log_every: int = 10
+    """Steps between log lines (loss, tokens/s, peak RSS, bytes per tier)."""
     seed: int = 0
-    """Seed of the model initialisation."""
+    """Seed of the model's (or the LoRA adapters') initialisation (``--seed`` sets it and ``data.seed``)."""
     metrics: str = ""
-    """A JSON-lines file that rank 0 appends one record to per step (loss, learning rate, gradient
-    norm, validation loss when taken, seconds, tokens/s, exposed parameter and optimizer waits, bytes read and
-    written, prefetch hit rate, device high-water, peak RSS); empty: none."""
+    """A JSON-lines file that gets one record per step (``python -m engine plot FILE`` draws it); empty: none.
+
+    Rank 0 appends the loss, learning rate, gradient norm, validation loss and perplexity when taken,
+    seconds, tokens/s, exposed parameter and optimizer waits, bytes read and written, prefetch hit
+    rate, device high-water, peak RSS, the step's CPU seconds (``cpu_s``), and the stores' I/O
+    CPU-seconds per GB moved by stage (``io_cpu_s_per_gb``: system calls, CRC-32C, open/close,
+    fsync, copies, casts, zeroing, and their ``total``) with the bytes they are per (``io_bytes``)."""
     tensorboard: str = ""
-    """A folder that rank 0 writes the same scalars to as TensorBoard events (needs the
-    ``tensorboard`` package); empty: none."""
+    """A folder that gets the same scalars as TensorBoard events (needs ``tensorboard``); empty: none."""
     eval_every: int = 0
-    """Steps between validation losses (``data.val_fraction > 0``); 0: after the last step only."""
+    """Steps between validation losses (needs ``data.val_fraction > 0``); 0: after the last step only.
+
+    The same held-out batches each time, under ``torch.no_grad()`` (at stage 3 each unit is gathered
+    once per forward, never for a backward); logged, in the metrics and on the progress bar."""
     eval_batches: int = 8
     """Micro-batches per rank in one validation loss."""
 
 
 @dataclass
 class CheckpointConfig:
-    """Steps kept as ``checkpoints/<tag>`` in the store at ``offload.nvme_path`` (``Engine.save``),
-    to resume from later: on the ``nvme`` tier by a rename when the next step supersedes the step,
-    on the memory tiers by writing their state there."""
+    """Steps kept as ``checkpoints/<tag>`` in the store at ``offload.nvme_path``, to resume from later.
+
+    On the ``nvme`` tier a checkpoint is kept by a rename when the next step supersedes the step;
+    on the memory tiers by writing their state there (``Engine.save``)."""
 
     interval: int = 0
     """Steps between the checkpoints ``python -m engine train`` keeps, tagged ``step-<n>``; 0: none."""

@@ -1,35 +1,17 @@
-"""``python -m engine <command>`` (also installed as ``offload-engine``).
+"""``python -m engine <command>``, also installed as ``offload-engine``: ``docs/cli.md`` has each
+command, ``<command> --help`` its flags (and for ``train``, ``estimate`` and ``generate``, every
+config key, from ``engine.config_docs``).
 
-- ``train [--config run.toml] [--key value ...]``: any config key can be overridden as
-  ``--section.key value`` or, when the name is unique, ``--key value`` (``--steps 3``);
-  continues from the store at ``offload.nvme_path`` when it holds a committed step, or from
-  its checkpoint TAG with ``--from-checkpoint TAG``; ``--overwrite`` starts afresh over a store
-  that holds trained state (which is otherwise refused); ``--plan auto`` first sets ``zero.stage``,
-  ``offload.optimizer`` and ``offload.param`` to the least offload that fits this machine.
-- ``estimate [--config run.toml | --params N --layers L --hidden H | --model.hf FOLDER] [--world-size W]
-  [--json]``: predicted memory per tier of every stage and tier plan, and the one ``--plan auto``
-  would take; a ``model.hf`` folder needs only its ``config.json`` (no weights are read).
-- ``generate [--config run.toml] [--key value ...] --prompt TEXT [--tokens N] [--temperature T]
-  [--top-k K] [--seed S]``: text sampled from the run's committed step (or ``--from-checkpoint
-  TAG``), its model and tokenizer set up from the same config as ``train``; greedy at temperature 0;
-  each token one forward of its own position, with a key/value cache.
-- ``inspect STORE [--verify]``: what a store holds; ``--verify`` checks every chunk's CRC-32C.
-- ``consolidate STORE... OUT.safetensors``: full fp32 weights under the model's parameter names
-  (of one store, or of the stores of every host of one run).
-- ``gather OUT STORE...``: the stores of a run's hosts (``offload.nvme_path`` with ``{node}``)
-  made one store, which resumes on any number of hosts and which the other commands read.
-- ``export STORE... OUT_DIR [--max-shard-size 5GB] [--dtype bf16|fp16|fp32] [--merged]``: a run started from
-  ``--model.hf FOLDER`` as a Hugging Face folder (sharded safetensors, config, tokenizer) that
-  ``from_pretrained`` loads; in the checkpoint's dtype unless ``--dtype`` says otherwise. A run
-  with ``lora.r > 0`` exports its trained adapter alone, in peft's format (fp32 by default), or
-  with ``--merged`` the base with the adapters merged in, as a plain folder (the checkpoint's dtype).
-  Both read the committed step, else (the memory tiers' store) the last checkpoint; ``--checkpoint
-  TAG`` or ``--generation N`` names another.
-- ``plot METRICS.jsonl [--out PNG]``: the loss (and validation loss), seconds per step and
-  tokens/s of a ``train.metrics`` file against the step, as a PNG (needs matplotlib).
+- ``train``, ``estimate`` and ``generate`` take a config: ``--config FILE`` (TOML, JSON or YAML)
+  and any key as ``--section.key value`` (``--key value`` where the key is unique); ``--seed N``
+  sets ``train.seed`` and ``data.seed``; ``--print-config`` prints the result as TOML and exits.
+- ``inspect``, ``consolidate``, ``gather``, ``export`` and ``plot`` read a store or a run's records.
 
-Every error ends the command with one line on stderr naming the fix, exit code 2 for a bad
-config and 1 for anything else (130 on Ctrl-C); ``--debug`` (before the command) adds the traceback.
+Every flag is spelled in kebab-case (``--from-checkpoint``, ``--seq-len``); the snake_case of
+the config file (``--seq_len``) and the old ``--checkpoint TAG`` still work, each with a
+deprecation warning. Every error ends the command with one line on stderr naming the fix, exit
+code 2 for a bad config and 1 for anything else (130 on Ctrl-C); ``--debug`` (before the
+command) adds the traceback.
 """
 
 from __future__ import annotations
@@ -43,6 +25,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.config import Config, ConfigError
+from engine.config_docs import SHORTHANDS
+from engine.config_parse import to_toml
 from engine.runtime.sizes import GIB
 
 if TYPE_CHECKING:  # torch loads only once a command needs it
@@ -57,21 +41,47 @@ EXPLAINED = (OSError, ValueError, ImportError, FloatingPointError, RuntimeError)
 a missing package); any other type is a bug, reported with its type and the way to its traceback."""
 
 
+ALIASES = {"--checkpoint": "--from-checkpoint"}
+"""Old names of flags, still accepted with a deprecation warning: one flag names the checkpoint
+to read on every command."""
+
+
+def _respell(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Every flag in its one spelling, kebab-case, and a deprecation notice for each other
+    spelling met (``--seq_len``, ``--checkpoint``), which still works: one convention for the
+    command's own flags and the config keys, with the file's snake_case kept working."""
+    out: list[str] = []
+    notices: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":  # what follows is positional, whatever it looks like
+            return out + argv[i:], notices
+        name, equals, value = arg.partition("=")
+        new = ALIASES.get(name, name.replace("_", "-")) if name.startswith("--") else name
+        if new != name:
+            notices.append(f"{name} is deprecated: write {new} (flags are kebab-case; the old spelling still works)")
+        out.append(new + equals + value)
+    return out, notices
+
+
 def _overrides(extra: list[str]) -> list[str]:
-    """``--a.b 1 --c=2`` -> ``["a.b=1", "c=2"]``."""
-    out, i = [], 0
+    """``--a.b-c 1 --d=2`` -> ``["a.b_c=1", "d=2"]``: the flags' kebab-case as the config's keys;
+    a shorthand (``--seed``) gives each key it stands for."""
+    out: list[str] = []
+    i = 0
     while i < len(extra):
         arg = extra[i]
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --key value")
         if "=" in arg:
-            out.append(arg[2:])
+            name, value = arg[2:].split("=", 1)
             i += 1
         elif i + 1 < len(extra):
-            out.append(f"{arg[2:]}={extra[i + 1]}")
+            name, value = arg[2:], extra[i + 1]
             i += 2
         else:
             raise ConfigError(f"override {arg} has no value")
+        key = name.replace("-", "_")
+        out.extend(f"{full}={value}" for full in SHORTHANDS.get(key, (key,)))
     return out
 
 
@@ -258,7 +268,7 @@ def _inspect(args: argparse.Namespace, extra: list[str]) -> int:
 def _consolidate(args: argparse.Namespace, extra: list[str]) -> int:
     from engine.tools.consolidate import consolidate
 
-    count = consolidate(args.store, args.out, generation=args.generation, checkpoint=args.checkpoint)
+    count = consolidate(args.store, args.out, generation=args.generation, checkpoint=args.from_checkpoint)
     logger.info("wrote %d tensors to %s", count, args.out)
     return 0
 
@@ -285,7 +295,7 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
         max_shard_size=args.max_shard_size,
         dtype=args.dtype,
         generation=args.generation,
-        checkpoint=args.checkpoint,
+        checkpoint=args.from_checkpoint,
         merged=args.merged,
     )
     logger.info("wrote %d weight file(s) to %s", len(files), args.out_dir)
@@ -299,21 +309,21 @@ def _plot(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str) -> argparse.ArgumentParser:
     """The commands and their arguments (a config key is any other ``--section.key value``)."""
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--log-level", type=_log_level, default=os.environ.get("LOG_LEVEL", "INFO"), help=", ".join(LOG_LEVELS)
     )
     parser.add_argument("--debug", action="store_true", help="log the traceback of an error with its message")
     commands = parser.add_subparsers(dest="command", required=True)
     _train_parser(commands)
-    estimate = commands.add_parser(
+    estimate = _config_command(
+        commands,
         "estimate",
+        "memory per tier of every stage and tier plan",
         allow_abbrev=False,  # --param (offload.param) is not --params
-        help="memory per tier of every stage and tier plan (any config key: --section.key value)",
     )
-    estimate.add_argument("--config", help="a .toml or .json config file")
     estimate.add_argument("--params", type=_positive(float), default=0, help="a model of about this many parameters")
     estimate.add_argument(
         "--layers", type=_positive(int), help="transformer blocks (with --hidden, or to hold fixed with --params)"
@@ -347,12 +357,43 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train_parser(commands: argparse._SubParsersAction) -> None:
-    train = commands.add_parser(
-        "train",
-        help="train the built-in model, or a pretrained one with --model.hf FOLDER (any config key: --section.key value)",
+class _KeysHelp(argparse.Action):
+    """``-h``/``--help`` of a command that takes a config: its flags, then every config key with
+    its default and summary (``engine.config_docs``, read from the source only when asked)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show this help and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from engine.config_docs import help_text, reference
+
+        parser.epilog = help_text(reference())
+        parser.print_help()
+        parser.exit()
+
+
+def _config_command(
+    commands: argparse._SubParsersAction, name: str, summary: str, allow_abbrev: bool = True
+) -> argparse.ArgumentParser:
+    """A command that takes a config: ``--config``, ``--print-config`` and any config key."""
+    command = commands.add_parser(
+        name,
+        help=f"{summary} (any config key: --section.key value)",
+        description=summary,
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the key list is laid out already
+        allow_abbrev=allow_abbrev,
     )
-    train.add_argument("--config", help="a .toml or .json config file")
+    command.add_argument("-h", "--help", action=_KeysHelp)
+    command.add_argument("--config", metavar="FILE", help="a config file: .toml, .json, .yaml or .yml")
+    command.add_argument(
+        "--print-config", action="store_true", help="print the configuration (file and flags) as TOML and exit"
+    )
+    return command
+
+
+def _train_parser(commands: argparse._SubParsersAction) -> None:
+    train = _config_command(commands, "train", "train the built-in model, or a pretrained one with --model.hf FOLDER")
     train.add_argument(
         "--from-checkpoint", metavar="TAG", help="resume from this checkpoint of the store (e.g. step-100)"
     )
@@ -369,35 +410,21 @@ def _train_parser(commands: argparse._SubParsersAction) -> None:
 def _step_arguments(command: argparse.ArgumentParser) -> None:
     """Which step of the store a reader reads."""
     command.add_argument("--generation", type=int, help="default: the committed one, else the last checkpoint")
-    command.add_argument("--checkpoint", metavar="TAG", help="a kept checkpoint (e.g. step-100), not a generation")
+    command.add_argument("--from-checkpoint", metavar="TAG", help="a kept checkpoint (e.g. step-100), not a generation")
 
 
 def _generate_parser(commands: argparse._SubParsersAction) -> None:
-    generate = commands.add_parser(
-        "generate", help="sample text from a run's store (its config: --config or --section.key value)"
-    )
-    generate.add_argument("--config", help="the run's .toml or .json config file")
+    generate = _config_command(commands, "generate", "sample text from a run's store, set up by the run's config")
     generate.add_argument("--prompt", required=True, help="the text to continue")
     generate.add_argument("--tokens", type=_positive(int), default=100, help="new tokens (default 100)")
     generate.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
     generate.add_argument("--top-k", type=int, default=50, help="draw among the K most likely; 0: all (default 50)")
-    generate.add_argument("--seed", type=int, default=0, help="the same seed draws the same text (default 0)")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling: the same seed, the same text")
     generate.add_argument("--from-checkpoint", metavar="TAG", help="this checkpoint of the store, not its last step")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args, extra = parser.parse_known_args(argv)
-    if any(arg == "--debug" or arg.startswith("--log-level") for arg in extra):
-        parser.error(f"--debug and --log-level go before the command: python -m engine --debug {args.command} ...")
-    if extra and args.command not in ("train", "estimate", "generate"):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=args.log_level if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+def _handler(command: str) -> Callable[[argparse.Namespace, list[str]], int]:
+    """The function that runs ``command``, looked up when it runs (so that tests can stand in for one)."""
     handlers = {
         "train": _train,
         "estimate": _estimate,
@@ -408,8 +435,31 @@ def main(argv: list[str] | None = None) -> int:
         "export": _export,
         "plot": _plot,
     }
+    return handlers[command]
+
+
+def main(argv: list[str] | None = None, prog: str = "offload-engine") -> int:
+    """Run one command; ``prog`` is how the user called it (``python -m engine`` passes its own)."""
+    parser = _parser(prog)
+    respelled, notices = _respell(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(respelled)
+    if any(arg == "--debug" or arg.startswith("--log-level") for arg in extra):
+        parser.error(f"--debug and --log-level go before the command: {prog} --debug {args.command} ...")
+    if extra and args.command not in ("train", "estimate", "generate"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=args.log_level if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for notice in dict.fromkeys(notices) if rank == 0 else ():
+        logger.warning("%s", notice)
     try:
-        return handlers[args.command](args, extra)
+        if getattr(args, "print_config", False):
+            print(to_toml(_load_config(args.config, extra).to_dict()), end="")
+            return 0
+        return _handler(args.command)(args, extra)
     except KeyboardInterrupt:
         logger.error("interrupted", exc_info=args.debug)
         return 130
@@ -420,4 +470,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m engine.run.cli"))
