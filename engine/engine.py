@@ -44,7 +44,7 @@ from engine.tiers.store_io import StoreIO, settle_for_ranks
 from engine.zero.divergence import DivergedError, diverged_message
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.optim import lr_factor, schedule_change
-from engine.zero.order import TracedOrder, adopt_orders, saved_orders
+from engine.zero.order import TracedOrder, adopt_orders, predicted_orders, saved_orders
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
 from engine.zero.precision import LossScaler
 from engine.zero.stats import StepClock, StepStats, measure_step
@@ -117,6 +117,10 @@ class Engine:
         self.worker = HostWorker() if uses_host_worker(config, not self.device.copies_are_synchronous) else None
         """The host optimizer worker that AdamW runs on, if any (``engine.runtime.host_worker``)."""
         self._begin(resume)
+        if not config.zero.activation_checkpointing:  # recomputed activations run in another order
+            held = [u.name for u in self.layout.all_units]
+            predicted = predicted_orders([n for n, _ in units], unit_needs(model, units, owned), held)
+            adopt_orders(predicted, set(held), **self._orders())  # a fresh run's: a resumed one has its own
         build.log_start(config, self.layout, self.comm)
 
     def _build_tiers(self, opt_device: torch.device, resume: bool, checkpoint: str | None, overwrite: bool) -> None:

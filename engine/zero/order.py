@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 
+from engine.state.partition import FROZEN_SUFFIX
+
 logger = logging.getLogger(__name__)
 
 
@@ -76,3 +78,21 @@ def adopt_orders(saved: dict[str, list[str]], units: set[str], **orders: TracedO
         record = saved.get(name, [])
         if record and set(record) <= units:
             order.adopt(record)
+
+
+def predicted_orders(units: list[str], needs: dict[str, list[str]], held: list[str]) -> dict[str, list[str]]:
+    """The orders a plain iteration follows, so that a fresh run's first step prefetches too.
+    ``units``: the unit modules in definition order, the root last; ``needs``: the units each
+    gathers when it runs; ``held``: the units the parameters hold. Forward gathers the root's,
+    then each block's; backward starts at the root's output gradient and gathers the blocks'
+    in reverse, and their gradient shards complete in that order, the root's last. Nested
+    units run in another order: none is predicted for them. A model that runs otherwise (a
+    unit run twice) only re-records at its first difference."""
+    if any(inner.startswith(f"{outer}.") for outer in units for inner in units):
+        return {}
+    runs = [[u for u in needs.get(name, []) if u in held] for name in [units[-1], *units[:-1]]]
+    root, blocks = runs[0], runs[1:]
+    params = [*root, *(u for run in blocks for u in run), *root, *(u for run in reversed(blocks) for u in run)]
+    trainable = [u for u in held if not u.endswith(FROZEN_SUFFIX)]
+    grads = [u for run in [*reversed(blocks), root] for u in run if u in trainable]
+    return {"params": params, "grads": grads}
