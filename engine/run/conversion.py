@@ -37,6 +37,10 @@ from torch import nn
 from engine.state.partition import ModelLayout
 
 SOURCE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+"""The dtypes a parameter is imported from."""
+BUFFER_DTYPES = SOURCE_DTYPES | {"F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16}
+BUFFER_DTYPES |= {"I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+"""The dtypes a persistent buffer may be stored in as well (DeepSeek-V4's expert index table)."""
 SHOWN = 3  # names listed in an error before "and N more"
 
 
@@ -139,7 +143,6 @@ def match_checkpoint(model: nn.Module, tensors: dict[str, Any], folder: Path) ->
     buffers: dict[str, str] = {}
     misshaped: list[str] = []
     for first, group in groups.items():
-        _check_float(group, tensors)
         try:
             made = group.run(lambda name: _meta(tensors[name]), model)
         except (RuntimeError, ValueError, IndexError) as err:
@@ -150,6 +153,7 @@ def match_checkpoint(model: nn.Module, tensors: dict[str, Any], folder: Path) ->
             if target in kept:
                 buffers[target] = first
             elif target in param_of:
+                _check_float(group, tensors)
                 made_by.setdefault(param_of[target], first)
             else:
                 unplaced += group.names
@@ -184,7 +188,9 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
 
 
 def _meta(tensor: Any) -> torch.Tensor:
-    return torch.empty(tensor.shape, dtype=SOURCE_DTYPES[tensor.dtype], device="meta")
+    if tensor.dtype not in BUFFER_DTYPES:
+        raise ValueError(f"of dtype {tensor.dtype}, which the engine does not read")
+    return torch.empty(tensor.shape, dtype=BUFFER_DTYPES[tensor.dtype], device="meta")
 
 
 def _check_float(group: Conversion, tensors: dict[str, Any]) -> None:
@@ -242,6 +248,8 @@ class StoredTensor:
     offset: int | None
     """Where its values start in its unit's flat values, which it slices contiguously; ``None``
     when it is computed from the unit read whole (a concatenation of parameters)."""
+    dtype: torch.dtype | None = None
+    """Its own dtype (an integer buffer's); ``None``: the export's."""
 
     @property
     def numel(self) -> int:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine.run.conversion import StoredTensor, stored_plan, stored_tensors
+from engine.run.conversion import BUFFER_DTYPES, StoredTensor, stored_plan, stored_tensors
 from engine.run.pretrained import (
     BUFFERS_FILE,
     INDEX_FILE,
@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": ("F32", torch.float32), "bf16": ("BF16", torch.bfloat16), "fp16": ("F16", torch.float16)}
 CONFIG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SAFETENSORS_CODES = {torch_dtype: code for code, torch_dtype in BUFFER_DTYPES.items()}
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": MIB, "GIB": GIB}
 
 
@@ -84,11 +85,11 @@ class Shard:
 def plan_shards(plan: list[StoredTensor], dtype: str, max_bytes: int, metadata: dict[str, str]) -> list[Shard]:
     """Cut the stored tensors, in order, into files of at most ``max_bytes`` (a larger tensor has
     a file of its own), as ``save_pretrained`` does."""
-    itemsize = DTYPES[dtype][1].itemsize
+    itemsize = {t.name: (t.dtype or DTYPES[dtype][1]).itemsize for t in plan}
     groups: list[list[StoredTensor]] = [[]]
     size = 0
     for tensor in plan:
-        nbytes = tensor.numel * itemsize
+        nbytes = tensor.numel * itemsize[tensor.name]
         if groups[-1] and size + nbytes > max_bytes:
             groups.append([])
             size = 0
@@ -100,12 +101,9 @@ def plan_shards(plan: list[StoredTensor], dtype: str, max_bytes: int, metadata: 
         entries: dict[str, object] = {"__metadata__": metadata | {"format": "pt"}}
         offset = 0
         for tensor in tensors:
-            end = offset + tensor.numel * itemsize
-            entries[tensor.name] = {
-                "dtype": DTYPES[dtype][0],
-                "shape": list(tensor.shape),
-                "data_offsets": [offset, end],
-            }
+            end = offset + tensor.numel * itemsize[tensor.name]
+            code = SAFETENSORS_CODES[tensor.dtype] if tensor.dtype else DTYPES[dtype][0]
+            entries[tensor.name] = {"dtype": code, "shape": list(tensor.shape), "data_offsets": [offset, end]}
             offset = end
         name = SINGLE_FILE if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
         shards.append(Shard(name, tensors, header_bytes(entries), offset))
@@ -185,8 +183,10 @@ def _write_shards(
                 for tensor, part in whole.parts(unit, offset, values):
                     writer.write(shard_of[tensor.name], part.to(dtype))
                     bar.update(part.numel() * dtype.itemsize)
-            for name, values in buffers.items():
-                writer.write(shard_of[name], values.reshape(-1).to(dtype))
+            for name, values in buffers.items():  # an integer buffer as it is
+                writer.write(
+                    shard_of[name], values.reshape(-1).to(dtype if values.is_floating_point() else values.dtype)
+                )
             writer.write(len(shards) - 1, torch.empty(0, dtype=dtype))  # opens any shard left (empty tensors)
             writer.finish()
     except BaseException:
@@ -280,7 +280,8 @@ def export(
         model = meta_model(source)
         buffers = stored_tensors(model, _recorded_buffers(source))
         plan = stored_plan(model, layout) + [
-            StoredTensor(n, tuple(b.shape), BUFFERS_FILE, None) for n, b in buffers.items()
+            StoredTensor(n, tuple(b.shape), BUFFERS_FILE, None, None if b.is_floating_point() else b.dtype)
+            for n, b in buffers.items()
         ]
         shards = plan_shards(plan, dtype, max_bytes, masters.metadata)
         _write_shards(model, layout, pieces, shards, DTYPES[dtype][1], out_dir, buffers)

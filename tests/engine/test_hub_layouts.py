@@ -177,6 +177,11 @@ MORE = {
         "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_shared_experts": 1,
     },
+    # Its hash routers keep an integer table (token to expert) as a persistent buffer.
+    "deepseek_v4": {
+        "intermediate_size": 96, "moe_intermediate_size": 48, "n_routed_experts": 4, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "head_dim": 16,
+    },
 }  # fmt: skip
 
 
@@ -187,6 +192,8 @@ def test_more_expert_layouts_import_and_export_as_transformers_does(kind: str, t
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buffer.normal_()  # as training leaves it: not what the model's code initialises
+        if name.endswith("tid2eid"):
+            buffer.random_(0, 4)
     folder, store, out = tmp_path / "pretrained", tmp_path / "store", tmp_path / "out"
     model.save_pretrained(folder, max_shard_size=SHARD)
     eng = start(folder, store)
@@ -208,6 +215,6 @@ def test_more_expert_layouts_import_and_export_as_transformers_does(kind: str, t
     exported = params(loaded) | dict(loaded.named_buffers())
     for name in params(loaded):
         assert torch.equal(exported[name], trained[name]), f"{name} differs from the engine's"
-    for name in stored(folder):
-        if name.endswith("e_score_correction_bias"):
-            assert torch.equal(exported[name], trained[name]), f"buffer {name} was not kept"
+    for name, buffer in loaded.named_buffers():
+        if name.endswith(("e_score_correction_bias", "tid2eid")):
+            assert buffer.dtype == trained[name].dtype and torch.equal(buffer, trained[name]), f"buffer {name} kept"
