@@ -26,6 +26,8 @@ from typing import Any
 from engine.config_parse import ConfigError, build_section, parse_override, read_file
 from engine.config_sections import (
     NODE,
+    SOURCE_FOLDER,
+    SOURCE_RECORD,
     CheckpointConfig,
     DataConfig,
     DType,
@@ -325,8 +327,9 @@ def _check_nvme_paths(config: Config) -> None:
 def _check_model(config: Config) -> None:
     _check(config.model.params >= 0, "model.params", config.model.params, "must be >= 0")
     hf = config.model.hf
+    recorded = Path(config.offload.store_path) / SOURCE_FOLDER / SOURCE_RECORD  # a run that resumes reads it
     _check(
-        not hf or (Path(hf) / "config.json").is_file(),
+        not hf or (Path(hf) / "config.json").is_file() or recorded.is_file(),
         "model.hf",
         hf,
         "is not a folder holding config.json: give the folder save_pretrained wrote (weights, config, tokenizer)",

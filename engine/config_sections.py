@@ -17,6 +17,10 @@ Tier = Literal["device", "cpu", "nvme"]
 DType = Literal["fp32", "bf16", "fp16"]
 NODE = "{node}"
 """The placeholder of ``offload.nvme_path`` for the index of the host a rank runs on."""
+SOURCE_FOLDER = "hf"
+"""Where a ``model.hf`` run's store keeps the source folder's config and tokenizer files, and
+``SOURCE_RECORD``: a run that resumes reads them there, so its ``model.hf`` may be gone."""
+SOURCE_RECORD = "source.json"
 
 
 @dataclass

@@ -44,7 +44,7 @@ from engine.tiers.store_io import StoreIO, settle_for_ranks
 from engine.zero.divergence import DivergedError, diverged_message
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.optim import lr_factor, schedule_change
-from engine.zero.order import TracedOrder, adopt_orders, predicted_orders, saved_orders
+from engine.zero.order import TracedOrder, adopt_orders, adopt_predicted, saved_orders
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
 from engine.zero.precision import LossScaler
 from engine.zero.stats import StepClock, StepStats, measure_step
@@ -110,17 +110,13 @@ class Engine:
         self.grads, spill = build.gradients(
             config, self.layout, owned, self.comm, self.device, self.budget, self.params, opt_device, self.io
         )
-        self.params.hook(dict(units), unit_needs(model, units, owned))
+        self.params.hook(dict(units), needs := unit_needs(model, units, owned))
         self.params.check_fits({u.name: bucket_bytes(u) * u.trainable for u in self.layout.all_units}, MAX_IN_FLIGHT)
         self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, model, opt_device, spill)
         self.scaler = LossScaler(config.precision)
         self.worker = HostWorker() if uses_host_worker(config, not self.device.copies_are_synchronous) else None
         """The host optimizer worker that AdamW runs on, if any (``engine.runtime.host_worker``)."""
-        self._begin(resume)
-        if not config.zero.activation_checkpointing:  # recomputed activations run in another order
-            held = [u.name for u in self.layout.all_units]
-            predicted = predicted_orders([n for n, _ in units], unit_needs(model, units, owned), held)
-            adopt_orders(predicted, set(held), **self._orders())  # a fresh run's: a resumed one has its own
+        self._begin(resume, [n for n, _ in units], needs)
         build.log_start(config, self.layout, self.comm)
 
     def _build_tiers(self, opt_device: torch.device, resume: bool, checkpoint: str | None, overwrite: bool) -> None:
@@ -147,16 +143,17 @@ class Engine:
         )
         checkpoints.frozen = self.params.frozen_shards  # a checkpoint stores the frozen values they hold
 
-    def _begin(self, resume: bool) -> None:
+    def _begin(self, resume: bool, units: list[str], needs: dict[str, list[str]]) -> None:
         """Counting starts: the saved step restored on resume, else step 0 committed (the added
-        units: a store is a checkpoint from here on). What building wrote is not the first step's
-        traffic."""
+        units: a store is a checkpoint from here on) and the units' order predicted from
+        ``units`` and their ``needs``. What building wrote is not the first step's traffic."""
         self._start_counting()
         if resume:
             assert self.optimizer_state.resumed_from is not None  # a resumed tier holds its record
             self._restore(self.optimizer_state.resumed_from)
         else:
             self.optimizer_state.commit({"step": 0})
+        adopt_predicted(self._orders(), units, needs, self.layout, self.config.zero.activation_checkpointing)
         self.params.take_io_bytes()
         self.io.costs.take()
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.config import LoraConfig
 from engine.run.models.gpt import param_generator
-from engine.run.pretrained import Pretrained
+from engine.run.pretrained import Pretrained, RecordedSource
 
 ADAPTERS = ("lora_A", "lora_B")
 
@@ -91,7 +91,7 @@ class LoraInit:
     """The ``init_unit`` of a LoRA-wrapped meta model: base tensors from the checkpoint (through
     ``pretrained``, made for the unwrapped model), adapters by ``init_adapters_``."""
 
-    def __init__(self, pretrained: Pretrained, base_names: dict[str, str], seed: int):
+    def __init__(self, pretrained: Pretrained | RecordedSource, base_names: dict[str, str], seed: int):
         self.pretrained, self.base_names, self.seed = pretrained, base_names, seed
 
     def __call__(self, params: dict[str, torch.Tensor]) -> None:
@@ -113,7 +113,9 @@ def with_lora_named(model: nn.Module, lora: LoraConfig) -> tuple[nn.Module, dict
     return wrapped, {n: first_names[id(p)] for n, p in wrapped.named_parameters() if id(p) in first_names}
 
 
-def lora_model(model: nn.Module, pretrained: Pretrained, lora: LoraConfig, seed: int) -> tuple[nn.Module, LoraInit]:
+def lora_model(
+    model: nn.Module, pretrained: Pretrained | RecordedSource, lora: LoraConfig, seed: int
+) -> tuple[nn.Module, LoraInit]:
     """``model`` (meta, checked against its checkpoint by ``pretrained``) with LoRA adapters, and
     the ``init_unit`` that fills it."""
     wrapped, base_names = with_lora_named(model, lora)

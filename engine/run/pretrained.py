@@ -23,6 +23,7 @@ The folder's other files (``config.json``, the tokenizer's) are copied into ``<s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -39,6 +40,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.config import Config
+from engine.config_sections import SOURCE_FOLDER, SOURCE_RECORD
 from engine.run.conversion import match_checkpoint
 from engine.run.loss import chunked_cross_entropy
 
@@ -49,9 +52,6 @@ if TYPE_CHECKING:
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-SOURCE_FOLDER = "hf"
-"""Where a store keeps the source folder's config and tokenizer files, and ``source.json``."""
-SOURCE_RECORD = "source.json"
 BUFFERS_FILE = "buffers.safetensors"
 """The persistent buffers the checkpoint holds, kept beside ``source.json`` for ``export``."""
 DTYPE_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
@@ -255,6 +255,24 @@ def record_source(
     return target
 
 
+def source_keeper(config: Config, dtype: str) -> Callable[[], None]:
+    """What records a ``model.hf`` run's config and tokenizer in its store, for ``export``
+    (``record_source``, on rank 0): done now if the store is there (the nvme tiers make it as
+    they start), else once the first checkpoint has made it (the memory tiers)."""
+    store, hf = Path(config.offload.store_path), config.model.hf
+    lora = dataclasses.asdict(config.lora) if config.lora.r else None
+    recorded = not hf
+
+    def keep() -> None:
+        nonlocal recorded
+        if not recorded and store.is_dir():
+            record_source(hf, store, dtype, lora)
+            recorded = True
+
+    keep()
+    return keep
+
+
 def check_vocabulary(model: nn.Module, vocab_size: int, folder: str) -> None:
     """Refuse data whose token ids the model has no embedding for."""
     hf: Any = model  # a PreTrainedModel, whose methods nn.Module's typing does not know
@@ -272,11 +290,33 @@ def max_positions(model: nn.Module) -> int | None:
     return getattr(settings, "n_positions", None) or getattr(settings, "max_position_embeddings", None)
 
 
-def pretrained_model(folder: str, seq_len: int) -> tuple[nn.Module, Pretrained]:
-    """The meta model of ``folder`` and its ``init_unit``, checked against the checkpoint, and
-    refused if it cannot take sequences of ``seq_len``."""
+class RecordedSource:
+    """The ``init_unit`` of a ``model.hf`` run that resumes: its store holds every value, and in
+    ``hf/`` the model's config and tokenizer (``record_source``), so the source checkpoint is
+    not read again, and may be gone (deleted after the import to make room)."""
+
+    def __init__(self, folder: str | os.PathLike[str]):
+        self.dtype: str = json.loads((Path(folder) / SOURCE_RECORD).read_text())["dtype"]
+
+    def __call__(self, params: dict[str, torch.Tensor]) -> None:
+        raise RuntimeError("a resumed run builds no unit from its source checkpoint: its store holds them")
+
+
+def recorded_folder(store: Path) -> str | None:
+    """The store's copy of its ``model.hf`` run's config and tokenizer (``record_source``), if
+    it has one: a run that resumes reads them there, not from the source checkpoint."""
+    folder = store / SOURCE_FOLDER
+    return str(folder) if (folder / SOURCE_RECORD).is_file() else None
+
+
+def pretrained_model(
+    folder: str, seq_len: int, recorded: bool = False
+) -> tuple[nn.Module, Pretrained | RecordedSource]:
+    """The meta model of ``folder`` and its ``init_unit``, checked against the checkpoint (or,
+    ``recorded``, the store's ``hf/`` folder of a run that resumes), and refused if it cannot
+    take sequences of ``seq_len``."""
     model = meta_model(folder)
-    init = Pretrained(folder, model)
+    init = RecordedSource(folder) if recorded else Pretrained(folder, model)
     positions = max_positions(model)
     if positions is not None and seq_len > positions:
         raise ValueError(

@@ -37,10 +37,16 @@ from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens, split
 from engine.run.evaluate import Validation, perplexity
 from engine.run.examples import ExampleBatches
-from engine.run.lora import LoraInit, lora_model
+from engine.run.lora import lora_model
 from engine.run.loss import IGNORE_INDEX
 from engine.run.models.gpt import GPT, GPTConfig, init_parameters_
-from engine.run.pretrained import Pretrained, causal_lm_loss, check_vocabulary, pretrained_model, record_source
+from engine.run.pretrained import (
+    causal_lm_loss,
+    check_vocabulary,
+    pretrained_model,
+    recorded_folder,
+    source_keeper,
+)
 from engine.run.records import is_records
 from engine.run.sft import RecordData, record_data
 from engine.run.watch import Scalars, step_record
@@ -305,7 +311,7 @@ Corpus = np.ndarray | RecordData
 
 
 def run_model(
-    config: Config, records: RecordData | None = None
+    config: Config, records: RecordData | None = None, recorded: bool = False
 ) -> tuple[Corpus, nn.Module, Callable[[dict[str, torch.Tensor]], None], LossFn]:
     """The data, the model to train on the meta device, its ``init_unit`` and the loss of a
     batch with it: the built-in GPT, or the pretrained model at ``model.hf`` (with LoRA adapters
@@ -316,7 +322,7 @@ def run_model(
         tokens, vocab_size = load_tokens(data.source, data.tokenizer, vocab_size=data.vocab_size)
         model, init = meta_model(config, vocab_size)
         return tokens, model, init, Engine.__call__
-    pretrained, init = pretrained_model(config.model.hf, data.seq_len)
+    pretrained, init = pretrained_model(config.model.hf, data.seq_len, recorded)
     corpus: Corpus
     if records is None:
         corpus, vocab_size = load_tokens(data.source, data.tokenizer, pretrained=config.model.hf)
@@ -387,13 +393,17 @@ def say_nothing_to_do(step: int, steps: int) -> None:
 
 
 def _train(config: Config, checkpoint: str | None, overwrite: bool) -> TrainResult:
+    recorded = recorded_folder(own_store(config)) if config.model.hf and not checkpoint else None
+    if recorded and resumable(config, overwrite):  # the source checkpoint may be gone: not read again
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, hf=recorded))
     config, records = fine_tuning_records(config)
     done = finished_at(config, checkpoint, overwrite)
     if done is not None:
         if int(os.environ.get("RANK", "0")) == 0:
             say_nothing_to_do(done, config.train.steps)
         return TrainResult(steps_done=done)
-    corpus, model, init, loss_of = run_model(config, records)
+    from_record = bool(config.model.hf) and config.model.hf == recorded
+    corpus, model, init, loss_of = run_model(config, records, recorded=from_record)
     validation = None
     if config.data.val_fraction > 0:
         if isinstance(corpus, np.ndarray):  # records hold their examples out themselves
@@ -408,29 +418,9 @@ def _train(config: Config, checkpoint: str | None, overwrite: bool) -> TrainResu
             loss_of,
         )
     engine = start_engine(config, model, init, checkpoint, overwrite)
-    keep_source = _source_keeper(config, engine, init)
+    dtype = getattr(init, "dtype", "fp32")  # a pretrained model's, to export in
+    keep_source = source_keeper(config, dtype) if engine.comm.rank == 0 and not from_record else lambda: None
     return _run_steps(config, engine, batches_for(config, corpus, engine), validation, loss_of, keep_source)
-
-
-def _source_keeper(config: Config, engine: Engine, init: object) -> Callable[[], None]:
-    """What records a ``model.hf`` run's config and tokenizer in its store, for ``export``
-    (``record_source``; rank 0): done now if the store is there (the nvme tiers make it as they
-    start), else once the first checkpoint has made it (the memory tiers)."""
-    if not config.model.hf or engine.comm.rank != 0:
-        return lambda: None
-    assert isinstance(init, (Pretrained, LoraInit))
-    store, hf, dtype = Path(config.offload.store_path), config.model.hf, init.dtype
-    lora = dataclasses.asdict(config.lora) if config.lora.r else None
-    recorded = False
-
-    def keep() -> None:
-        nonlocal recorded
-        if not recorded and store.is_dir():
-            record_source(hf, store, dtype, lora)
-            recorded = True
-
-    keep()
-    return keep
 
 
 def _run_steps(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.state.partition import FROZEN_SUFFIX
+from engine.state.partition import FROZEN_SUFFIX, ModelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,17 @@ def adopt_orders(saved: dict[str, list[str]], units: set[str], **orders: TracedO
         record = saved.get(name, [])
         if record and set(record) <= units:
             order.adopt(record)
+
+
+def adopt_predicted(
+    orders: dict[str, TracedOrder], units: list[str], needs: dict[str, list[str]], layout: ModelLayout, recompute: bool
+) -> None:
+    """Give ``orders`` without a record (a fresh run's: a resumed run adopted its own) the
+    prediction of ``predicted_orders``; none where activations are recomputed, which runs the
+    units in another order."""
+    held = [u.name for u in layout.all_units]
+    if not recompute:
+        adopt_orders(predicted_orders(units, needs, held), set(held), **orders)
 
 
 def predicted_orders(units: list[str], needs: dict[str, list[str]], held: list[str]) -> dict[str, list[str]]:
