@@ -50,7 +50,7 @@ from engine.tiers.store_io import StoreIO
 from engine.zero.buffers import materialize_buffers_
 from engine.zero.decay import no_decay_names
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
-from engine.zero.params import ReplicatedParams, ShardedParams
+from engine.zero.params import Params, ReplicatedParams, ShardedParams
 from engine.zero.recompute import checkpoint_forward
 
 logger = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ def parameters(
     budget: DeviceBudget,
     io: StoreIO,
     optimizer_state: OptimizerState,
-) -> ReplicatedParams | ShardedParams:
+) -> Params:
     """The compute-dtype parameters, sharded on their tier at stage 3 (the nvme tier reads the
     frozen units' values from ``optimizer_state``'s store, and bf16 masters from it where they
     are the parameters, ``shares_master``)."""
@@ -286,7 +286,7 @@ def gradients(
     comm: Comm,
     device: Device,
     budget: DeviceBudget,
-    params: ReplicatedParams | ShardedParams,
+    params: Params,
     opt_device: torch.device,
     io: StoreIO,
 ) -> tuple[GradientShards, GradSpill | None]:
@@ -321,7 +321,7 @@ def build_units(
     layout: ModelLayout,
     owned: dict[str, list[tuple[str, nn.Parameter]]],
     optimizer_state: OptimizerState,
-    params: ReplicatedParams | ShardedParams,
+    params: Params,
     *,
     device: torch.device,
     dtype: torch.dtype,

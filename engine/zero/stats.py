@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from engine.runtime.device import Device
     from engine.tiers.grad_spill import GradSpill
     from engine.tiers.optimizer import OptimizerState
-    from engine.zero.params import ReplicatedParams, ShardedParams
+    from engine.zero.params import Params
     from engine.zero.update import Update
 
 
@@ -99,7 +99,7 @@ def measure_step(
     started: StepClock,
     update: Update,
     optimizer_state: OptimizerState,
-    params: ReplicatedParams | ShardedParams,
+    params: Params,
     budget: DeviceBudget,
     device: Device,
     costs: CostAccount,

@@ -27,7 +27,7 @@ from engine.zero.decay import no_decay_names, shard_decays
 from engine.zero.divergence import nonfinite_units
 from engine.zero.grads import GradientShards, PendingShard
 from engine.zero.optim import clip_coefficient, clip_grads_, global_norm, grad_norm, norm_of_norms, piece_norms
-from engine.zero.params import ReplicatedParams, ShardedParams
+from engine.zero.params import Params
 from engine.zero.precision import LossScaler
 from engine.zero.update import Update
 
@@ -41,7 +41,7 @@ class StepMath:
         layout: ModelLayout,
         comm: Comm,
         grads: GradientShards,
-        params: ReplicatedParams | ShardedParams,
+        params: Params,
         model: nn.Module,
         opt_device: torch.device,
         spill: GradSpill | None = None,
