@@ -19,6 +19,7 @@ from engine.config import Config, shares_master, spills_gradients
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
+from engine.runtime.host_worker import HostWorker, uses_host_worker
 from engine.state.forms import HostAllocator, StateForm
 from engine.state.partition import (
     ROOT_UNIT,
@@ -52,6 +53,7 @@ from engine.zero.decay import no_decay_names
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
 from engine.zero.params import Params, ReplicatedParams, ShardedParams
 from engine.zero.recompute import checkpoint_forward
+from engine.zero.step import StepControl
 
 logger = logging.getLogger(__name__)
 
@@ -315,6 +317,24 @@ def grad_spill(config: Config, layout: ModelLayout, rank: int, io: StoreIO) -> G
     dtype = spill_dtype(config.offload)
     buffer = spill_buffer_bytes(config.offload, layout.units, dtype)
     return GradSpill(config.offload.store_path, layout, rank, io, buffer_bytes=buffer, dtype=dtype)
+
+
+def step_control(
+    config: Config,
+    layout: ModelLayout,
+    comm: Comm,
+    grads: GradientShards,
+    params: Params,
+    model: nn.Module,
+    optimizer_state: OptimizerState,
+    device: Device,
+    opt_device: torch.device,
+    spill: GradSpill | None,
+) -> StepControl:
+    """Each step's control path, with the host optimizer worker where AdamW runs beside the
+    training thread (``uses_host_worker``)."""
+    worker = HostWorker() if uses_host_worker(config, not device.copies_are_synchronous) else None
+    return StepControl(config, layout, comm, grads, params, model, optimizer_state, opt_device, spill, worker)
 
 
 def build_units(
