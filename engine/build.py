@@ -167,6 +167,12 @@ class CheckpointStore:
         return self._opened
 
 
+def optimizer_device(config: Config, device: Device) -> torch.device:
+    """Where the optimizer state is held and AdamW runs: on the device for the ``device`` tier,
+    else on the host (the ``nvme`` tier stages its state there)."""
+    return device.device if config.offload.optimizer == "device" else torch.device("cpu")
+
+
 def optimizer_state(
     config: Config,
     layout: ModelLayout,
@@ -175,6 +181,7 @@ def optimizer_state(
     checkpoints: CheckpointStore,
     *,
     device: torch.device,
+    budget: DeviceBudget,
     allocate: HostAllocator | None,
     pin: bool,
     resume: bool,
@@ -182,15 +189,20 @@ def optimizer_state(
     overwrite: bool = False,
 ) -> OptimizerState:
     """The optimizer tier the configuration asks for: empty, or restored on resume; a new one
-    replaces whatever store is at ``offload.nvme_path`` only with ``overwrite`` (``check_new``)."""
+    replaces whatever store is at ``offload.nvme_path`` only with ``overwrite`` (``check_new``).
+    The ``device`` tier's state is charged to the device ``budget``."""
     offload, form = config.offload, StateForm.of(config.optim)
     if offload.optimizer != "nvme":
-        frozen_on_disk = config.zero.stage == 3 and offload.param == "nvme"
-        host = allocate if offload.optimizer == "cpu" else None  # the device tier's state is no host's
-        state = MemoryOptimizerState(device, checkpoints, allocate=host, store_frozen=frozen_on_disk, form=form)
+        on_device, frozen_on_disk = offload.optimizer == "device", config.zero.stage == 3 and offload.param == "nvme"
+        host = None if on_device else allocate  # the device tier's state is no host's
+        state = MemoryOptimizerState(
+            device, checkpoints, allocate=host, store_frozen=frozen_on_disk, form=form, on_device=on_device
+        )
         if resume:
             assert checkpoint is not None  # the engine refuses resuming a memory tier without one
             state.restore(checkpoint)
+        if on_device:
+            budget.charge(state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
         return state
     buffer_bytes = optimizer_buffer_bytes(offload, layout.units, form)
     if offload.buffer_mb == "auto":

@@ -81,14 +81,13 @@ class Engine:
         self.module = model
         self.budget = DeviceBudget(int(config.zero.device_memory_limit_mb * MIB))
         units, owned, self.layout = build.model_units(model, config, self.comm.world_size)
-        tier = config.offload.optimizer
-        opt_device = self.device.device if tier == "device" else torch.device("cpu")
+        opt_device = build.optimizer_device(config, self.device)
         on_meta = build.check_start(config, model, resume, checkpoint, init_unit, overwrite)
         build.place_model(model, self.device.device, on_meta)
         self._store_lock: StoreLock | None = None  # the store's writer lock, its leader's, taken before a write
         self._store_locked = False  # on every rank: taking the lock is collective
         step = hosts.agree_on_resume(config, self.comm, self.io, checkpoint) if resume else None
-        if tier == "nvme" or (config.zero.stage == 3 and config.offload.param == "nvme") or checkpoint is not None:
+        if config.offload.uses_store or checkpoint is not None:
             self._lock_store(create=not resume)
         hosts.roll_back(config.offload.store_path, step, self.comm, self.io)  # to the step all hosts hold
         build.bound_pinned(config, self.layout, self.device, self.dtype)  # before any tier allocates
@@ -127,14 +126,13 @@ class Engine:
             self.io,
             checkpoints,
             device=opt_device,
+            budget=self.budget,
             allocate=self.device.empty_host,
             pin=self.device.pin_memory,
             resume=resume,
             checkpoint=checkpoint,
             overwrite=overwrite,
         )
-        if config.offload.optimizer == "device":
-            self.budget.charge(self.optimizer_state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
         self.params = build.parameters(
             config, self.layout, self.comm, self.device, self.dtype, self.budget, self.io, self.optimizer_state
         )
@@ -447,11 +445,9 @@ class Engine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes the engine holds on each tier for model and optimizer state."""
-        tiers = {"device": self.budget.used, "cpu": self.params.host_bytes(), "nvme": 0}
-        optimizer = self.config.offload.optimizer
-        if optimizer != "device":
-            tiers[optimizer] += self.optimizer_state.nbytes()
-            tiers["cpu"] += self.grads.nbytes()
+        tiers = {"device": self.budget.used, "cpu": self.params.host_bytes() + self.grads.host_bytes(), "nvme": 0}
+        for where, nbytes in self.optimizer_state.held_bytes().items():
+            tiers[where] += nbytes
         return tiers
 
     def close(self) -> None:

@@ -483,6 +483,9 @@ class StoreOptimizerState:
         """This rank's share of the store's live generations on disk (checkpoints aside)."""
         return self.mode.live_generations * sum(self.form.unit_bytes(u) for u in self.layout.units)
 
+    def held_bytes(self) -> dict[str, int]:
+        return {"nvme": self.nbytes()}
+
     def close(self) -> None:
         """Commit a deferred step (the shared I/O runner is the engine's to close)."""
         self.flush()
