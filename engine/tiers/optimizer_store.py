@@ -265,7 +265,7 @@ class StoreOptimizerState:
         so ``Generations.prepare`` creates that generation afresh instead."""
         for generation in self.generations.on_disk():
             if generation != committed and not self.in_layout(generation_prefix(generation)):
-                self.store.delete(generation_prefix(generation))
+                self.store.nodes.delete(generation_prefix(generation))
 
     def create_arrays(self, prefix: str) -> None:
         create_state_arrays(self.store, prefix, self.layout.units, self.form)
