@@ -130,6 +130,33 @@ def _parallel_io(fd: int, buf: torch.Tensor, threads: int, write: bool) -> None:
             future.result()
 
 
+def _timed_write(path: str, buffer: torch.Tensor, threads: int, direct: bool) -> tuple[float, float, bool]:
+    """One durable write of ``buffer`` over the preallocated file: GB/s, the process's CPU-seconds,
+    and whether it went with O_DIRECT."""
+    nbytes = buffer.numel()
+    fd, is_direct = _open(path, os.O_WRONLY, direct)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        os.fsync(fd)
+        cpu_start, start = time.process_time(), time.perf_counter()
+        _parallel_io(fd, buffer, threads, write=True)
+        os.fsync(fd)
+        return nbytes / (time.perf_counter() - start) / 1e9, time.process_time() - cpu_start, is_direct
+    finally:
+        os.close(fd)
+
+
+def _timed_read(path: str, buffer: torch.Tensor, threads: int, direct: bool) -> tuple[float, float, bool]:
+    """One read of the file into ``buffer``: GB/s, the process's CPU-seconds, and whether it went with O_DIRECT."""
+    fd, is_direct = _open(path, os.O_RDONLY, direct)
+    try:
+        cpu_start, start = time.process_time(), time.perf_counter()
+        _parallel_io(fd, buffer, threads, write=False)
+        return buffer.numel() / (time.perf_counter() - start) / 1e9, time.process_time() - cpu_start, is_direct
+    finally:
+        os.close(fd)
+
+
 def raw_disk_gbps(
     directory: str | os.PathLike[str],
     nbytes: int,
@@ -166,26 +193,12 @@ def raw_disk_gbps(
     os.close(fd)
     try:
         for _ in range(reps):
-            fd, is_direct = _open(path, os.O_WRONLY, direct)
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-                os.fsync(fd)
-                cpu_start, start = time.process_time(), time.perf_counter()
-                _parallel_io(fd, buffer, threads, write=True)
-                os.fsync(fd)
-                writes.append(nbytes / (time.perf_counter() - start) / 1e9)
-                cpu_write = time.process_time() - cpu_start
-            finally:
-                os.close(fd)
+            write, cpu_write, is_direct = _timed_write(path, buffer, threads, direct)
+            writes.append(write)
             cold &= drop_page_cache()
-            fd, is_direct_read = _open(path, os.O_RDONLY, direct)
-            try:
-                cpu_start, start = time.process_time(), time.perf_counter()
-                _parallel_io(fd, buffer, threads, write=False)
-                reads.append(nbytes / (time.perf_counter() - start) / 1e9)
-                cpu.append((cpu_write, time.process_time() - cpu_start))
-            finally:
-                os.close(fd)
+            read, cpu_read, is_direct_read = _timed_read(path, buffer, threads, direct)
+            reads.append(read)
+            cpu.append((cpu_write, cpu_read))
             used_direct &= is_direct and is_direct_read
             os.truncate(path, 0)  # the next write goes to freshly preallocated blocks again
     finally:

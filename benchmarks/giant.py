@@ -253,6 +253,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def stop_and_resume(
+    args: argparse.Namespace, train_args: list[str], store: Path, metrics: Path, log: Path
+) -> tuple[dict[str, Any], dict[str, Any], int, list[str], int]:
+    """The run stopped by a signal part-way, and resumed to its end: each run's outcome, the step
+    committed at the stop, which run each recorded step came from, and the store's size on disk
+    (the store removed after, unless ``--keep-store``)."""
+    try:
+        first = first_run(train_args, args.mode, args.stop_after, metrics, log)
+        if first["signal"] is None:
+            raise SystemExit(
+                f"the run ended (exit code {first['exit_code']}) before it could be stopped:\n{_tail(log)}"
+            )
+        committed = read_committed(store)["step"]
+        first_steps = len(steps_recorded(metrics))
+        resumed = resumed_run(train_args, log)
+        if resumed["exit_code"] != 0:
+            raise SystemExit(f"the resumed run failed (exit code {resumed['exit_code']}):\n{_tail(log)}")
+        records = steps_recorded(metrics)
+        store_size = disk_usage(store)
+    finally:
+        if not args.keep_store:
+            shutil.rmtree(store, ignore_errors=True)
+    runs = ["first"] * first_steps + ["resumed"] * (len(records) - first_steps)
+    return first, resumed, committed, runs, store_size
+
+
+def measure_bound(work: Path, config: Config, gpt: GPTConfig, micro_batch: int, quick: bool) -> dict[str, float]:
+    """What bounds a step from below: the raw disk's read and write rates in ``work``, and the
+    compute-only step's seconds (printed as measured)."""
+    disk = raw_disk_gbps(work, (64 if quick else 1024) * MIB, threads=config.offload.io_threads, reps=1 if quick else 3)
+    bound = {
+        "read_gbps": disk["read"],
+        "write_gbps": disk["write"],
+        "compute_s": compute_only_seconds(gpt, micro_batch, reps=1 if quick else 3),
+    }
+    print(
+        f"raw disk: write {disk['write']:.2f} GB/s, read {disk['read']:.2f} GB/s; compute-only step {bound['compute_s']:.2f} s"
+    )
+    return bound
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     setup_logging(args.verbose)
@@ -275,35 +316,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"RAM {psutil.virtual_memory().total / GIB:.1f} GiB; predicted peak RSS {predicted.peak_rss_bytes / GIB:.2f} GiB, "
         f"store {predicted.disk_bytes / GIB:.1f} GiB"
     )
-    disk = raw_disk_gbps(
-        work, (64 if args.quick else 1024) * MIB, threads=config.offload.io_threads, reps=1 if args.quick else 3
-    )
-    bound = {
-        "read_gbps": disk["read"],
-        "write_gbps": disk["write"],
-        "compute_s": compute_only_seconds(gpt, args.micro_batch, reps=1 if args.quick else 3),
-    }
-    print(
-        f"raw disk: write {disk['write']:.2f} GB/s, read {disk['read']:.2f} GB/s; compute-only step {bound['compute_s']:.2f} s"
-    )
+    bound = measure_bound(work, config, gpt, args.micro_batch, args.quick)
     started = time.perf_counter()
-    try:
-        first = first_run(train_args, args.mode, args.stop_after, metrics, log)
-        if first["signal"] is None:
-            raise SystemExit(
-                f"the run ended (exit code {first['exit_code']}) before it could be stopped:\n{_tail(log)}"
-            )
-        committed = read_committed(store)["step"]
-        first_steps = len(steps_recorded(metrics))
-        resumed = resumed_run(train_args, log)
-        if resumed["exit_code"] != 0:
-            raise SystemExit(f"the resumed run failed (exit code {resumed['exit_code']}):\n{_tail(log)}")
-        records = steps_recorded(metrics)
-        store_size = disk_usage(store)
-    finally:
-        if not args.keep_store:
-            shutil.rmtree(store, ignore_errors=True)
-    runs = ["first"] * first_steps + ["resumed"] * (len(records) - first_steps)
+    first, resumed, committed, runs, store_size = stop_and_resume(args, train_args, store, metrics, log)
+    records = steps_recorded(metrics)
     rows = step_rows(records, runs, bound)
     print_table(f"giant: {n_params / 1e9:.2f}B params, store.mode = {args.mode!r}", rows)
     peak_rss = max(first["peak_rss_bytes"], resumed["peak_rss_bytes"], *(r["peak_rss_bytes"] for r in records))

@@ -183,7 +183,8 @@ def extent_from(args: argparse.Namespace) -> Extent:
     return dataclasses.replace(default, **given)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; exits, saying why, where there is no CUDA device to measure."""
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument(
         "--plans", nargs="+", choices=list(PLANS), default=list(PLANS), help="tier plans to step (default all)"
@@ -223,6 +224,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"benchmarks.gpu: no CUDA device (torch.cuda.is_available() is False, torch {torch.__version__}): "
             f"nothing measured; it needs an NVIDIA GPU and the CUDA build of torch\n",
         )
+    return args
+
+
+def print_report(
+    name: str, copies: list[Row], steps: list[Row], search: Search, extent: Extent, title: str, schedule_steps: int
+) -> None:
+    """The copies', the steps' and the search's tables, on device ``name``."""
+    print_table(f"Copies between {name} and host memory, median of {extent.reps}, each waited for", copies)
+    print_table(f"{title} on {name}, median of {schedule_steps} steps (movement: of {extent.reps})", steps)
+    print(
+        "columns as in python -m benchmarks.step; engine device MiB: the most the engine held in a step, by its count"
+    )
+    print_table(
+        f"{SEARCH_PLAN.label}, zero.device_memory_limit_mb = {extent.limit_mb:g}: one step per size, a process each",
+        search.rows,
+    )
+    print(
+        f"largest: {search.largest_params / 1e6:.1f}M params trained a step within {extent.limit_mb:g} MiB "
+        f"(stopped: {search.stopped}); device peak MiB also holds the activations, outside the limit"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     setup_logging(args.verbose)
     extent, schedule = extent_from(args), schedule_from(args, step.FULL, step.QUICK)
     preset = args.preset or ("tiny" if args.quick else None)
@@ -238,25 +263,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = plan_rows(plans, m, schedule.threads)
 
     name = torch.cuda.get_device_name(device.device)
-    print_table(f"Copies between {name} and host memory, median of {extent.reps}, each waited for", copies)
     config = plans[0].config(args.dir, sections)
     params = m.runs[plans[0].key].params
-    print_table(
-        f"One step of GPT {config.model.preset!r} ({params / 1e6:.2f}M params, {config.precision.compute_dtype}) "
-        f"on {name}, median of {schedule.steps} steps (movement: of {extent.reps})",
-        steps,
-    )
-    print(
-        "columns as in python -m benchmarks.step; engine device MiB: the most the engine held in a step, by its count"
-    )
-    print_table(
-        f"{SEARCH_PLAN.label}, zero.device_memory_limit_mb = {extent.limit_mb:g}: one step per size, a process each",
-        search.rows,
-    )
-    print(
-        f"largest: {search.largest_params / 1e6:.1f}M params trained a step within {extent.limit_mb:g} MiB "
-        f"(stopped: {search.stopped}); device peak MiB also holds the activations, outside the limit"
-    )
+    title = f"One step of GPT {config.model.preset!r} ({params / 1e6:.2f}M params, {config.precision.compute_dtype})"
+    print_report(name, copies, steps, search, extent, title, schedule.steps)
     bar_chart(
         args.out / "gpu-copies.png",
         [f"{mib} MiB" for mib in extent.copy_mib],

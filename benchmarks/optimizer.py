@@ -45,14 +45,13 @@ Each section returns its own table, so more can follow.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
 import importlib
 import mmap
 import statistics
-import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,23 +61,16 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from benchmarks.bandwidth import (
-    drop_page_cache,
-    interleaved_medians,
-    memcpy_gbps,
-    page_aligned,
-    raw_disk_gbps,
-)
+from benchmarks.bandwidth import interleaved_medians, memcpy_gbps
+from benchmarks.nvme_step import NvmeRound, NvmeSetup, measure_nvme
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from engine.config import OffloadConfig, OptimConfig
 from engine.runtime.sizes import MIB
 from engine.state.forms import FP32_STATE, StateForm
 from engine.state.partition import ModelLayout, build_layout, max_chunk_numel
-from engine.tiers.optimizer_store import StoreOptimizerState
-from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB, optimizer_buffer_bytes
-from engine.tiers.store_io import StoreIO
+from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB
 from engine.zero.compact_update import CompactAdamW
-from offload import CHUNK_RANGE, IORunner, PipelineStats, auto_settings
+from offload import CHUNK_RANGE, auto_settings
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v; write p, m, v
 STATE_BYTES_PER_PARAM = 16  # fp32 p, g, m, v
@@ -86,17 +78,6 @@ NVME_GOAL = 0.8
 RAW_MAX_BYTES = 1 << 30  # enough to reach the disk's steady rate; more only adds minutes
 
 Step = Callable[[], None]
-
-
-@dataclass(frozen=True)
-class NvmeSetup:
-    """Where and how big the nvme tier's run is, and the `[offload]` settings it streams with."""
-
-    directory: Path
-    params: int
-    buffer_mb: int | str
-    chunk_mb: int
-    io_threads: int
 
 
 @dataclass(frozen=True)
@@ -276,96 +257,6 @@ def synthetic_layout(sizes: list[int], chunk_mb: int) -> ModelLayout:
     return build_layout(units, world_size=1, max_chunk_numel=max_chunk_numel(chunk_mb))
 
 
-class NvmeOptimizer:
-    """The engine's optimizer step on the nvme tier, over a store of synthetic units.
-
-    Builds the store as the engine does (every unit's initial master, zero
-    moments, generation 0 committed), and keeps one gradient per unit in
-    memory, where the engine keeps its gradient shards too.
-    """
-
-    def __init__(self, path: Path, layout: ModelLayout, nvme: NvmeSetup, form: StateForm = FP32_STATE):
-        offload = OffloadConfig()
-        self.layout = layout
-        self.config = OptimConfig(state_dtype=form.name, master_dtype=form.master)
-        self.opt = CompactAdamW(self.config)
-        self.io = StoreIO(IORunner(threads=nvme.io_threads), offload.checksum, offload.direct_io, lambda: None)
-        buffer_bytes = optimizer_buffer_bytes(nvme, layout.units, form)
-        self.state = StoreOptimizerState(path, layout, 0, self.io, buffer_bytes=buffer_bytes, form=form)
-        sizes = [unit.shard_numel for unit in layout.units]
-        self.grads: dict[str, torch.Tensor] = {}
-        for unit, (master, grad) in zip(layout.units, _params_and_grads(sizes), strict=True):
-            self.state.add(unit, master)
-            self.grads[unit.name] = grad
-        self.state.commit({"step": 0})
-        self.counters = {unit.name: self.opt.new_step_counter(torch.device("cpu")) for unit in layout.units}
-        self.steps = 0
-
-    def step(self) -> tuple[float, float]:
-        """Read, update and write back every unit, then commit: the step's seconds, and those in `commit`.
-
-        `state.last_stats` then holds the step's pipeline stats.
-        """
-        start = time.perf_counter()
-        for unit, shard in self.state.read(self.layout.units):
-            grad, counter = self.grads[unit.name], self.counters[unit.name]
-            self.opt.update(shard.master, grad, shard.exp_avg, shard.exp_avg_sq, counter, self.config.lr)
-            self.state.write_back(unit, shard)
-        finish_start = time.perf_counter()
-        self.steps += 1
-        self.state.commit({"step": self.steps})
-        end = time.perf_counter()
-        return end - start, end - finish_start
-
-    def close(self) -> None:
-        self.state.close()
-        self.io.close()
-
-
-@dataclass(frozen=True)
-class NvmeRound:
-    """One round of the nvme tier section: the raw disk, the compute alone and the step, back to back."""
-
-    raw: dict[str, float | bool]
-    compute_s: float
-    step_s: float
-    finish_s: float
-    stats: PipelineStats
-    cold: bool
-
-
-def measure_nvme(
-    nvme: NvmeSetup, layout: ModelLayout, raw_bytes: int, reps: int, form: StateForm = FP32_STATE
-) -> list[NvmeRound]:
-    """`reps` timed rounds after an untimed one (warm-up), in a temporary directory under `nvme.directory`.
-
-    Each round measures the raw disk, the compute-only step and, after
-    dropping the page cache, one nvme step, so a slow spell of the shared
-    machine hits all three alike.
-    """
-    raw_buffer = page_aligned(raw_bytes)
-    raw_buffer.fill_(0x5A)  # first touch outside the timed region
-    compute = shard_adamw_step([unit.shard_numel for unit in layout.units], OptimConfig().kernel, form)
-    rounds: list[NvmeRound] = []
-    nvme.directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bench-optimizer-", dir=nvme.directory) as work:
-        optimizer = NvmeOptimizer(Path(work) / "store", layout, nvme, form)
-        try:
-            for round_ in tqdm(range(reps + 1), desc="nvme tier", unit="round"):
-                raw = raw_disk_gbps(work, raw_bytes, nvme.io_threads, reps=1, buffer=raw_buffer)
-                start = time.perf_counter()
-                compute()
-                compute_s = time.perf_counter() - start
-                cold = drop_page_cache()
-                step_s, finish_s = optimizer.step()
-                if round_:
-                    cold = cold and bool(raw["cold"])
-                    rounds.append(NvmeRound(raw, compute_s, step_s, finish_s, optimizer.state.last_stats, cold))
-        finally:
-            optimizer.close()
-    return rounds
-
-
 def nvme_tier_section(setup: Setup) -> Section:
     """The optimizer step with its state on disk, against the disk's raw rates and the compute alone.
 
@@ -376,7 +267,22 @@ def nvme_tier_section(setup: Setup) -> Section:
     layout = synthetic_layout(setup.shard_sizes(nvme.params), nvme.chunk_mb)
     state_bytes = sum(setup.form.unit_bytes(unit) for unit in layout.units)
     raw_bytes = max(mmap.PAGESIZE, min(RAW_MAX_BYTES, state_bytes) // mmap.PAGESIZE * mmap.PAGESIZE)
-    rounds = measure_nvme(nvme, layout, raw_bytes, setup.reps, setup.form)
+    sizes = [unit.shard_numel for unit in layout.units]
+    compute = shard_adamw_step(sizes, OptimConfig().kernel, setup.form)
+    rounds = measure_nvme(nvme, layout, raw_bytes, setup.reps, compute, _params_and_grads(sizes), setup.form)
+    row, details = _nvme_row(rounds, state_bytes, layout.numel)
+    details["raw_bytes"] = raw_bytes
+    reads = "cold (page cache dropped before each step)" if details["cold"] else "WARM (page cache not dropped)"
+    title = (
+        f"{nvme.params / 1e6:g}M params ({form_name(setup.form)}) in {len(layout.units)} units, buffer {nvme.buffer_mb} MiB, "
+        f"{nvme.chunk_mb} MiB chunks, {nvme.io_threads} I/O threads, {torch.get_num_threads()} torch threads; "
+        f"median of {setup.reps} steps, reads {reads}"
+    )
+    return Section(title, [row], _nvme_notes(nvme, row, details), details)
+
+
+def _nvme_row(rounds: list[NvmeRound], state_bytes: int, numel: int) -> tuple[Row, dict[str, Any]]:
+    """The section's row, of medians over ``rounds``, and the figures its notes quote."""
 
     def median(value: Callable[[NvmeRound], float]) -> float:
         return statistics.median(value(r) for r in rounds)
@@ -397,43 +303,39 @@ def nvme_tier_section(setup: Setup) -> Section:
         "hidden I/O s": median(lambda r: r.stats.hidden_s),
         "finish s": median(lambda r: r.finish_s),
         "GB/s": (bytes_read + bytes_written) / step_s / 1e9,
-        "B/param stored": state_bytes / layout.numel,
-        "B/param moved": (bytes_read + bytes_written) / layout.numel,
+        "B/param stored": state_bytes / numel,
+        "B/param moved": (bytes_read + bytes_written) / numel,
     }
-    direct, cold = all(bool(r.raw["direct"]) for r in rounds), all(r.cold for r in rounds)
     details = {
         "bytes_read": bytes_read,
         "bytes_written": bytes_written,
         "raw_read_gbps": raw_read,
         "raw_write_gbps": raw_write,
-        "raw_bytes": raw_bytes,
-        "direct": direct,
-        "cold": cold,
+        "direct": all(bool(r.raw["direct"]) for r in rounds),
+        "cold": all(r.cold for r in rounds),
         "goal": NVME_GOAL,
         "goal_met": of_bound >= NVME_GOAL,
     }
-    reads = "cold (page cache dropped before each step)" if cold else "WARM (page cache not dropped)"
-    title = (
-        f"{nvme.params / 1e6:g}M params ({form_name(setup.form)}) in {len(layout.units)} units, buffer {nvme.buffer_mb} MiB, "
-        f"{nvme.chunk_mb} MiB chunks, {nvme.io_threads} I/O threads, {torch.get_num_threads()} torch threads; "
-        f"median of {setup.reps} steps, reads {reads}"
-    )
-    notes = [
+    return row, details
+
+
+def _nvme_notes(nvme: NvmeSetup, row: Row, details: dict[str, Any]) -> list[str]:
+    """The lines under the section's table: what its bound is, and each column that needs saying."""
+    return [
         (
-            f"I/O bound: {bytes_read / 1e9:.2f} GB / raw read {raw_read:.2f} GB/s + "
-            f"{bytes_written / 1e9:.2f} GB / raw write {raw_write:.2f} GB/s "
-            f"({'O_DIRECT' if direct else 'buffered'}, {nvme.io_threads} threads, {raw_bytes / MIB:.0f} MiB, "
-            f"same directory, same rounds)."
+            f"I/O bound: {details['bytes_read'] / 1e9:.2f} GB / raw read {details['raw_read_gbps']:.2f} GB/s + "
+            f"{details['bytes_written'] / 1e9:.2f} GB / raw write {details['raw_write_gbps']:.2f} GB/s "
+            f"({'O_DIRECT' if details['direct'] else 'buffered'}, {nvme.io_threads} threads, "
+            f"{details['raw_bytes'] / MIB:.0f} MiB, same directory, same rounds)."
         ),
         "step/max: step / max(compute, I/O bound), 1 when one hides the other entirely.",
         "hidden I/O s: I/O task time summed over the I/O threads, less the step's waits for reads and writes.",
         "finish s: draining the last writes, fsync and commit (part of step s).",
         (
-            f"Goal: of bound (I/O bound / step) >= {NVME_GOAL}: {of_bound:.2f}, "
+            f"Goal: of bound (I/O bound / step) >= {NVME_GOAL}: {row['of bound']:.2f}, "
             f"{'met' if details['goal_met'] else 'NOT met'}."
         ),
     ]
-    return Section(title, [row], notes, details)
 
 
 SECTIONS: dict[str, Callable[[Setup], Section]] = {
@@ -447,7 +349,8 @@ def _int_or_auto(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, ``auto`` sizes resolved from the disk's I/O profile and ``--quick`` defaults applied."""
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, help="parameters in host memory (default 50M, --quick 5M)")
     parser.add_argument(
@@ -475,17 +378,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--master-dtype", choices=["fp32", "bf16"], default="fp32", help="optim.master_dtype (default fp32)"
     )
     args = parser.parse_args(argv)
-    setup_logging(args.verbose)
     buffer_mb = AUTO_BUFFER_FLOOR_MB if args.buffer_mb == "auto" else args.buffer_mb
     auto = auto_settings(args.dir, max_chunk_mb=min(CHUNK_RANGE[1], max(1, buffer_mb // 3)))
     args.chunk_mb = auto.chunk_mb if args.chunk_mb == "auto" else args.chunk_mb
     args.io_threads = auto.io_threads if args.io_threads == "auto" else args.io_threads
-    params = args.params or (5_000_000 if args.quick else 50_000_000)
-    nvme_params = args.nvme_params or (4_000_000 if args.quick else 200_000_000)
-    reps = args.reps or (3 if args.quick else 7)
+    args.params = args.params or (5_000_000 if args.quick else 50_000_000)
+    args.nvme_params = args.nvme_params or (4_000_000 if args.quick else 200_000_000)
+    args.reps = args.reps or (3 if args.quick else 7)
+    return args
 
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    setup_logging(args.verbose)
+    params, reps = args.params, args.reps
     memcpy = memcpy_gbps(STATE_BYTES_PER_PARAM // 2 * params)  # source and destination
-    nvme = NvmeSetup(args.dir, nvme_params, args.buffer_mb, args.chunk_mb, args.io_threads)
+    nvme = NvmeSetup(args.dir, args.nvme_params, args.buffer_mb, args.chunk_mb, args.io_threads)
     form = StateForm(args.state_dtype, args.master_dtype)
     setup = Setup(params, args.shard_params, tuple(args.threads), reps, memcpy, nvme, form)
     sections = {name: run(setup) for name, run in SECTIONS.items()}
@@ -505,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     result = {
         "params": params,
-        "nvme_params": nvme_params,
+        "nvme_params": args.nvme_params,
         "shard_params": setup.shard_params,
         "reps": reps,
         "bytes_per_param": BYTES_PER_PARAM,

@@ -28,6 +28,7 @@ per parameter in memory).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import shutil
 import tempfile
@@ -121,7 +122,8 @@ def compare_clipping(
     return rows
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, ``sizes`` in millions of parameters and sorted; refuses a fit of fewer than two."""
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument(
         "--sizes",
@@ -136,26 +138,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--micro_batch", type=int, help="sequences per micro-batch (default the config's)")
     add_schedule_arguments(parser, FULL, QUICK)
     args = parser.parse_args(argv)
+    args.sizes = sorted(args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES))
+    if not args.clipping and len(args.sizes) < 2:
+        parser.error("--sizes needs at least two sizes to fit a line")
+    return args
+
+
+def clipping(args: argparse.Namespace, plan: TierPlan, schedule: Schedule, data: dict[str, int]) -> dict[str, Any]:
+    """``--clipping``: peak RSS with and without gradient clipping, at each size."""
+    with tempfile.TemporaryDirectory(prefix="bench-clip-", dir=args.dir) as work:
+        rows = compare_clipping(args.sizes, plan, schedule, Path(work), data)
+    print_table(f"Peak RSS with and without clipping, {plan.label}, one process per run", rows)
+    result = {
+        "plan": dataclasses.asdict(plan),
+        "schedule": dataclasses.asdict(schedule),
+        "data": data,
+        "rows": rows,
+    }
+    save_json(args.out, "scale-clipping", result)
+    return result
+
+
+def chart(
+    out: Path, plan: TierPlan, params: list[float], rows: list[Row], step_fit: LinearFit, rss_fit: LinearFit
+) -> None:
+    line_panels(
+        out / "scale.png",
+        params,
+        {
+            "seconds per step": {
+                "step": [row["step s"] for row in rows],
+                "linear fit": step_fit,
+            },
+            "peak RSS, MB": {
+                "peak RSS": [row["peak RSS MB"] for row in rows],
+                "RSS before engine": [row["RSS before engine MB"] for row in rows],
+                "linear fit": lambda p: rss_fit(p) / 1e6,
+            },
+        },
+        xlabel="parameters",
+        title=f"Scaling, {plan.label}",
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     setup_logging(args.verbose)
-    sizes = sorted(args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES))
+    sizes = args.sizes
     schedule = schedule_from(args, FULL, QUICK)
     plan = PLANS[args.plan]
     data = {key: value for key in ("seq_len", "micro_batch") if (value := getattr(args, key)) is not None}
     args.dir.mkdir(parents=True, exist_ok=True)
     if args.clipping:
-        with tempfile.TemporaryDirectory(prefix="bench-clip-", dir=args.dir) as work:
-            rows = compare_clipping(sizes, plan, schedule, Path(work), data)
-        print_table(f"Peak RSS with and without clipping, {plan.label}, one process per run", rows)
-        result = {
-            "plan": dataclasses.asdict(plan),
-            "schedule": dataclasses.asdict(schedule),
-            "data": data,
-            "rows": rows,
-        }
-        save_json(args.out, "scale-clipping", result)
-        return result
-    if len(sizes) < 2:
-        parser.error("--sizes needs at least two sizes to fit a line")
+        return clipping(args, plan, schedule, data)
 
     runs: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=args.dir) as work:
@@ -179,23 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"Peak RSS: {rss_fit.slope:.1f} bytes per parameter on top of {rss_fit.intercept / 1e6:.0f} MB, "
         f"R^2 = {rss_fit.r2:.3f}."
     )
-    line_panels(
-        args.out / "scale.png",
-        params,
-        {
-            "seconds per step": {
-                "step": [row["step s"] for row in rows],
-                "linear fit": step_fit,
-            },
-            "peak RSS, MB": {
-                "peak RSS": [row["peak RSS MB"] for row in rows],
-                "RSS before engine": [row["RSS before engine MB"] for row in rows],
-                "linear fit": lambda p: rss_fit(p) / 1e6,
-            },
-        },
-        xlabel="parameters",
-        title=f"Scaling, {plan.label}",
-    )
+    chart(args.out, plan, params, rows, step_fit, rss_fit)
     result = {
         "plan": dataclasses.asdict(plan),
         "sizes_m": sizes,

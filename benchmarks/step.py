@@ -120,6 +120,22 @@ def shared_settings(config: Config) -> dict[str, Any]:
     return settings
 
 
+def chart(out: Path, rows: list[Row], model: str, params: int) -> None:
+    """Each plan's step against its compute alone, its movement alone and its exposed I/O."""
+    bar_chart(
+        out / "step.png",
+        [row["plan"] for row in rows],
+        {
+            "step": [row["step s"] for row in rows],
+            "compute only": [row["compute s"] for row in rows],
+            "movement only": [row["movement s"] for row in rows],
+            "exposed I/O": [row["param wait s"] + row["opt wait s"] for row in rows],
+        },
+        ylabel="seconds per step",
+        title=f"One step of GPT {model!r}, {params / 1e6:.2f}M params",
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -163,18 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if costs:
         print()
         print_table("CPU-seconds per GB the stores moved, by stage (median of the steps)", costs)
-    bar_chart(
-        args.out / "step.png",
-        [row["plan"] for row in rows],
-        {
-            "step": [row["step s"] for row in rows],
-            "compute only": [row["compute s"] for row in rows],
-            "movement only": [row["movement s"] for row in rows],
-            "exposed I/O": [row["param wait s"] + row["opt wait s"] for row in rows],
-        },
-        ylabel="seconds per step",
-        title=f"One step of GPT {model!r}, {params / 1e6:.2f}M params",
-    )
+    chart(args.out, rows, model, params)
     result = {
         "model": {"preset": model, "params": params},
         "config": shared_settings(config),

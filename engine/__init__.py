@@ -2,32 +2,42 @@
 
 Where things are
 ----------------
-- ``engine.engine``: ``Engine``, the user's object; ``engine.build`` puts one together from a
-  ``Config`` (``engine.config``, with its checks; its sections in ``engine.config_sections``,
-  read from a file by ``engine.config_parse``).
+Lowest floor first; a module imports from its own floor and those below, never above
+(``tests/test_code_shape.py`` checks it, and that no import goes round a circle).
+
+- ``offload`` (a sibling package) moves bytes: host buffers, the I/O runner, the zarr shard
+  store (striped across several folders by ``stripes``; its verbs on whole nodes in ``nodes``),
+  its generations and commits; it never imports the engine.
+- ``engine.config``: a run's ``Config`` with its checks and the rules several parts must agree
+  on (``shares_master``, ``overlaps_backward``, ``spills_gradients``); its sections in
+  ``engine.config_sections``, read from a file by ``engine.config_parse``. It imports nothing
+  else of the engine.
+- ``engine.runtime``: the machine: the device and its copy stream (and a simulated one for
+  tests, ``detect`` choosing), the process group, device memory accounting, sizes, compiled
+  kernels, the host optimizer worker, the process's peak RSS (``rss``).
 - ``engine.state``: what a rank's training state is made of and how it is laid out, below both
   the tiers that hold it and the step that updates it: units and their flat layout and shards
   (``partition``), the optimizer state's kinds and forms (``forms``), the int8 block format
   (``quantize``) and the dtypes by name (``dtypes``).
-- ``engine.zero``: the ZeRO mechanics of one step, driving the tiers: gathering and releasing
-  parameters (``params``), gradient shards (``grads``), the update (``update``, ``step``,
-  ``optim``; which parameters decay in ``decay``; the update of compact state in
-  ``compact_update``), loss scaling (``precision``), the step cycle (``phase``) and what a step
-  cost (``stats``).
 - ``engine.tiers``: where a rank's shards live between uses: optimizer tiers (``optimizer``,
   ``optimizer_store`` with its checks and store modes), parameter tiers (``parameters``), the
   sizes they take (``sizing``), checkpoints of the memory tiers, the committed step record, the
   stores of several hosts (``hosts``) and gradients spilled during backward (``grad_spill``).
-- ``engine.runtime``: the machine: the device and its copy stream (and a simulated one for
-  tests), the process group, device memory accounting, sizes, the process's peak RSS (``rss``).
-- ``engine.run``: ``python -m engine``: the CLI, the training loop, data, validation, the
-  step records (``watch``: metrics file and TensorBoard), the built-in GPT, pretrained
-  imports, and ``generate`` (text from a run's store).
+- ``engine.zero``: the ZeRO mechanics of one step, driving the tiers: gathering and releasing
+  parameters (``params``, a stage-3 unit's own life cycle in ``unit_params``), gradient shards
+  (``grads``), the step's control path (``step``: the update, spilled gradients, norms,
+  clipping, the commit), its arithmetic (``step_math``, ``optim``; which parameters decay in
+  ``decay``; the update of compact state in ``compact_update``), the unit-by-unit update over
+  the optimizer tier (``update``), loss scaling (``precision``), the step cycle (``phase``) and
+  what a step cost (``stats``).
+- ``engine.engine``: ``Engine``, the user's object; ``engine.build`` puts one together from a
+  ``Config``.
+- ``engine.run``: ``python -m engine``: the training loop, data, validation, the step records
+  (``watch``: metrics file and TensorBoard), the built-in GPT, pretrained imports, and
+  ``generate`` (text from a run's store); its command line (``cli``) stands above
+  ``engine.tools`` too, which it runs.
 - ``engine.tools``: what works on a store, a plan or a run's records from outside a run:
   ``estimate``, ``inspect``, ``consolidate``, ``export`` (``merge`` for LoRA), ``gather``, ``plot``.
-- ``offload`` (a sibling package) moves bytes: host buffers, the I/O runner, the zarr shard
-  store (striped across several folders by ``stripes``), its generations and commits; it never
-  imports the engine.
 
 Words, each with one meaning
 ----------------------------

@@ -19,6 +19,7 @@ from engine.config import Config, shares_master, spills_gradients
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
+from engine.runtime.host_worker import HostWorker, uses_host_worker
 from engine.state.forms import HostAllocator, StateForm
 from engine.state.partition import (
     ROOT_UNIT,
@@ -50,8 +51,9 @@ from engine.tiers.store_io import StoreIO
 from engine.zero.buffers import materialize_buffers_
 from engine.zero.decay import no_decay_names
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
-from engine.zero.params import ReplicatedParams, ShardedParams
+from engine.zero.params import Params, ReplicatedParams, ShardedParams
 from engine.zero.recompute import checkpoint_forward
+from engine.zero.step import StepControl
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +167,12 @@ class CheckpointStore:
         return self._opened
 
 
+def optimizer_device(config: Config, device: Device) -> torch.device:
+    """Where the optimizer state is held and AdamW runs: on the device for the ``device`` tier,
+    else on the host (the ``nvme`` tier stages its state there)."""
+    return device.device if config.offload.optimizer == "device" else torch.device("cpu")
+
+
 def optimizer_state(
     config: Config,
     layout: ModelLayout,
@@ -173,6 +181,7 @@ def optimizer_state(
     checkpoints: CheckpointStore,
     *,
     device: torch.device,
+    budget: DeviceBudget,
     allocate: HostAllocator | None,
     pin: bool,
     resume: bool,
@@ -180,15 +189,20 @@ def optimizer_state(
     overwrite: bool = False,
 ) -> OptimizerState:
     """The optimizer tier the configuration asks for: empty, or restored on resume; a new one
-    replaces whatever store is at ``offload.nvme_path`` only with ``overwrite`` (``check_new``)."""
+    replaces whatever store is at ``offload.nvme_path`` only with ``overwrite`` (``check_new``).
+    The ``device`` tier's state is charged to the device ``budget``."""
     offload, form = config.offload, StateForm.of(config.optim)
     if offload.optimizer != "nvme":
-        frozen_on_disk = config.zero.stage == 3 and offload.param == "nvme"
-        host = allocate if offload.optimizer == "cpu" else None  # the device tier's state is no host's
-        state = MemoryOptimizerState(device, checkpoints, allocate=host, store_frozen=frozen_on_disk, form=form)
+        on_device, frozen_on_disk = offload.optimizer == "device", config.zero.stage == 3 and offload.param == "nvme"
+        host = None if on_device else allocate  # the device tier's state is no host's
+        state = MemoryOptimizerState(
+            device, checkpoints, allocate=host, store_frozen=frozen_on_disk, form=form, on_device=on_device
+        )
         if resume:
             assert checkpoint is not None  # the engine refuses resuming a memory tier without one
             state.restore(checkpoint)
+        if on_device:
+            budget.charge(state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
         return state
     buffer_bytes = optimizer_buffer_bytes(offload, layout.units, form)
     if offload.buffer_mb == "auto":
@@ -232,7 +246,7 @@ def parameters(
     budget: DeviceBudget,
     io: StoreIO,
     optimizer_state: OptimizerState,
-) -> ReplicatedParams | ShardedParams:
+) -> Params:
     """The compute-dtype parameters, sharded on their tier at stage 3 (the nvme tier reads the
     frozen units' values from ``optimizer_state``'s store, and bf16 masters from it where they
     are the parameters, ``shares_master``)."""
@@ -286,7 +300,7 @@ def gradients(
     comm: Comm,
     device: Device,
     budget: DeviceBudget,
-    params: ReplicatedParams | ShardedParams,
+    params: Params,
     opt_device: torch.device,
     io: StoreIO,
 ) -> tuple[GradientShards, GradSpill | None]:
@@ -317,11 +331,29 @@ def grad_spill(config: Config, layout: ModelLayout, rank: int, io: StoreIO) -> G
     return GradSpill(config.offload.store_path, layout, rank, io, buffer_bytes=buffer, dtype=dtype)
 
 
+def step_control(
+    config: Config,
+    layout: ModelLayout,
+    comm: Comm,
+    grads: GradientShards,
+    params: Params,
+    model: nn.Module,
+    optimizer_state: OptimizerState,
+    device: Device,
+    opt_device: torch.device,
+    spill: GradSpill | None,
+) -> StepControl:
+    """Each step's control path, with the host optimizer worker where AdamW runs beside the
+    training thread (``uses_host_worker``)."""
+    worker = HostWorker() if uses_host_worker(config, not device.copies_are_synchronous) else None
+    return StepControl(config, layout, comm, grads, params, model, optimizer_state, opt_device, spill, worker)
+
+
 def build_units(
     layout: ModelLayout,
     owned: dict[str, list[tuple[str, nn.Parameter]]],
     optimizer_state: OptimizerState,
-    params: ReplicatedParams | ShardedParams,
+    params: Params,
     *,
     device: torch.device,
     dtype: torch.dtype,

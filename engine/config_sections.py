@@ -127,6 +127,43 @@ class OffloadConfig:
     "device"`` is refused."""
 
     @property
+    def optimizer_on_device(self) -> bool:
+        """Whether the optimizer state is held in device memory (``device``), where AdamW then runs."""
+        return self.optimizer == "device"
+
+    @property
+    def optimizer_in_host_memory(self) -> bool:
+        """Whether the optimizer state is held in host memory (``cpu``)."""
+        return self.optimizer == "cpu"
+
+    @property
+    def optimizer_in_store(self) -> bool:
+        """Whether the optimizer state lives in the store between steps (``nvme``): each step is
+        committed there, and a run resumes from its last commit."""
+        return self.optimizer == "nvme"
+
+    @property
+    def params_on_device(self) -> bool:
+        """Whether the compute-dtype parameters stay whole on the device (``device``, and any stage below 3)."""
+        return self.param == "device"
+
+    @property
+    def params_in_host_memory(self) -> bool:
+        """Whether stage 3's parameter shards are held in host memory (``cpu``)."""
+        return self.param == "cpu"
+
+    @property
+    def params_in_store(self) -> bool:
+        """Whether stage 3's parameter shards live in the store (``nvme``)."""
+        return self.param == "nvme"
+
+    @property
+    def uses_store(self) -> bool:
+        """Whether a tier keeps its state in the store between steps (the optimizer's or the
+        parameters'), reading and writing its disk every step."""
+        return self.optimizer_in_store or self.params_in_store
+
+    @property
     def nvme_paths(self) -> list[str]:
         """Every folder of the store, the first its identity: a list, or a string's comma-separated parts."""
         return list(self.nvme_path) if isinstance(self.nvme_path, list) else self.nvme_path.split(",")

@@ -14,7 +14,7 @@ compute-dtype shards back to the parameters.
 
 Each public call runs only in the phases of the step cycle it belongs to (``engine.zero.phase``)
 and moves the engine on to the next; a call out of order raises ``PhaseError``. Its parts are
-built from the config by ``engine.build``; a step's arithmetic is ``engine.zero.step``'s.
+built from the config by ``engine.build``; the order of a step's parts is ``engine.zero.step``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -34,12 +33,12 @@ from engine.config import Config
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.detect import detect_device
-from engine.runtime.host_worker import HostWorker, uses_host_worker
 from engine.runtime.sizes import MIB
 from engine.state.dtypes import compute_dtype
-from engine.state.partition import UnitLayout, unit_needs
+from engine.state.partition import unit_needs
 from engine.tiers import hosts, rng
 from engine.tiers.checkpoint import PendingCheckpoint
+from engine.tiers.grad_spill import GradSpill
 from engine.tiers.store_io import StoreIO, settle_for_ranks
 from engine.zero.divergence import DivergedError, diverged_message
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
@@ -48,8 +47,7 @@ from engine.zero.order import TracedOrder, adopt_orders, adopt_predicted, saved_
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
 from engine.zero.precision import LossScaler
 from engine.zero.stats import StepClock, StepStats, measure_step
-from engine.zero.step import StepMath
-from engine.zero.update import Update, update_order
+from engine.zero.step import StepControl
 from offload import StoreLock
 
 logger = logging.getLogger(__name__)
@@ -83,14 +81,13 @@ class Engine:
         self.module = model
         self.budget = DeviceBudget(int(config.zero.device_memory_limit_mb * MIB))
         units, owned, self.layout = build.model_units(model, config, self.comm.world_size)
-        tier = config.offload.optimizer
-        opt_device = self.device.device if tier == "device" else torch.device("cpu")
+        opt_device = build.optimizer_device(config, self.device)
         on_meta = build.check_start(config, model, resume, checkpoint, init_unit, overwrite)
         build.place_model(model, self.device.device, on_meta)
         self._store_lock: StoreLock | None = None  # the store's writer lock, its leader's, taken before a write
         self._store_locked = False  # on every rank: taking the lock is collective
         step = hosts.agree_on_resume(config, self.comm, self.io, checkpoint) if resume else None
-        if tier == "nvme" or (config.zero.stage == 3 and config.offload.param == "nvme") or checkpoint is not None:
+        if config.offload.uses_store or checkpoint is not None:
             self._lock_store(create=not resume)
         hosts.roll_back(config.offload.store_path, step, self.comm, self.io)  # to the step all hosts hold
         build.bound_pinned(config, self.layout, self.device, self.dtype)  # before any tier allocates
@@ -112,10 +109,9 @@ class Engine:
         )
         self.params.hook(dict(units), needs := unit_needs(model, units, owned))
         self.params.check_fits({u.name: bucket_bytes(u) * u.trainable for u in self.layout.all_units}, MAX_IN_FLIGHT)
-        self.math = StepMath(config, self.layout, self.comm, self.grads, self.params, model, opt_device, spill)
+        self.step_control = self._build_step_control(model, opt_device, spill)
+        """Each optimizer step's control path: its update, spilled gradients, norms and clipping, its commit."""
         self.scaler = LossScaler(config.precision)
-        self.worker = HostWorker() if uses_host_worker(config, not self.device.copies_are_synchronous) else None
-        """The host optimizer worker that AdamW runs on, if any (``engine.runtime.host_worker``)."""
         self._begin(resume, [n for n, _ in units], needs)
         build.log_start(config, self.layout, self.comm)
 
@@ -130,18 +126,21 @@ class Engine:
             self.io,
             checkpoints,
             device=opt_device,
+            budget=self.budget,
             allocate=self.device.empty_host,
             pin=self.device.pin_memory,
             resume=resume,
             checkpoint=checkpoint,
             overwrite=overwrite,
         )
-        if config.offload.optimizer == "device":
-            self.budget.charge(self.optimizer_state.nbytes(), 'the optimizer state (offload.optimizer = "device")')
         self.params = build.parameters(
             config, self.layout, self.comm, self.device, self.dtype, self.budget, self.io, self.optimizer_state
         )
         checkpoints.frozen = self.params.frozen_shards  # a checkpoint stores the frozen values they hold
+
+    def _build_step_control(self, model: nn.Module, opt_device: torch.device, spill: GradSpill | None) -> StepControl:
+        parts = (self.layout, self.comm, self.grads, self.params, model, self.optimizer_state, self.device)
+        return build.step_control(self.config, *parts, opt_device, spill)
 
     def _begin(self, resume: bool, units: list[str], needs: dict[str, list[str]]) -> None:
         """Counting starts: the saved step restored on resume, else step 0 committed (the added
@@ -173,14 +172,13 @@ class Engine:
         self._micro_batches = 0
         self._saving: PendingCheckpoint | None = None
         """A checkpoint still being written in the background, committed by the next step."""
-        self._update: Update | None = None
         self._step_started: StepClock | None = None
 
     @property
     def last_grad_norm(self) -> float | None:
         """The last step's global gradient norm before clipping (None with loss scaling and no
         clipping: nothing takes it there)."""
-        return self.math.last_grad_norm
+        return self.step_control.last_grad_norm
 
     @classmethod
     def resume(
@@ -199,7 +197,7 @@ class Engine:
         self.params.flush()
         self.global_step = record["step"]
         self.skipped_steps = record.get("skipped_steps", 0)
-        self.math.restore(record.get("optimizer_steps", 0))
+        self.step_control.restore(record.get("optimizer_steps", 0))
         if "loss_scale" in record:
             self.scaler.load_state_dict(record["loss_scale"])
         self.client_state = record.get("client_state", {})
@@ -215,7 +213,7 @@ class Engine:
         return {
             "step": step,
             "skipped_steps": self.skipped_steps,
-            "optimizer_steps": self.math.optimizer_steps(),
+            "optimizer_steps": self.step_control.optimizer_steps(),
             "loss_scale": self.scaler.state_dict(),
             "client_state": copy.deepcopy(self.client_state),  # a deferred commit writes it later
             "rng": self.comm.all_gather_object(rng.capture()),
@@ -305,18 +303,13 @@ class Engine:
                 self.optimizer_state.flush()
                 lr = self.config.optim.lr * lr_factor(self.global_step, self.config.optim, self.total_steps)
                 self.last_lr = lr
-                self._update = Update(self._update_order(), self.optimizer_state, self.math, self.worker)
-                self.grads.on_ready = self.math.begin(self._update, self.scaler, lr)
+                self.grads.on_ready = self.step_control.begin(self.scaler, lr)
             scaled = self.scaler.scale_loss(loss)
             (scaled / accum if accum > 1 else scaled).backward()
             self.grads.end_backward()
             self.grads.on_ready = None
             self._micro_batches += 1
         self._phase = StepPhase.UPDATING if last else StepPhase.ACCUMULATING
-
-    def _update_order(self) -> list[UnitLayout]:
-        """The units in the order the step updates them (``update_order``)."""
-        return update_order(self.grads.order.recorded, self.layout)
 
     def step(self) -> bool:
         """Apply the optimizer once every ``grad_accum_steps`` micro-batches; True if it updated.
@@ -333,47 +326,33 @@ class Engine:
         if self._phase is StepPhase.ACCUMULATING:
             return False
         with self._within_step():
-            update = self._take_update()
             grads = self.grads.final_shards()
-            overflow = self.scaler.unscale_and_check(grads, self.comm, self.math.found_inf)
+            overflow = self.scaler.unscale_and_check(grads, self.comm, self.step_control.found_inf)
             self.scaler.update(overflow)
             if overflow:
-                update.abandon()
+                self.step_control.abandon()
                 self.skipped_steps += 1
                 logger.warning(
                     "step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale
                 )
             else:
-                self._update_and_commit(update, grads)
+                self._update_and_commit(grads)
             self.global_step += 1
             self._drop_grads()
             self._commit_checkpoint()
-            self._record_stats(update)
+            self._record_stats()
         self._phase = self._between_steps()
         return not overflow
 
-    def _take_update(self) -> Update:
-        """The update the step's last ``backward`` opened, which only UPDATING holds."""
-        update, self._update = self._update, None
-        assert update is not None, "entering UPDATING opens the step's update"
-        return update
-
-    def _update_and_commit(self, update: Update, grads: list[torch.Tensor]) -> None:
-        """Update every unit (after the norm check, or check the norms of the updates made
-        inside backward), store the new parameters and commit the step on the optimizer tier."""
-        if self.math.overlap:
-            update.apply_remaining()
-            diverged = self.math.check_unit_norms()
-        else:
-            diverged = self.math.check_norm(grads)
+    def _update_and_commit(self, grads: list[torch.Tensor]) -> None:
+        """Update every unit (``StepControl.apply``: a step that diverged stops here), store the
+        new parameters and commit the step on the optimizer tier."""
+        diverged = self.step_control.apply(grads)
         if diverged is not None:
-            self._diverge(update, diverged)
-        if not self.math.overlap:
-            update.apply_remaining()
+            self._diverge(diverged)
         self.params.flush()
-        start = time.perf_counter()
-        self.optimizer_state.commit(self._commit_record(self.global_step + 1), defer=self.config.store.defer_commit)
-        update.wait_s += time.perf_counter() - start
+        record = lambda: self._commit_record(self.global_step + 1)  # noqa: E731
+        self.step_control.commit(record, defer=self.config.store.defer_commit)
 
     def abandon_step(self, what: str) -> NoReturn:
         """Stop the step whose backward has run, instead of ``step()``, because ``what`` is not
@@ -381,23 +360,23 @@ class Engine:
         with ``DivergedError``. Every rank calls it at the same point."""
         self._expect("abandon_step(what)", StepPhase.UPDATING)
         with self._within_step():
-            self._diverge(self._take_update(), what)
+            self._diverge(what)
 
-    def _diverge(self, update: Update, what: str) -> NoReturn:
+    def _diverge(self, what: str) -> NoReturn:
         """Give the step up on this rank (each rank comes here at the same point): drop its
         reads, let the parameter gathers every rank issued complete, never commit its writes,
         and take no further step: the model and the optimizer state may be partly updated."""
-        update.abandon()
+        self.step_control.abandon()
         self.params.flush()
         where = self.optimizer_state.discard_step()
         self._diverged = diverged_message(self.global_step + 1, what, where, self.config)
         self._phase = StepPhase.DIVERGED
         raise DivergedError(self._diverged)
 
-    def _record_stats(self, update: Update) -> None:
+    def _record_stats(self) -> None:
         started, self._step_started = self._step_started or StepClock.now(), None
         self.last_step_stats = measure_step(
-            started, update, self.optimizer_state, self.params, self.budget, self.device, self.io.costs, self.math.spill
+            started, self.step_control, self.optimizer_state, self.params, self.budget, self.device, self.io.costs
         )
 
     def gathered(self):
@@ -467,11 +446,9 @@ class Engine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes the engine holds on each tier for model and optimizer state."""
-        tiers = {"device": self.budget.used, "cpu": self.params.host_bytes(), "nvme": 0}
-        optimizer = self.config.offload.optimizer
-        if optimizer != "device":
-            tiers[optimizer] += self.optimizer_state.nbytes()
-            tiers["cpu"] += self.grads.nbytes()
+        tiers = {"device": self.budget.used, "cpu": self.params.host_bytes() + self.grads.host_bytes(), "nvme": 0}
+        for where, nbytes in self.optimizer_state.held_bytes().items():
+            tiers[where] += nbytes
         return tiers
 
     def close(self) -> None:
@@ -486,11 +463,9 @@ class Engine:
             self.optimizer_state.close()
         finally:
             self._phase = StepPhase.CLOSED
-            if self.worker is not None:
-                self.worker.close()
+            self.step_control.close()  # stops the host worker, removes the spilled gradients
             self.grads.close()
             self.params.close()
-            self.math.close()  # removes the spilled gradients
             self.io.close()  # after every tier: the writes still in flight land before the lock goes
             if self._store_lock is not None:
                 self._store_lock.release()

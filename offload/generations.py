@@ -185,14 +185,14 @@ class Generations:
         """Remove what an interrupted run left: half-built or half-removed groups, and any
         generation folder without its metadata (from a version that created generations in
         place). For the store's one writer, before its first write."""
-        self.store.sweep()
+        self.store.nodes.sweep()
         record = self.committed()
         for generation in self.on_disk():
             prefix = generation_prefix(generation)
             if not (self.store.path / prefix / "zarr.json").is_file() and (
                 not record or generation != record["generation"]
             ):
-                self.store.delete(prefix)
+                self.store.nodes.delete(prefix)
                 logger.info("removed %s, an incomplete generation left by an interrupted run", prefix)
 
     def prepare(self, generation: int, create: Callable[[str], None]) -> None:
@@ -209,10 +209,10 @@ class Generations:
         record = self.committed()
         stale = [g for g in present if not record or g != record["generation"]]
         if stale:
-            self.store.move(generation_prefix(stale[0]), target)
+            self.store.nodes.move(generation_prefix(stale[0]), target)
             logger.debug("recycled %s as %s", generation_prefix(stale[0]), target)
         else:
-            self.store.build(target, create)
+            self.store.nodes.build(target, create)
 
     def commit(self, generation: int, record: dict[str, Any], together: bool = False) -> None:
         """Name ``generation`` as the committed one, atomically (after ``store.sync()``), with the
@@ -309,7 +309,7 @@ class Generations:
                 info = self.store.array_info(name)
                 self.store.create_array(staging + name[len(source) :], info.numel, info.chunk_elems, info.dtype)
 
-        self.store.build(target, create)
+        self.store.nodes.build(target, create)
 
     def copy(self, source: str, target: str, buffer: torch.Tensor, part: tuple[int, int] = (0, 1)) -> None:
         """Copy the chunks of every array under ``source`` into the array of the same name under
@@ -421,7 +421,7 @@ class Generations:
         source = generation_prefix(record["generation"])
         # Its record goes in before the rename, so the checkpoint appears whole or not at all.
         commit(self.store.path / source, record)
-        self.store.move(source, checkpoint_prefix(tag))
+        self.store.nodes.move(source, checkpoint_prefix(tag))
         self._settle()
         logger.info("kept step %s (%s) as checkpoint %s", record.get("step"), source, tag)
         self._retain(retain)
@@ -443,7 +443,7 @@ class Generations:
         record = self.committed()
         for generation in self.on_disk():
             if not record or generation != record["generation"]:
-                self.store.delete(generation_prefix(generation))
+                self.store.nodes.delete(generation_prefix(generation))
 
     def _retain(self, retain: int) -> None:
         """Delete the oldest checkpoints beyond ``retain`` (0 keeps all); the generation each
@@ -452,7 +452,7 @@ class Generations:
             return
         by_age = sorted(self.checkpoints().items(), key=lambda item: item[1]["generation"])
         for tag, record in by_age[:-retain]:
-            self.store.delete(checkpoint_prefix(tag))
+            self.store.nodes.delete(checkpoint_prefix(tag))
             logger.info("deleted checkpoint %s (step %s): checkpoint.keep = %d", tag, record.get("step"), retain)
         self.store.sync()
 

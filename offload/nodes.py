@@ -32,25 +32,42 @@ SCRATCH = "scratch"
 """Top-level folder of per-rank scratch stores (not a node: no zarr.json), swept by the writer."""
 
 
+class SyncLedger:
+    """What a store's next `sync` must make durable: one entry per write call since the last sync
+    (not per chunk), and the metadata files and directories created or changed; with the store's
+    cached array metadata, under the same lock. Kept by `ShardStore`, changed by its node
+    operations too (`NodeOps`), which move, drop and add what it records."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.infos: dict[str, ArrayInfo] = {}
+        self.writes: list[tuple[str, int, int, Future]] = []
+        self.files: set[str] = set()
+        self.dirs: set[str] = set()
+
+    def take(self) -> tuple[list[tuple[str, int, int, Future]], set[str], set[str]]:
+        """Everything recorded since the last call, for `sync` to make durable; the ledger starts afresh."""
+        with self.lock:
+            writes, self.writes = self.writes, []
+            files, self.files = self.files, set()
+            dirs, self.dirs = self.dirs, set()
+        return writes, files, dirs
+
+
 class NodeOps:
-    """The store's verbs on whole nodes (`move`, `build`, `delete`, `sweep`), over the state
-    `ShardStore` keeps: its cached array metadata and what its next `sync` must make durable."""
+    """The store's verbs on whole nodes (`move`, `build`, `delete`, `sweep`), over its folders and
+    its ledger; the store lends it its `sync` (everything pending made durable) and its parallel
+    fsync of files and directories."""
 
-    path: Path
-    paths: tuple[Path, ...]
-    _lock: threading.Lock
-    _infos: dict[str, ArrayInfo]
-    _pending_writes: list[tuple[str, int, int, Future]]
-    _pending_files: set[str]
-    _pending_dirs: set[str]
-
-    def sync(self) -> None:
-        """Make every pending write durable (the store's own)."""
-        raise NotImplementedError
-
-    def _fsync_all(self, files: list[str], dirs: set[str]) -> None:
-        """Fsync files and directories in parallel (the store's own)."""
-        raise NotImplementedError
+    def __init__(
+        self,
+        paths: tuple[Path, ...],
+        ledger: SyncLedger,
+        sync: Callable[[], None],
+        fsync_all: Callable[[list[str], set[str]], None],
+    ) -> None:
+        self.path, self.paths = paths[0], paths
+        self._ledger, self._sync, self._fsync_all = ledger, sync, fsync_all
 
     def _node_dir(self, prefix: str, what: str) -> Path:
         check_name(prefix, what)
@@ -83,15 +100,15 @@ class NodeOps:
                 f"cannot move {src_prefix!r} to {dst_prefix!r}: the destination exists; delete it first",
                 str(dst),
             )
-        self.sync()
+        self._sync()
         for folder in self.paths[1:]:
             if (folder / src_prefix).exists() or not (folder / dst_prefix).exists():
                 self.discard_orphan(folder, dst_prefix)
                 self._rename_in(folder, src_prefix, dst_prefix)
         self._rename_in(self.path, src_prefix, dst_prefix)
-        with self._lock:
-            for name in [n for n in self._infos if under(n, src_prefix)]:
-                self._infos[dst_prefix + name[len(src_prefix) :]] = self._infos.pop(name)
+        with self._ledger.lock:
+            for name in [n for n in self._ledger.infos if under(n, src_prefix)]:
+                self._ledger.infos[dst_prefix + name[len(src_prefix) :]] = self._ledger.infos.pop(name)
         log.debug("moved %s -> %s in %s", src.name, dst_prefix, self.path)
 
     def _rename_in(self, folder: Path, src_prefix: str, dst_prefix: str) -> None:
@@ -153,9 +170,9 @@ class NodeOps:
             raise FileNotFoundError(
                 errno.ENOENT, f"no group or array {prefix!r} in offload store {self.path}", str(node)
             )
-        with self._lock:
-            doomed = [w for w in self._pending_writes if under(w[0], prefix)]
-            self._pending_writes = [w for w in self._pending_writes if not under(w[0], prefix)]
+        with self._ledger.lock:
+            doomed = [w for w in self._ledger.writes if under(w[0], prefix)]
+            self._ledger.writes = [w for w in self._ledger.writes if not under(w[0], prefix)]
         for *_, future in doomed:
             future.exception()  # the data is being deleted: its errors no longer matter
         # The first folder first: once it no longer holds the node, what a crash leaves of it in
@@ -164,13 +181,13 @@ class NodeOps:
         for folder, held in zip(self.paths, nodes, strict=True):
             if held.is_dir() and not held.is_symlink():
                 self._discard(folder, held)
-        with self._lock:
-            for name in [n for n in self._infos if under(n, prefix)]:
-                del self._infos[name]
+        with self._ledger.lock:
+            for name in [n for n in self._ledger.infos if under(n, prefix)]:
+                del self._ledger.infos[name]
             for gone in map(str, nodes):
-                self._pending_files = {f for f in self._pending_files if not under(f, gone)}
-                self._pending_dirs = {d for d in self._pending_dirs if not under(d, gone)}
-            self._pending_dirs.update(str(held.parent) for held in nodes if held.parent.exists())
+                self._ledger.files = {f for f in self._ledger.files if not under(f, gone)}
+                self._ledger.dirs = {d for d in self._ledger.dirs if not under(d, gone)}
+            self._ledger.dirs.update(str(held.parent) for held in nodes if held.parent.exists())
         log.debug("deleted %s from %s", prefix, self.path)
 
     def _discard(self, folder: Path, node: Path) -> None:

@@ -15,7 +15,6 @@ import errno
 import itertools
 import logging
 import os
-import threading
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -45,7 +44,7 @@ from offload.metadata import (
     under,
     update_group_attrs,
 )
-from offload.nodes import NodeOps
+from offload.nodes import NodeOps, SyncLedger
 from offload.stripes import absolute, clear_folders, create_stripes, open_stripes, stripe_index
 
 __all__ = ["ShardStore"]
@@ -58,7 +57,7 @@ def _describe_request(kind: str, name: str, start: int, n: int, info: ArrayInfo)
     return f"{kind} {name!r} elements [{start}, {start + n}) (array numel {info.numel}, chunk size {info.chunk_elems})"
 
 
-class ShardStore(NodeOps):
+class ShardStore:
     """A zarr v3 group of 1-D arrays, read and written chunk by chunk in place.
 
     Build one with `create` or `open`. Writes become durable at `sync()`; the
@@ -91,14 +90,10 @@ class ShardStore(NodeOps):
         self._attrs = attrs
         self._runner = runner
         self._files = ChunkFiles(root, file_ops if file_ops is not None else FileOps(), direct_io, costs)
-        self._infos: dict[str, ArrayInfo] = {}
         self._stripe_starts = itertools.count()
-        self._lock = threading.Lock()
-        # Since the last sync: one entry per write call (not per chunk), and the
-        # metadata files and directories created or changed.
-        self._pending_writes: list[tuple[str, int, int, Future]] = []
-        self._pending_files: set[str] = set()
-        self._pending_dirs: set[str] = set()
+        self._ledger = SyncLedger()
+        self.nodes = NodeOps(self.paths, self._ledger, self.sync, self._fsync_all)
+        """Its verbs on whole nodes: `move`, `build`, `delete`, `sweep` (`offload.nodes`)."""
 
     @property
     def costs(self) -> CostAccount:
@@ -162,8 +157,8 @@ class ShardStore(NodeOps):
             scratch=scratch,
             stripes=extra,
         )
-        store._pending_files.update(str(p / "zarr.json") for p in store.paths)
-        store._pending_dirs.update(d for p in store.paths for d in (str(p), str(p.parent)))
+        store._ledger.files.update(str(p / "zarr.json") for p in store.paths)
+        store._ledger.dirs.update(d for p in store.paths for d in (str(p), str(p.parent)))
         log.debug("created offload store %s (checksum=%s)", root, checksum)
         return store
 
@@ -229,10 +224,10 @@ class ShardStore(NodeOps):
             raise ValueError(f"group attribute {FORMAT_KEY!r} is reserved for the store's format marker")
         update_group_attrs(self.path, attrs)
         self._attrs.update(copy.deepcopy(attrs))
-        with self._lock:
+        with self._ledger.lock:
             # zarr replaces zarr.json by a rename: the directory entry changes too.
-            self._pending_files.add(str(self.path / "zarr.json"))
-            self._pending_dirs.add(str(self.path))
+            self._ledger.files.add(str(self.path / "zarr.json"))
+            self._ledger.dirs.add(str(self.path))
 
     # ------------------------------------------------------------------ arrays
 
@@ -257,14 +252,14 @@ class ShardStore(NodeOps):
         if array_dir.exists():
             raise FileExistsError(
                 f"cannot create array {name!r}: {array_dir} already exists; delete it first with "
-                f"ShardStore.delete({name!r})"
+                f"ShardStore.nodes.delete({name!r})"
             )
         meta_files: list[str] = []
         dirs: list[str] = []
         # Each new array starts on the next folder: a unit's arrays of one chunk each still spread.
         start = None if len(self.paths) == 1 else next(self._stripe_starts) % len(self.paths)
         for folder in (*self.paths[1:], self.path):  # the first last: it says the array exists
-            self.discard_orphan(folder, name)
+            self.nodes.discard_orphan(folder, name)
             create_array_meta(folder, name, numel, chunk_elems, dtype, self.checksum, start)
             # Made here, not on first write, so the chunk writers never race to create it.
             chunk_dir(folder, name).mkdir()
@@ -275,14 +270,14 @@ class ShardStore(NodeOps):
             meta_files += [str(d / "zarr.json") for d in (node, *groups)]
             dirs += [str(d) for d in (chunk_dir(folder, name), node, *groups, folder)]
         info = ArrayInfo(numel, chunk_elems, dtype, self.checksum, start or 0)
-        with self._lock:
-            self._infos[name] = info
-            self._pending_files.update(meta_files)
-            self._pending_dirs.update(dirs)
+        with self._ledger.lock:
+            self._ledger.infos[name] = info
+            self._ledger.files.update(meta_files)
+            self._ledger.dirs.update(dirs)
 
     def has_array(self, name: str) -> bool:
         """Whether `name` is an array (of any format: `array_info` says if the fast route reads it)."""
-        if name in self._infos:
+        if name in self._ledger.infos:
             return True
         check_name(name, "array name")
         try:
@@ -304,7 +299,7 @@ class ShardStore(NodeOps):
 
     def array_info(self, name: str) -> ArrayInfo:
         """The array's metadata, read from disk once and cached."""
-        info = self._infos.get(name)
+        info = self._ledger.infos.get(name)
         if info is not None:
             return info
         check_name(name, "array name")
@@ -319,8 +314,8 @@ class ShardStore(NodeOps):
         if meta.get("node_type") != "array":
             raise KeyError(f"{name!r} in offload store {self.path} is a {meta.get('node_type')}, not an array")
         info = parse_array_meta(name, meta_path, meta)
-        with self._lock:
-            self._infos[name] = info
+        with self._ledger.lock:
+            self._ledger.infos[name] = info
         return info
 
     # ---------------------------------------------------------------- data I/O
@@ -352,11 +347,11 @@ class ShardStore(NodeOps):
         )
         if self.scratch:
             return future  # never synced, so not recorded for `sync`
-        with self._lock:
+        with self._ledger.lock:
             count = buf.size // info.chunk_bytes
-            self._pending_writes.append((name, first, count, future))
+            self._ledger.writes.append((name, first, count, future))
             touched = {self._folder_of(info, i) for i in range(first, first + min(count, len(self.paths)))}
-            self._pending_dirs.update(str(chunk_dir(folder, name)) for folder in touched)
+            self._ledger.dirs.update(str(chunk_dir(folder, name)) for folder in touched)
         return future
 
     def read_range(self, name: str, start: int, out: torch.Tensor) -> None:
@@ -460,10 +455,7 @@ class ShardStore(NodeOps):
         Raises `OffloadIOError` if one of those writes failed: its data cannot
         be made durable, so the caller must write it again.
         """
-        with self._lock:
-            writes, self._pending_writes = self._pending_writes, []
-            files, self._pending_files = self._pending_files, set()
-            dirs, self._pending_dirs = self._pending_dirs, set()
+        writes, files, dirs = self._ledger.take()
         failed: list[tuple[str, BaseException]] = []
         chunk_files: set[str] = set()  # a chunk rewritten since the last sync needs one fsync
         for name, first, count, future in writes:

@@ -17,11 +17,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = sorted(p for package in ("engine", "offload") for p in (ROOT / package).rglob("*.py"))
+SHAPED = LIBRARY + sorted((ROOT / "benchmarks").rglob("*.py"))
+"""What the length checks cover: the library and the benchmarks."""
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 500
 TIER_CLASSES = {"StoreOptimizerState", "MemoryOptimizerState", "StoreParamTier", "MemoryParamTier", "ShardedParams"}
 TIER_CLASSES |= {"ReplicatedParams"}
 ALLOWED_TIER_CHECKS: set[tuple[str, str]] = set()
+TIER_NAMES = {"device", "cpu", "nvme"}
+TIER_NAME_HOMES = {"engine/build.py", "engine/config.py", "engine/config_sections.py", "engine/config_parse.py"}
+"""Where a tier's name may decide something: the configuration, which names the tiers and says
+what each implies, and the build, which makes each tier from its name."""
 
 
 def functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
@@ -29,7 +35,7 @@ def functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     return [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
-@pytest.mark.parametrize("path", LIBRARY, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", SHAPED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_function_is_longer_than_60_lines(path: Path) -> None:
     long = [
         (f.name, f.end_lineno - f.lineno + 1)
@@ -39,29 +45,97 @@ def test_no_function_is_longer_than_60_lines(path: Path) -> None:
     assert not long, f"{path.relative_to(ROOT)}: functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
-@pytest.mark.parametrize("path", LIBRARY, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", SHAPED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_file_is_longer_than_500_lines(path: Path) -> None:
     name = str(path.relative_to(ROOT))
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_FILE_LINES, f"{name}: {lines} lines, over {MAX_FILE_LINES}"
 
 
+def names_in(node: ast.AST) -> set[str]:
+    """The names ``node`` refers to, ``Class`` and ``module.Class`` alike."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def is_tier_check(node: ast.AST) -> bool:
+    """Whether ``node`` asks an object's class about a tier class: ``isinstance(x, [module.]Class)``,
+    or ``type(x) is Class`` (``==``, ``in`` and their negations too)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+        return bool(names_in(node.args[1]) & TIER_CLASSES)
+    if isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        typed = any(isinstance(s, ast.Call) and isinstance(s.func, ast.Name) and s.func.id == "type" for s in sides)
+        return typed and bool(set().union(*map(names_in, sides)) & TIER_CLASSES)
+    return False
+
+
 def tier_checks(path: Path) -> list[tuple[str, str]]:
-    """``(file, function)`` of each ``isinstance(x, <tier class>)`` in ``path``."""
-    found = []
-    for function in functions(path):
-        for node in ast.walk(function):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
-                classes = node.args[1]
-                names = {n.id for n in ast.walk(classes) if isinstance(n, ast.Name)}
-                if names & TIER_CLASSES:
-                    found.append((str(path.relative_to(ROOT)), function.name))
-    return found
+    """``(file, function)`` of each check of an object's class against a tier class in ``path``."""
+    return [
+        (str(path.relative_to(ROOT)), function.name)
+        for function in functions(path)
+        for node in ast.walk(function)
+        if is_tier_check(node)
+    ]
 
 
 def test_the_engine_does_not_branch_on_a_tier_class() -> None:
     found = {check for path in LIBRARY for check in tier_checks(path)}
     assert found <= ALLOWED_TIER_CHECKS, f"isinstance on a tier class: {sorted(found - ALLOWED_TIER_CHECKS)}"
+
+
+def is_tier_name_branch(node: ast.AST) -> bool:
+    """Whether ``node`` compares with a tier's name (``== "nvme"``, ``in ("cpu", "device")``); a
+    torch device's ``.type``, which shares the name ``cpu``, is no tier."""
+    if not isinstance(node, ast.Compare):
+        return False
+    sides = [node.left, *node.comparators]
+    named = any({c.value for c in ast.walk(s) if isinstance(c, ast.Constant)} & TIER_NAMES for s in sides)
+    return named and not any(isinstance(s, ast.Attribute) and s.attr == "type" for s in sides)
+
+
+def test_nothing_but_the_config_and_the_build_branches_on_a_tier_name() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+        for path in LIBRARY
+        if str(path.relative_to(ROOT)) not in TIER_NAME_HOMES
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+        if is_tier_name_branch(node)
+    ]
+    assert not found, "a branch on a tier's name: ask the tier, or a rule of the config\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("code", "branches"),
+    [
+        ("isinstance(tier, StoreParamTier)", True),
+        ("isinstance(tier, parameters.StoreParamTier)", True),
+        ("isinstance(tier, (int, tiers.MemoryParamTier))", True),
+        ("type(tier) is ShardedParams", True),
+        ("type(tier) == optimizer.MemoryOptimizerState", True),
+        ("type(tier) in (ReplicatedParams, ShardedParams)", True),
+        ("isinstance(tier, Fetch)", False),
+        ("tier is ShardedParams", False),
+    ],
+)
+def test_a_check_of_a_tier_class_is_seen_in_every_form(code: str, branches: bool) -> None:
+    assert is_tier_check(ast.parse(code, mode="eval").body) is branches
+
+
+@pytest.mark.parametrize(
+    ("code", "branches"),
+    [
+        ('config.offload.optimizer == "nvme"', True),
+        ('tier != "device"', True),
+        ('offload.param in ("cpu", "device")', True),
+        ('device.type == "cpu"', False),
+        ('config.offload.optimizer == "fp32"', False),
+    ],
+)
+def test_a_branch_on_a_tier_name_is_seen_in_every_form(code: str, branches: bool) -> None:
+    assert is_tier_name_branch(ast.parse(code, mode="eval").body) is branches
 
 
 def module_name(path: Path) -> str:

@@ -337,6 +337,24 @@ def _at_scale_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     return at_scale(args.params, warmup, steps), [AT_SCALE], args.rounds or 1
 
 
+def run_rounds(
+    contestants: list[Contestant], workload: Workload, rounds: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Every contestant in turn, ``rounds`` times over, each in a fresh folder under ``--dir``:
+    one record each, its rounds merged."""
+    runs: list[list[dict[str, Any]]] = [[] for _ in contestants]
+    args.dir.mkdir(parents=True, exist_ok=True)
+    for round_index in range(rounds):
+        for contestant, kept in zip(contestants, runs, strict=True):
+            print(f"round {round_index + 1} of {rounds}: running {contestant.label} ...", flush=True)
+            with tempfile.TemporaryDirectory(prefix="bench-peers-", dir=args.dir) as work:
+                record = run_contestant(contestant, workload, Path(work), args.timeout, args.prepare_timeout)
+            kept.append(record)
+            ran = record["status"] == "ok"
+            print(f"  {1000 * record['step_s']:.0f} ms/step" if ran else f"  skipped: {record['reason']}", flush=True)
+    return [merge_rounds(kept, workload) for kept in runs]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.prog = "python -m benchmarks.peers"
@@ -373,17 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--rounds must be >= 1")
     _, vocab_size = workload.tokens()  # tokenise (and train the BPE) once, before any rank needs it
     params = workload.gpt_config(vocab_size).num_params()
-    runs: list[list[dict[str, Any]]] = [[] for _ in contestants]
-    args.dir.mkdir(parents=True, exist_ok=True)
-    for round_index in range(rounds):
-        for contestant, kept in zip(contestants, runs, strict=True):
-            print(f"round {round_index + 1} of {rounds}: running {contestant.label} ...", flush=True)
-            with tempfile.TemporaryDirectory(prefix="bench-peers-", dir=args.dir) as work:
-                record = run_contestant(contestant, workload, Path(work), args.timeout, args.prepare_timeout)
-            kept.append(record)
-            ran = record["status"] == "ok"
-            print(f"  {1000 * record['step_s']:.0f} ms/step" if ran else f"  skipped: {record['reason']}", flush=True)
-    records = [merge_rounds(kept, workload) for kept in runs]
+    records = run_rounds(contestants, workload, rounds, args)
     add_ratios(records)
     ran, skipped = table_rows(records)
     model = f"{params / 1e6:.2f}M params, {workload.micro_batch} x {workload.seq_len} tokens per rank, bf16"

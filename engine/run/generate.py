@@ -119,7 +119,7 @@ def resumed_engine(config: Config, model: nn.Module, checkpoint: str | None) -> 
             f"store that python -m engine train wrote"
         )
     if checkpoint is None:
-        if config.offload.optimizer != "nvme":
+        if not config.offload.optimizer_in_store:
             raise ValueError(
                 f"offload.optimizer = {config.offload.optimizer!r} kept the run's state in memory: generate from "
                 f"one of its checkpoints in {path} with --from-checkpoint TAG (python -m engine inspect {path} "

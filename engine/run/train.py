@@ -98,7 +98,7 @@ def resumable(config: Config, overwrite: bool = False) -> bool:
     """A run continues where the store at ``offload.nvme_path`` last committed, if there is one
     and ``overwrite`` does not replace it (the memory tiers commit no steps there, only
     checkpoints, resumed from by tag)."""
-    return not overwrite and config.offload.optimizer == "nvme" and resume_point(own_store(config))[0]
+    return not overwrite and config.offload.optimizer_in_store and resume_point(own_store(config))[0]
 
 
 def own_store(config: Config) -> Path:
@@ -212,7 +212,7 @@ def start_engine(
     if overwrite and checkpoint is not None:
         raise ValueError("--overwrite starts afresh and --from-checkpoint continues a checkpoint: pass one of them")
     resume = checkpoint is not None
-    if checkpoint is None and config.offload.optimizer == "nvme" and not overwrite:
+    if checkpoint is None and config.offload.optimizer_in_store and not overwrite:
         resume, checkpoint = resume_point(own_store(config))
         if config.offload.node_local:  # one host's store missing is refused on resume, not started afresh
             resume, checkpoint = hosts.any_resumes(resume, checkpoint)
@@ -374,7 +374,7 @@ def finished_at(config: Config, checkpoint: str | None, overwrite: bool) -> int 
     """The step at or past ``train.steps`` that the store this run continues has committed, read
     before anything is built or changed (a giant model takes minutes to build, for nothing),
     else None. Only for a store all ranks share: each host's own might be a step apart."""
-    if checkpoint is not None or overwrite or config.offload.node_local or config.offload.optimizer != "nvme":
+    if checkpoint is not None or overwrite or config.offload.node_local or not config.offload.optimizer_in_store:
         return None
     store = own_store(config)
     if resume_point(store) != (True, None):
@@ -471,13 +471,13 @@ def _run_steps(
             if stop.requested:
                 result.stopped_early = True
                 break
-        if result.losses and config.offload.optimizer != "nvme":
+        if result.losses and not config.offload.optimizer_in_store:
             save_final(engine, config.checkpoint.interval)
     result.seconds_per_step = (time.perf_counter() - run_start) / max(1, len(result.losses))
     if result.stopped_early and rank == 0:
         how = (
             f"run the same command again to resume from {engine.config.offload.store_path}"
-            if config.offload.optimizer == "nvme"
+            if config.offload.optimizer_in_store
             else f"resume with --from-checkpoint step-{result.steps_done}"
         )
         logger.warning("stopped after step %d of %d: %s", result.steps_done, config.train.steps, how)

@@ -6,7 +6,8 @@ each in eager torch; compiled (Inductor's C++ backend on a CPU, Triton on a GPU)
 one loop that reads each value once. The compiled code is one kernel per dtype combination
 for any length (``dynamic=True``). Where it cannot be built (no C++ compiler), the same
 function runs uncompiled after one warning naming the cause: the same arithmetic, several
-times slower, its last bits not guaranteed equal to the compiled kernel's.
+times slower, its last bits not guaranteed equal to the compiled kernel's. Only compiling
+falls back so: an error of the compiled kernel itself is raised.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ stall for the whole update (measured: another Python thread ran 2 times during a
 
 
 class LazyCompiled:
-    """``fn`` compiled at its first call, or ``fn`` itself once compiling it has failed."""
+    """``fn`` compiled at its first call, or ``fn`` itself once compiling it has failed.
+
+    ``torch.compile`` compiles lazily, at the compiled function's first call, so an error there
+    is taken for the compiler's (its failures have no common type of their own) and the call
+    runs uncompiled; so is a later ``BackendCompilerFailed``, a recompile for arguments of
+    another kind. Any other error of a later call is the kernel's own (out of memory, say) and
+    is raised as it is: running the arithmetic again uncompiled would only hide it."""
 
     def __init__(self, fn: Callable[..., Any], what: str, options: dict[str, Any] | None = None):
         self.fn = fn
@@ -44,11 +51,26 @@ class LazyCompiled:
             host = first is not None and first.device.type == "cpu"
             options = {**(self.options or {}), **(HOST_CALLER if host else {})}
             self.kernel = torch.compile(self.fn, dynamic=True, options=options)
+            try:
+                return self.kernel(*args)
+            except Exception as err:  # compiling: the compiler's failures have no common type of their own
+                return self._uncompiled(err, args)
         try:
             return self.kernel(*args)
-        except Exception as err:  # the compiler's failures have no common type of their own
-            if self.kernel is self.fn:
+        except Exception as err:
+            if self.kernel is self.fn or not _compiling_failed(err):
                 raise
-            logger.warning("%s runs uncompiled, several times slower: %s", self.what, err)
-            self.kernel = self.fn
-            return self.fn(*args)
+            return self._uncompiled(err, args)
+
+    def _uncompiled(self, err: Exception, args: tuple[Any, ...]) -> Any:
+        """Run this call, and every later one, uncompiled, after one warning naming why."""
+        logger.warning("%s runs uncompiled, several times slower: %s", self.what, err)
+        self.kernel = self.fn
+        return self.fn(*args)
+
+
+def _compiling_failed(err: Exception) -> bool:
+    """Whether ``err`` is a failure of the compiler's backend (torch's dynamo is loaded by then)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return isinstance(err, BackendCompilerFailed)

@@ -26,7 +26,7 @@ def uses_host_worker(config: Config, device_apart: bool) -> bool:
     backward computes on, so ``auto`` leaves it off there (see README for the measurement)."""
     if config.offload.host_worker != "auto":
         return bool(config.offload.host_worker)
-    return device_apart and config.offload.optimizer != "device"
+    return device_apart and not config.offload.optimizer_on_device
 
 
 class HostWorker:

@@ -157,7 +157,7 @@ class MemoryCheckpoints:
         self._barrier()
         if self._leader:
             self.generations.drop_uncommitted()
-            self.store.build(
+            self.store.nodes.build(
                 prefix,
                 lambda staging: create_state_arrays(self.store, staging, self.layout.units, self._form),
             )

@@ -44,8 +44,8 @@ def create_frozen(store: ShardStore, units: Iterable[UnitLayout], dtype: torch.d
     """The arrays of the frozen ``units`` (the leader's part), replacing any an earlier run left."""
     units = tuple(units)
     if (store.path / FROZEN).is_dir():
-        store.delete(FROZEN)
-    store.build(FROZEN, lambda staging: create_arrays(store, staging, units, (PARAM_KIND,), dtype))
+        store.nodes.delete(FROZEN)
+    store.nodes.build(FROZEN, lambda staging: create_arrays(store, staging, units, (PARAM_KIND,), dtype))
 
 
 def write_frozen(store: ShardStore, unit: UnitLayout, rank: int, values: torch.Tensor) -> None:

@@ -102,6 +102,12 @@ class OptimizerState(Protocol):
         """Bytes this tier holds for the optimizer state."""
         ...
 
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this tier holds for the optimizer state off the device, by where they are
+        (``cpu``: host memory, ``nvme``: the store); what it holds on the device is in the
+        device budget."""
+        ...
+
     def take_io_bytes(self) -> tuple[int, int]:
         """Bytes the steps since the last call read and wrote to disk."""
         ...
@@ -124,8 +130,11 @@ class MemoryOptimizerState:
         allocate: HostAllocator | None = None,
         store_frozen: bool = False,
         form: StateForm = FP32_STATE,
+        on_device: bool = False,
     ):
         self._device, self._allocate, self._form = device, allocate, form
+        self._on_device = on_device
+        """Whether this is the ``device`` tier, whose bytes the device budget counts."""
         """``allocate``: the pinned pool the host state comes from (tier ``cpu`` with the device
         apart from the host: the masters are copied to it), else None."""
         self._checkpoints = checkpoints
@@ -215,6 +224,9 @@ class MemoryOptimizerState:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for s in self._states.values() for t in s.tensors())
+
+    def held_bytes(self) -> dict[str, int]:
+        return {} if self._on_device else {"cpu": self.nbytes()}
 
     def take_io_bytes(self) -> tuple[int, int]:
         return 0, 0  # held in memory: no disk traffic

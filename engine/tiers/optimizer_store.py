@@ -265,7 +265,7 @@ class StoreOptimizerState:
         so ``Generations.prepare`` creates that generation afresh instead."""
         for generation in self.generations.on_disk():
             if generation != committed and not self.in_layout(generation_prefix(generation)):
-                self.store.delete(generation_prefix(generation))
+                self.store.nodes.delete(generation_prefix(generation))
 
     def create_arrays(self, prefix: str) -> None:
         create_state_arrays(self.store, prefix, self.layout.units, self.form)
@@ -482,6 +482,9 @@ class StoreOptimizerState:
     def nbytes(self) -> int:
         """This rank's share of the store's live generations on disk (checkpoints aside)."""
         return self.mode.live_generations * sum(self.form.unit_bytes(u) for u in self.layout.units)
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"nvme": self.nbytes()}
 
     def close(self) -> None:
         """Commit a deferred step (the shared I/O runner is the engine's to close)."""

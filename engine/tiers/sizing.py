@@ -87,20 +87,20 @@ def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype, form: 
     offload, zero = config.offload, config.zero
     trained = [u for u in layout.all_units if u.trainable]
     terms: dict[str, int] = {}
-    if offload.optimizer == "cpu":
+    if offload.optimizer_in_host_memory:
         terms["optimizer state"] = sum(
             aligned(g.shard_numel * d.itemsize)
             for u in trained
             for g, d in zip(form.geometries(u), form.dtypes(), strict=True)
         )
-    elif offload.optimizer == "nvme":
+    elif offload.optimizer_in_store:
         terms["optimizer staging"] = optimizer_buffer_bytes(offload, layout.units, form)
-    if offload.optimizer != "device" and trained:
+    if not offload.optimizer_on_device and trained:
         grads = [aligned(shard_bytes(u, torch.float32)) for u in trained]
         terms["gradient shards"] = sum(grads) + (max(grads) if zero.grad_accum_steps > 1 else 0)  # one being added
-    if zero.stage == 3 and offload.param == "cpu":
+    if zero.stage == 3 and offload.params_in_host_memory:
         terms["parameter shards"] = sum(aligned(shard_bytes(u, dtype)) for u in layout.all_units)
-    elif zero.stage == 3 and offload.param == "nvme":
+    elif zero.stage == 3 and offload.params_in_store:
         terms["parameter staging"] = param_pool_bytes(
             layout.all_units, dtype, param_window_bytes(zero, layout.world_size)
         )

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine.runtime.sizes import GIB, MIB
 from engine.state.forms import FP32_STATE, StateForm
-from engine.state.partition import ModelLayout, UnitLayout
+from engine.state.partition import ModelLayout
 from offload import ChecksumError, Generations, IORunner, ManifestError, ShardStore, generation_prefix
 
 logger = logging.getLogger(__name__)
@@ -37,11 +37,6 @@ rewritten in place (checkpoints come on top)."""
 
 class DirtyStoreError(ValueError):
     """A store whose committed generation was being rewritten in place when its run stopped."""
-
-
-def unit_state_bytes(unit: UnitLayout, form: StateForm = FP32_STATE) -> int:
-    """Host bytes to stage one unit's optimizer state on one rank."""
-    return form.unit_bytes(unit)
 
 
 def store_bytes(layout: ModelLayout, mode: str = GENERATIONS, form: StateForm = FP32_STATE) -> int:

@@ -107,7 +107,7 @@ def settle_io(config: Config, *, resume: bool, measure: bool = True) -> tuple[Co
         chunk = kept
         reasons.append("chunk size kept from the store's layout")
     if chunk == "auto" or threads == "auto":
-        on_disk = o.optimizer == "nvme" or o.param == "nvme"
+        on_disk = o.uses_store
         buffer_mb = AUTO_BUFFER_FLOOR_MB if o.buffer_mb == "auto" else o.buffer_mb  # auto is never less
         max_chunk = max(CHUNK_RANGE[0], min(CHUNK_RANGE[1], buffer_mb // 3))
         auto: IOSettings = auto_settings(

@@ -332,6 +332,10 @@ class GradientShards:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.shards.values())
 
+    def host_bytes(self) -> int:
+        """Bytes of the gradient shards held in host memory (beside a host optimizer)."""
+        return 0 if self._shards_on_device else self.nbytes()
+
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()

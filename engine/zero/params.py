@@ -10,17 +10,17 @@ the full buffer exists:
   releasing frees the buffer's storage (resized to zero bytes) while the parameter views,
   and any views autograd saved for backward, stay objects that the next gather refills. The units that come next in the traced
   order (``engine.zero.order``) are fetched and gathered ahead, within ``zero.prefetch_mb`` and
-  the device budget.
+  the device budget. Each unit's own life cycle, from its shard to its full parameters and
+  back, is ``engine.zero.unit_params``'.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,13 +28,79 @@ from torch.utils._pytree import tree_flatten
 
 from engine.runtime.budget import DeviceBudget, DeviceMemoryError
 from engine.runtime.comm import Comm, Work
-from engine.runtime.device import Device, Event
+from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
 from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout
-from engine.tiers.parameters import Fetch, ParamTier
+from engine.tiers.parameters import ParamTier
 from engine.zero.order import TracedOrder
+from engine.zero.unit_params import UnitParams, UnitState
 
 logger = logging.getLogger(__name__)
+
+
+class Params(Protocol):
+    """The compute-dtype parameters on the device, whatever the stage: what building the units,
+    the gradients' hooks, the step and the engine ask of them (``ReplicatedParams``,
+    ``ShardedParams``)."""
+
+    @property
+    def order(self) -> TracedOrder | None:
+        """The traced order of the units' gathers, which prefetching follows (None: nothing is gathered)."""
+        ...
+
+    def add(self, unit: UnitLayout, flat: torch.Tensor) -> None:
+        """Take the unit's full initial buffer (the module's parameters are views of it)."""
+        ...
+
+    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
+        """The unit's master shard holds new values; ``master`` may be reused once this returns."""
+        ...
+
+    def flush(self) -> None:
+        """Complete what the written-back shards started: the parameters hold the new values."""
+        ...
+
+    def begin_iteration(self) -> None:
+        """A forward starts."""
+        ...
+
+    def frozen_shards(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
+        """This rank's shard of each frozen unit (compute dtype), to store once."""
+        ...
+
+    def gathered(self) -> AbstractContextManager[None]:
+        """A context in which every unit holds its full parameters."""
+        ...
+
+    def release_after_backward(self, unit_name: str) -> None:
+        """The unit's gradients are reduced: its full parameters are not needed until the next forward."""
+        ...
+
+    def hook(self, modules: dict[str, nn.Module], needs: dict[str, list[str]]) -> None:
+        """Gather and release around each unit module's forward and backward, where that is needed."""
+        ...
+
+    def check_fits(self, grad_bucket_bytes: dict[str, int], in_flight: int) -> None:
+        """Refuse, before the first forward, a device memory limit that no step can meet."""
+        ...
+
+    def take_wait_s(self) -> float:
+        """Seconds blocked on parameter fetches and gathers since the last call."""
+        ...
+
+    def prefetch_counts(self) -> tuple[int, int]:
+        """Gathers that found their unit gathered or on its way, and those that did not, since the last call."""
+        ...
+
+    def take_io_bytes(self) -> tuple[int, int]:
+        """Bytes the parameters' tier read and wrote since the last call."""
+        ...
+
+    def host_bytes(self) -> int:
+        """Bytes the parameters hold in host memory."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class ReplicatedParams:
@@ -112,65 +178,6 @@ def copy_and_gather(device: Device, comm: Comm, flat: torch.Tensor, unit: UnitLa
     return work
 
 
-class UnitStateError(RuntimeError):
-    """A stage-3 unit asked to enter a state its life cycle does not lead to from the one it
-    is in (a unit gathered twice, or completed before its gather started): the unit is left
-    as it was, before any of the transition's work."""
-
-
-class UnitState(enum.Enum):
-    """Where a stage-3 unit's full parameters are in their life cycle."""
-
-    SHARDED = "sharded"
-    """Only this rank's shard exists, on its tier."""
-    FETCHING = "fetching"
-    """The shard is on its way from its tier to where the device can copy it."""
-    COPYING = "copying"
-    """The shard's copy into the full buffer is queued on the copy stream."""
-    GATHERING = "gathering"
-    """The all-gather into the full buffer is in flight."""
-    GATHERED = "gathered"
-
-
-COMES_FROM = {
-    UnitState.FETCHING: frozenset({UnitState.SHARDED}),
-    UnitState.COPYING: frozenset({UnitState.FETCHING}),
-    UnitState.GATHERING: frozenset({UnitState.COPYING}),
-    UnitState.GATHERED: frozenset({UnitState.GATHERING}),
-    UnitState.SHARDED: frozenset({UnitState.FETCHING, UnitState.COPYING, UnitState.GATHERING, UnitState.GATHERED}),
-}
-"""The states each state is entered from: a unit is fetched, copied, gathered and completed
-in turn, and freed from any of them."""
-
-
-@dataclass
-class _Unit:
-    layout: UnitLayout
-    flat: torch.Tensor
-    persistent: bool
-    state: UnitState = UnitState.SHARDED
-    fetch: Fetch | None = None
-    copied: Event | None = None
-    """The copy of the fetched shard into place: the fetch's buffer is released only after it."""
-    work: Work | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
-
-    @contextmanager
-    def becoming(self, state: UnitState) -> Iterator[None]:
-        """One transition to ``state``, its work inside: refused before any of it unless the
-        unit is in a state that leads there (``COMES_FROM``), made once the work is done."""
-        if self.state not in COMES_FROM[state]:
-            allowed = " or ".join(sorted(s.name for s in COMES_FROM[state]))
-            raise UnitStateError(
-                f"unit {self.layout.name!r} cannot become {state.name} from {self.state.name}: only from {allowed}"
-            )
-        yield
-        self.state = state
-
-
 class ShardedParams:
     """Stage 3: only this rank's shard of each unit persists; units are gathered on demand.
 
@@ -197,7 +204,7 @@ class ShardedParams:
         self._reserve = reserve_bytes
         """Device bytes that gathering ahead and keeping a unit for its next use leave free for
         what a step must allocate (a unit gathered on demand, gradient buckets)."""
-        self._units: dict[str, _Unit] = {}
+        self._units: dict[str, UnitParams] = {}
         self.order = TracedOrder("the order units run in")
         self._handles: list = []
         self._wait_s = 0.0
@@ -212,11 +219,20 @@ class ShardedParams:
         rank = self._comm.rank
         self._tier.add(unit, flat[unit.shard_slice(rank)])
         persistent = unit.numel < self._persistence_threshold
-        entry = _Unit(unit, flat, persistent, UnitState.GATHERED)
+        entry = UnitParams(
+            unit,
+            flat,
+            persistent,
+            UnitState.GATHERED,
+            tier=self._tier,
+            comm=self._comm,
+            device=self._device,
+            budget=self._budget,
+        )
         self._units[unit.name] = entry
         self._budget.charge(entry.nbytes, f"the gathered parameters of unit {unit.name!r}")
         if not persistent:
-            self._free(entry)
+            entry.free()
 
     def hook(self, modules: dict[str, nn.Module], needs: dict[str, list[str]]) -> None:
         """Gather before and release after every unit module's forward and backward."""
@@ -296,7 +312,7 @@ class ShardedParams:
         """A forward is about to start: what the last iteration gathered ahead is dropped."""
         for entry in self._units.values():
             if not entry.persistent:
-                self._free(entry)
+                entry.free()
         self.order.start()
 
     def gather(self, name: str) -> None:
@@ -310,55 +326,9 @@ class ShardedParams:
             self.hits += ahead
             self.misses += not ahead
             start = time.perf_counter()
-            self._complete(entry)
+            entry.complete()
             self._wait_s += time.perf_counter() - start
         self._prefetch()
-
-    def _fetch(self, entry: _Unit) -> None:
-        with entry.becoming(UnitState.FETCHING):
-            entry.fetch = self._tier.read(entry.layout)
-
-    def _start_copy(self, entry: _Unit) -> None:
-        """The shard is fetched: give the full buffer its memory and queue the shard's copy into
-        place on the copy stream. The fetch's buffer is released only once the copy's event
-        has completed (``_release_fetch``): the copy may still be reading it."""
-        if entry.state is UnitState.SHARDED:
-            self._fetch(entry)
-        with entry.becoming(UnitState.COPYING):
-            self._budget.charge(entry.nbytes, f"gathering unit {entry.layout.name!r}")
-            entry.flat.untyped_storage().resize_(entry.nbytes)
-            assert entry.fetch is not None  # FETCHING holds it
-            entry.copied = self._device.copy(self._own(entry), entry.fetch.wait())
-
-    def _start_gather(self, entry: _Unit) -> None:
-        """All-gather the full buffer once the shard's copy is done (asynchronously)."""
-        with entry.becoming(UnitState.GATHERING):
-            assert entry.copied is not None  # COPYING holds it
-            self._device.wait_for(entry.copied)  # the all-gather reads the shard
-            entry.work = self._comm.all_gather(entry.flat, self._own(entry))
-
-    def _own(self, entry: _Unit) -> torch.Tensor:
-        return entry.flat[entry.layout.shard_slice(self._comm.rank)]
-
-    def _release_fetch(self, entry: _Unit) -> None:
-        """Hand the fetched shard's buffer back, after the copy reading it is done."""
-        if entry.copied is not None:
-            entry.copied.synchronize()
-            entry.copied = None
-        if entry.fetch is not None:
-            entry.fetch.release()
-            entry.fetch = None
-
-    def _complete(self, entry: _Unit) -> None:
-        if entry.state in (UnitState.SHARDED, UnitState.FETCHING):
-            self._start_copy(entry)
-        if entry.state is UnitState.COPYING:
-            self._start_gather(entry)
-        with entry.becoming(UnitState.GATHERED):
-            assert entry.work is not None  # GATHERING holds it
-            entry.work.wait()
-            entry.work = None
-            self._release_fetch(entry)
 
     def _prefetch(self) -> None:
         """Move each unit next in the traced order one stage on, while their bytes fit the
@@ -380,17 +350,17 @@ class ShardedParams:
             if window > self._prefetch_bytes:
                 return
             if entry.state is UnitState.COPYING:
-                self._start_gather(entry)
+                entry.start_gather()
             elif entry.state is UnitState.SHARDED:
-                self._fetch(entry)
+                entry.start_fetch()
                 if not (entry.fetch and entry.fetch.in_memory):
                     continue  # a read from disk: copied at a later call (on every rank alike: gathers follow)
             if entry.state is UnitState.FETCHING:
                 if not self._budget.fits(entry.nbytes + self._reserve):
                     return
-                self._start_copy(entry)
+                entry.start_copy()
                 if self._device.copies_are_synchronous:
-                    self._start_gather(entry)
+                    entry.start_gather()
 
     def _release_unless_next(self, name: str) -> None:
         """Release after use, unless the unit is used again within the prefetch window
@@ -412,19 +382,7 @@ class ShardedParams:
         """Free the unit's full parameters; its shard stays (persistent units are kept)."""
         entry = self._units[name]
         if not entry.persistent:
-            self._free(entry)
-
-    def _free(self, entry: _Unit) -> None:
-        if entry.state is UnitState.SHARDED:
-            return
-        with entry.becoming(UnitState.SHARDED):
-            if entry.work is not None:  # an all-gather nobody waited for: it must land before its buffer goes
-                entry.work.wait()
-                entry.work = None
-            self._release_fetch(entry)
-            if entry.state is not UnitState.FETCHING:
-                entry.flat.untyped_storage().resize_(0)
-                self._budget.credit(entry.nbytes)
+            entry.free()
 
     def release_after_backward(self, unit_name: str) -> None:
         """The unit's gradients are reduced: its full parameters are not needed until the next forward."""
@@ -461,6 +419,10 @@ class ShardedParams:
     def state(self) -> dict[str, UnitState]:
         return {name: entry.state for name, entry in self._units.items()}
 
+    def unit(self, name: str) -> UnitParams:
+        """The unit's full parameters, with where they are in their life cycle."""
+        return self._units[name]
+
     def take_wait_s(self) -> float:
         """Seconds spent blocked on parameter fetches and all-gathers since the last call."""
         seconds, self._wait_s = self._wait_s, 0.0
@@ -486,7 +448,7 @@ class ShardedParams:
         before = {n for n, s in self.state.items() if s is UnitState.SHARDED}
         for entry in self._units.values():
             if entry.state is not UnitState.GATHERED:
-                self._complete(entry)
+                entry.complete()
         try:
             yield
         finally:

@@ -21,10 +21,9 @@ from offload import CostAccount, per_gb
 if TYPE_CHECKING:
     from engine.runtime.budget import DeviceBudget
     from engine.runtime.device import Device
-    from engine.tiers.grad_spill import GradSpill
     from engine.tiers.optimizer import OptimizerState
-    from engine.zero.params import ReplicatedParams, ShardedParams
-    from engine.zero.update import Update
+    from engine.zero.params import Params
+    from engine.zero.step import StepControl
 
 
 @dataclass
@@ -97,13 +96,12 @@ class StepClock(NamedTuple):
 
 def measure_step(
     started: StepClock,
-    update: Update,
+    step: StepControl,
     optimizer_state: OptimizerState,
-    params: ReplicatedParams | ShardedParams,
+    params: Params,
     budget: DeviceBudget,
     device: Device,
     costs: CostAccount,
-    spill: GradSpill | None = None,
 ) -> StepStats:
     """The step started at ``started`` and just ended, from the counters each part keeps (and
     resets as they are taken); ``costs`` is the account of every store's I/O; gradients spilled
@@ -111,16 +109,15 @@ def measure_step(
     ended = StepClock.now()
     io = costs.take()
     reads, writes = optimizer_state.take_io_bytes()
-    if spill is not None:
-        spill_reads, spill_writes = spill.take_io_bytes()
-        reads, writes = reads + spill_reads, writes + spill_writes
+    spill_reads, spill_writes = step.take_spill_io_bytes()
+    reads, writes = reads + spill_reads, writes + spill_writes
     param_reads, param_writes = params.take_io_bytes()
     hits, misses = params.prefetch_counts()
     return StepStats(
         seconds=ended.wall - started.wall,
         param_wait_s=params.take_wait_s(),
-        optimizer_wait_s=update.wait_s,
-        optimizer_s=update.compute_s,
+        optimizer_wait_s=step.wait_s,
+        optimizer_s=step.compute_s,
         bytes_read=reads + param_reads,
         bytes_written=writes + param_writes,
         prefetch_hits=hits,

@@ -1,17 +1,22 @@
-"""The arithmetic of an optimizer step, apart from the engine's phases: AdamW on each unit's
-shard, the global gradient norm and clipping, and the per-unit norms that tell whether a step
-updated inside backward diverged. The engine decides when each runs and what a divergence
-does; this decides the numbers.
+"""The control path of each optimizer step, from its last backward to its commit: the one
+place that decides in what order the step's parts run. The engine says when (its phases);
+the arithmetic is ``engine.zero.step_math``'s, the unit-by-unit schedule over the optimizer
+tier ``engine.zero.update``'s.
 
-With spilled gradients (``engine.tiers.grad_spill``) the step takes what it needs from each
-shard as backward finishes it, before it goes to disk: its unscaling and overflow flag (loss
-scaling) and its pieces' norms, combined at the step into torch's global norm bit for bit; the
-clipping then scales each shard as it comes back, with the same coefficient.
+At the step's last backward ``begin`` opens the step's ``Update`` (its optimizer state starts
+being read ahead) and says what to do with each unit's gradient shard as it becomes final:
+update the unit at once, inside backward (``optim.overlap``, nothing needing every gradient
+first); spill it to disk (``engine.tiers.grad_spill``), after taking what the step needs of it
+(its unscaling and overflow flag with loss scaling, its pieces' norms); or leave it in memory.
+At ``step()`` ``apply`` checks the global norm (or, after updates inside backward, each
+unit's), clips, and updates the units still pending, spilled gradients read back beside their
+state and clipped as they come; ``commit`` makes the step the one a run resumes from.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -19,100 +24,38 @@ from torch import nn
 
 from engine.config import Config, overlaps_backward
 from engine.runtime.comm import Comm
+from engine.runtime.host_worker import HostWorker
 from engine.state.forms import ShardState
-from engine.state.partition import ModelLayout, UnitLayout, param_views
+from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.grad_spill import GradSpill
-from engine.zero.compact_update import CompactAdamW
-from engine.zero.decay import no_decay_names, shard_decays
-from engine.zero.divergence import nonfinite_units
+from engine.tiers.optimizer import OptimizerState
 from engine.zero.grads import GradientShards, PendingShard
-from engine.zero.optim import clip_coefficient, clip_grads_, global_norm, grad_norm, norm_of_norms, piece_norms
-from engine.zero.params import ReplicatedParams, ShardedParams
+from engine.zero.optim import clip_coefficient, clip_grads_
+from engine.zero.params import Params
 from engine.zero.precision import LossScaler
-from engine.zero.update import Update
+from engine.zero.step_math import GradNorms, UnitAdamW
+from engine.zero.update import Update, update_order
 
 
-class StepMath:
-    """AdamW over the units' shards, with the norms that guard it."""
+class UnitWork:
+    """What updating one unit takes (``engine.zero.update.UnitUpdate``): its gradient shard taken
+    on the training thread, AdamW at the step's learning rate on any thread, and the new master
+    handed to the parameters on the training thread."""
 
-    def __init__(
-        self,
-        config: Config,
-        layout: ModelLayout,
-        comm: Comm,
-        grads: GradientShards,
-        params: ReplicatedParams | ShardedParams,
-        model: nn.Module,
-        opt_device: torch.device,
-        spill: GradSpill | None = None,
-    ):
-        self._config, self._layout, self._comm = config, layout, comm
-        self._grads, self._params = grads, params
-        self.spill = spill
-        """Where each unit's final gradient shard waits for the step, when not in memory."""
-        self._scaler: LossScaler | None = None
-        """The loss scaler of the step being spilled, which unscales each shard as it is made."""
-        self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
-        """The model's own parameter order, which torch's gradient norm follows."""
-        self.adam = CompactAdamW(config.optim)
-        self._counters = {u.name: self.adam.new_step_counter(opt_device) for u in layout.units}
-        self._decay = shard_decays(layout, comm.rank, no_decay_names(model, config.optim.no_decay))
-        """Which elements of each unit's shard take weight decay (``optim.no_decay``)."""
-        self.overlap = overlaps_backward(config)
-        """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
+    def __init__(self, adamw: UnitAdamW, grads: GradientShards, params: Params, overlap: bool):
+        self._adamw, self._grads, self._params, self._overlap = adamw, grads, params, overlap
+        self._lr = 0.0
+        self._clip_scale: torch.Tensor | None = None
         self.unit_norms: dict[str, float] = {}
         """This step's gradient norm of each unit updated inside backward, taken before its update."""
-        self.last_grad_norm: float | None = None
-        """The last step's global gradient norm before clipping (None with loss scaling and no
-        clipping: nothing takes it there)."""
-        self._takes_norm = not (config.optim.grad_clip == 0 and config.precision.loss_scaling != "none")
-        """Whether a step waiting for every gradient takes their norm (see ``check_norm``)."""
-        self._update: Update | None = None
-        """The step's update, while its gradients are being spilled and until they are read back."""
-        self._piece_norms: dict[str, torch.Tensor] = {}
-        """The norms of the spilled gradients' pieces (``_norm_pieces``), by parameter or unit."""
-        self.found_inf: torch.Tensor | None = None
-        """Whether a spilled gradient held inf/nan (loss scaling), for ``LossScaler.unscale_and_check``."""
-        self._clip_norm: torch.Tensor | None = None
-        """The global norm the spilled gradients are clipped with as they come back."""
-        self.lr = 0.0
-        """The learning rate of the step being updated (``begin``)."""
 
-    def begin(self, update: Update, scaler: LossScaler, lr: float) -> Callable[[str], None] | None:
-        """The step's last backward starts, its update to be made at learning rate ``lr``: what
-        to call with each unit's name as its gradient shard becomes final
-        (``GradientShards.on_ready``): its update inside backward, its spill (unscaled by
-        ``scaler`` first), or nothing (the shards wait in memory)."""
-        self.unit_norms, self._piece_norms, self._clip_norm, self.lr = {}, {}, None, lr
-        if self.overlap:
-            return update.ready
-        if self.spill is None:
-            return None
-        self._update, self._scaler = update, scaler
-        self.found_inf = torch.zeros(1) if scaler.enabled else None
-        self.spill.begin()
-        return self._spill_unit
+    def begin(self, lr: float) -> None:
+        """A step starts, at learning rate ``lr``, nothing clipped yet."""
+        self._lr, self._clip_scale, self.unit_norms = lr, None, {}
 
-    def _spill_unit(self, unit_name: str) -> None:
-        """Unscale the unit's final shard and take its pieces' norms (what the step needs of it),
-        then spill it to disk and free it."""
-        assert self._update is not None and self.spill is not None  # ``begin`` hands this out only then
-        unit, grad = self._layout.unit(unit_name), self._grads.ready(unit_name)
-        if self.found_inf is not None and self._scaler is not None:
-            self._scaler.unscale_([grad], self.found_inf)
-        if self._takes_norm:
-            pieces = self._unit_pieces(unit, grad)
-            self._piece_norms.update(zip(pieces, piece_norms(list(pieces.values())), strict=True))
-        self._update.wait_s += self.spill.write(unit, grad)
-        self._grads.release_shard(unit_name)
-
-    def optimizer_steps(self) -> int:
-        """AdamW steps taken (the bias correction's count), for the step's record."""
-        return int(next(iter(self._counters.values())).item())
-
-    def restore(self, optimizer_steps: int) -> None:
-        for counter in self._counters.values():
-            counter.fill_(optimizer_steps)
+    def clip_spilled(self, scale: torch.Tensor) -> None:
+        """Scale each gradient read back from disk by ``scale`` (clipping's coefficient) in the update's own pass."""
+        self._clip_scale = scale
 
     def take_grad(self, unit: UnitLayout) -> PendingShard:
         """The unit's gradient shard in memory, with the copy that may still be filling it
@@ -120,24 +63,19 @@ class StepMath:
         return self._grads.take(unit.name)
 
     def compute(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor, spilled: bool) -> None:
-        """AdamW on one unit's shard, at the step's learning rate (``begin``); on the host
-        optimizer worker or the training thread, touching nothing but the unit's own tensors.
-        A ``spilled`` gradient was read back from disk and is clipped here.
+        """AdamW on one unit's shard; on the host optimizer worker or the training thread,
+        touching nothing but the unit's own tensors. A ``spilled`` gradient was read back from
+        disk and is clipped here.
 
         Inside backward (overlap) nothing has seen every gradient, so the unit's own gradient
         norm is taken first, and a unit whose norm is not finite is left as it was (the step
-        then stops on every rank, see ``check_unit_norms``; raising here, in an autograd hook,
+        then stops on every rank, see ``StepControl.apply``; raising here, in an autograd hook,
         would leave the other ranks waiting in their collectives)."""
-        scale = None
-        if spilled and self._clip_norm is not None:  # widened and clipped in the update's own pass
-            scale = clip_coefficient(self._config.optim.grad_clip, self._clip_norm)
-        finite = True
-        if self.overlap:
+        if self._overlap:
             norm = self.unit_norms[unit.name] = float(torch.linalg.vector_norm(grad))
-            finite = math.isfinite(norm)
-        if finite:
-            counter, decay = self._counters[unit.name], self._decay[unit.name]
-            self.adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, counter, self.lr, scale, decay)
+            if not math.isfinite(norm):
+                return
+        self._adamw.update(unit, state, grad, self._lr, self._clip_scale if spilled else None)
 
     def hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None:
         """On the training thread, after ``compute``: hand the new master to the parameters (its
@@ -148,63 +86,163 @@ class StepMath:
         if not spilled:
             self._grads.release_shard(unit.name)
 
-    def check_norm(self, grads: list[torch.Tensor]) -> str | None:
+
+class StepControl:
+    """Each optimizer step's control path; one for the run, held by the engine."""
+
+    def __init__(
+        self,
+        config: Config,
+        layout: ModelLayout,
+        comm: Comm,
+        grads: GradientShards,
+        params: Params,
+        model: nn.Module,
+        optimizer_state: OptimizerState,
+        opt_device: torch.device,
+        spill: GradSpill | None = None,
+        worker: HostWorker | None = None,
+    ):
+        self._config, self._layout, self._grads, self._state = config, layout, grads, optimizer_state
+        self.spill = spill
+        """Where each unit's final gradient shard waits for the step, when not in memory."""
+        self.worker = worker
+        """The host optimizer worker that AdamW runs on, if any (``engine.runtime.host_worker``)."""
+        self._adamw = UnitAdamW(config.optim, layout, comm.rank, model, opt_device)
+        self._norms = GradNorms(layout, comm, model)
+        self.overlap = overlaps_backward(config)
+        """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
+        self.unit_work = UnitWork(self._adamw, grads, params, self.overlap)
+        self._takes_norm = not (config.optim.grad_clip == 0 and config.precision.loss_scaling != "none")
+        """Whether a step waiting for every gradient takes their norm (see ``_check_norm``)."""
+        self.last_grad_norm: float | None = None
+        """The last step's global gradient norm before clipping (None with loss scaling and no
+        clipping: nothing takes it there)."""
+        self.found_inf: torch.Tensor | None = None
+        """Whether a spilled gradient held inf/nan (loss scaling), for ``LossScaler.unscale_and_check``."""
+        self._update: Update | None = None
+        """The step's update, from ``begin`` until the next one (its counters are the step's)."""
+        self._scaler: LossScaler | None = None
+        """The loss scaler of the step being spilled, which unscales each shard as it is made."""
+        self._piece_norms: dict[str, torch.Tensor] = {}
+        """The norms of the spilled gradients' pieces, by parameter or unit."""
+        self._waited = 0.0
+        """Seconds this step was blocked on spilling gradients and on its commit."""
+
+    def update_order(self) -> list[UnitLayout]:
+        """The units in the order the next step updates them (``engine.zero.update.update_order``)."""
+        return update_order(self._grads.order.recorded, self._layout)
+
+    def begin(self, scaler: LossScaler, lr: float) -> Callable[[str], None] | None:
+        """The step's last backward starts, its update to be made at learning rate ``lr``: the
+        optimizer state starts being read ahead, and what to call with each unit's name as its
+        gradient shard becomes final (``GradientShards.on_ready``) is returned: its update
+        inside backward, its spill (unscaled by ``scaler`` first), or nothing (the shards wait
+        in memory)."""
+        self._update = Update(self.update_order(), self._state, self.unit_work, self.worker)
+        self.unit_work.begin(lr)
+        self._piece_norms, self._waited = {}, 0.0
+        if self.overlap:
+            return self._update.ready
+        if self.spill is None:
+            return None
+        self._scaler = scaler
+        self.found_inf = torch.zeros(1) if scaler.enabled else None
+        self.spill.begin()
+        return self._spill_unit
+
+    def _spill_unit(self, unit_name: str) -> None:
+        """Unscale the unit's final shard and take its pieces' norms (what the step needs of it),
+        then spill it to disk and free it."""
+        assert self.spill is not None  # ``begin`` hands this out only then
+        unit, grad = self._layout.unit(unit_name), self._grads.ready(unit_name)
+        if self.found_inf is not None and self._scaler is not None:
+            self._scaler.unscale_([grad], self.found_inf)
+        if self._takes_norm:
+            self._piece_norms.update(self._norms.piece_norms(unit, grad))
+        self._waited += self.spill.write(unit, grad)
+        self._grads.release_shard(unit_name)
+
+    def _opened(self) -> Update:
+        assert self._update is not None, "the step's last backward opens its update"
+        return self._update
+
+    def apply(self, grads: list[torch.Tensor]) -> str | None:
+        """Update every unit still pending, with ``grads`` (the final shards in memory, unscaled):
+        after the norm check and clipping, or, where the units were updated inside backward,
+        followed by the check of their norms. Returns what is not finite (the step diverged:
+        before any update where the check comes first), or None."""
+        update = self._opened()
+        if self.overlap:
+            update.apply_remaining()
+            self.last_grad_norm, diverged = self._norms.of_unit_norms(self.unit_work.unit_norms)
+            return diverged
+        diverged = self._check_norm(grads)
+        if diverged is None:
+            update.apply_remaining()
+        return diverged
+
+    def _check_norm(self, grads: list[torch.Tensor]) -> str | None:
         """Before any unit is updated: the global gradient norm; what is not finite (the step
         diverged), or None once the gradients are clipped (``optim.grad_clip``), or will be as
         they come back from disk, whose reads start then. Loss scaling without clipping needs
         neither: its overflow check has passed."""
         clip = self._config.optim.grad_clip
-        update, self._update = self._update, None
         if self._takes_norm:
-            norm = self._global_norm(grads)
+            if self.spill is not None:
+                norm = self._norms.of_piece_norms(self._piece_norms)
+            else:
+                norm = self._norms.in_memory(grads, self._grads.ready)
             self.last_grad_norm = float(norm)
             if not math.isfinite(self.last_grad_norm):
                 return f"the gradient norm is {self.last_grad_norm}"
             if clip > 0 and self.spill is not None:
-                self._clip_norm = norm
+                self.unit_work.clip_spilled(clip_coefficient(clip, norm))
             elif clip > 0:
                 clip_grads_(grads, clip, norm)
-        if update is not None and self.spill is not None:
+        if self.spill is not None:
+            update = self._opened()
             update.read_grads(self.spill.read(update.order))
         return None
 
-    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """torch's norm of the pieces ``_norm_pieces`` cuts: of the gradients in memory, or
-        combined from the norms the spill took."""
-        if self.spill is None:
-            return grad_norm(self._norm_pieces(grads), self._comm)
-        order = self._param_order if self._comm.world_size == 1 else [u.name for u in self._layout.units]
-        return global_norm(norm_of_norms([self._piece_norms[name] for name in order]), self._comm)
+    def commit(self, record: Callable[[], dict], *, defer: bool) -> None:
+        """Make the step, every unit updated and handed on, the one a run resumes from, with the
+        record ``record`` makes (``OptimizerState.commit``)."""
+        start = time.perf_counter()
+        self._state.commit(record(), defer=defer)
+        self._waited += time.perf_counter() - start
+
+    def abandon(self) -> None:
+        """Give the step's update up (skipped, or diverged): let the worker finish what it holds,
+        drop the reads, hand nothing more on."""
+        self._opened().abandon()
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds the last step's training thread was blocked on the optimizer: its tier's reads
+        not ready, writes backed up, the worker's update not done, spilling, its commit."""
+        return self._waited + (self._update.wait_s if self._update is not None else 0.0)
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds in the last step's AdamW itself (on the worker, or the training thread)."""
+        return self._update.compute_s if self._update is not None else 0.0
+
+    def take_spill_io_bytes(self) -> tuple[int, int]:
+        """Bytes the spilled gradients read back and wrote since the last call."""
+        return self.spill.take_io_bytes() if self.spill is not None else (0, 0)
+
+    def optimizer_steps(self) -> int:
+        """AdamW steps taken (the bias correction's count), for the step's record."""
+        return self._adamw.steps_taken()
+
+    def restore(self, optimizer_steps: int) -> None:
+        self._adamw.restore(optimizer_steps)
 
     def close(self) -> None:
-        """Remove the spilled gradients, if any (before the engine's I/O runner closes)."""
+        """Stop the host worker and remove the spilled gradients, if any (before the engine's I/O
+        runner closes)."""
+        if self.worker is not None:
+            self.worker.close()
         if self.spill is not None:
             self.spill.close()
-
-    def check_unit_norms(self) -> str | None:
-        """After updates inside backward, each taken only if its unit's gradient norm was
-        finite: what no rank updated (the step diverged), or None. One all-reduce of the squared
-        norms agrees on it on every rank (nan and inf survive the sum) and gives the global norm."""
-        squares = sum(norm * norm for norm in self.unit_norms.values())
-        self.last_grad_norm = math.sqrt(self._comm.all_reduce_value(squares, op="sum"))
-        if math.isfinite(self.last_grad_norm):
-            return None
-        left_out = [(name, norm) for name, norm in self.unit_norms.items() if not math.isfinite(norm)]
-        return nonfinite_units(self._comm.all_gather_object(left_out))
-
-    def _norm_pieces(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What the global gradient norm is taken over: on one rank each parameter's gradient
-        (views of the unit shards, which are whole there) in the model's parameter order, as
-        ``torch.nn.utils.clip_grad_norm_`` takes it, so that the norm is torch's bit for bit; on
-        several ranks a parameter may span shards, so each rank's shards."""
-        if self._comm.world_size > 1:
-            return grads
-        views = {}
-        for unit in self._layout.units:
-            views.update(self._unit_pieces(unit, self._grads.ready(unit.name)))
-        return [views[name] for name in self._param_order]
-
-    def _unit_pieces(self, unit: UnitLayout, grad: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The unit's part of ``_norm_pieces``, by name: its parameters' views (one rank), or
-        its shard (several)."""
-        return param_views(grad, unit) if self._comm.world_size == 1 else {unit.name: grad}

@@ -48,7 +48,7 @@ def update_order(recorded: Sequence[str], layout: ModelLayout) -> list[UnitLayou
 
 
 class UnitUpdate(Protocol):
-    """What updating one unit takes (``engine.zero.step.StepMath``): its gradient shard taken on
+    """What updating one unit takes (``engine.zero.step.UnitWork``): its gradient shard taken on
     the training thread, AdamW on any thread, and the new master handed on on the training thread."""
 
     def take_grad(self, unit: UnitLayout) -> PendingShard: ...

@@ -13,8 +13,9 @@ from engine.build import model_units
 from engine.config import Config, ConfigError
 from engine.engine import Engine
 from engine.runtime.sizes import MIB
+from engine.state.forms import FP32_STATE
 from engine.tiers.sizing import AUTO_BUFFER_FLOOR_MB, optimizer_buffer_bytes
-from engine.tiers.store_checks import check_buffer, check_buffer_memory, unit_state_bytes
+from engine.tiers.store_checks import check_buffer, check_buffer_memory
 from tests.training import config, tiny_gpt
 
 VOCAB, WIDTH = 48_000, 256
@@ -42,7 +43,7 @@ def test_the_default_is_auto_and_auto_is_twice_the_largest_unit_at_least_the_flo
     assert Config().offload.buffer_mb == "auto" and cfg.offload.buffer_mb == "auto"
     with torch.device("meta"):
         _, _, layout = model_units(BigEmbedding(), cfg, 1)
-    largest = max(unit_state_bytes(u) for u in layout.units)
+    largest = max(FP32_STATE.unit_bytes(u) for u in layout.units)
     auto = optimizer_buffer_bytes(cfg.offload, layout.units)
     assert auto % MIB == 0 and 2 * largest <= auto < 2 * largest + MIB
     check_buffer(layout, auto)  # what the engine then asks of it
@@ -71,7 +72,7 @@ def test_auto_refuses_a_buffer_the_machine_cannot_hold_naming_the_fix(tmp_path, 
     cfg = nvme(tmp_path)
     with torch.device("meta"):
         _, _, layout = model_units(BigEmbedding(), cfg, 1)
-    held = min(optimizer_buffer_bytes(cfg.offload, layout.units), sum(unit_state_bytes(u) for u in layout.units))
+    held = min(optimizer_buffer_bytes(cfg.offload, layout.units), sum(FP32_STATE.unit_bytes(u) for u in layout.units))
     check_buffer_memory(layout, held, held)
     with pytest.raises(ValueError, match=r'buffer_mb = "auto".* MiB of memory are available: free memory'):
         check_buffer_memory(layout, held, held - 1)

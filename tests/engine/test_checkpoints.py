@@ -13,7 +13,7 @@ import torch
 from engine.engine import Engine
 from offload.generations import CheckpointExistsError
 from offload.manifest import read_committed
-from offload.store import ShardStore
+from offload.nodes import NodeOps
 from tests.engine.test_cli import losses as cli_losses
 from tests.engine.test_cli import run as cli
 from tests.engine.test_resume import nvme, params, run
@@ -82,14 +82,14 @@ def test_a_crash_between_the_commit_and_the_rename_loses_nothing(tmp_path, monke
     eng = Engine(tiny_gpt(), cfg, total_steps=6)
     run(eng, 2)
     eng.save("step-2")
-    move = ShardStore.move
+    move = NodeOps.move
 
-    def crash_before_keeping(self: ShardStore, src: str, dst: str) -> None:
+    def crash_before_keeping(self: NodeOps, src: str, dst: str) -> None:
         if dst.startswith("checkpoints/"):
             raise OSError(errno.EIO, "simulated crash")
         move(self, src, dst)
 
-    monkeypatch.setattr(ShardStore, "move", crash_before_keeping)
+    monkeypatch.setattr(NodeOps, "move", crash_before_keeping)
     with pytest.raises(OSError, match="simulated crash"):
         run(eng, 1)
     eng.close()

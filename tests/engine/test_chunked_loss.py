@@ -19,7 +19,7 @@ from engine.run.loss import IGNORE_INDEX, chunked_cross_entropy
 from engine.run.models.gpt import GPT
 from engine.state.partition import ROOT_UNIT
 from engine.zero.optim import lr_factor
-from engine.zero.params import UnitState
+from engine.zero.unit_params import UnitState
 from tests.training import SEQ_LEN, batches, config, reference_adamw, rel_diff, tiny_gpt
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -77,14 +77,14 @@ def test_a_background_write_failure_surfaces_at_the_next_step_and_keeps_the_last
         eng.save(checkpoint := "step-1")
     ops = FailingOps("write", errno.ENOSPC)
     eng.optimizer_state.store._ops = ops
-    last = eng._update_order()[-1].name
-    hand_on = eng.math.hand_on
+    last = eng.step_control.update_order()[-1].name
+    hand_on = eng.step_control.unit_work.hand_on
 
     def fail_the_last_writes(unit, state, spilled) -> None:  # only the step's final write-back fails
         hand_on(unit, state, spilled)
         ops.armed = unit.name == last
 
-    eng.math.hand_on = fail_the_last_writes  # type: ignore[method-assign]
+    eng.step_control.unit_work.hand_on = fail_the_last_writes  # type: ignore[method-assign]
     run(eng, 1)  # step 2 returns before its last writes land
     with pytest.raises(OffloadIOError, match=r"write gen-\d+/.*injected"):
         run(eng, 1)  # step 3 reads step 2's state: the failure surfaces before anything is read

@@ -63,7 +63,7 @@ def test_no_gradient_shard_is_in_memory_at_the_step(tmp_path) -> None:
     eng = Engine(tiny_gpt(), nvme(tmp_path), total_steps=2)
     data = batches(4)
     eng.backward(eng(*data.next()))
-    assert eng.grads.nbytes() == 0 and eng.math.spill is not None
+    assert eng.grads.nbytes() == 0 and eng.step_control.spill is not None
     eng.step()
     spilled = sum(u.shard_numel * 4 for u in eng.layout.units)
     state = 3 * spilled
@@ -140,9 +140,9 @@ def test_a_failed_spill_keeps_the_last_commit(tmp_path) -> None:
     eng.backward(eng(*data.next()))
     eng.step()
     committed = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
-    assert eng.math.spill is not None
+    assert eng.step_control.spill is not None
     ops = FailingOps("write", errno.ENOSPC)
-    eng.math.spill.store._ops = ops
+    eng.step_control.spill.store._ops = ops
     ops.armed = True
     with pytest.raises(OffloadIOError, match="grad"):
         eng.backward(eng(*data.next()))

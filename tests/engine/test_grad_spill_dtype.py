@@ -71,8 +71,8 @@ def spilled_step(cfg: Config) -> dict:
     the first unit's spilled shard as stored, and the rank's shard elements."""
     eng = Engine(tiny_gpt(), cfg, total_steps=2)
     eng.backward(eng(*batches(4).next()))
-    assert eng.math.spill is not None
-    eng.math.spill.pipeline.drain()  # the spill's writes have landed
+    assert eng.step_control.spill is not None
+    eng.step_control.spill.pipeline.drain()  # the spill's writes have landed
     root = scratch_path(cfg.offload.nvme_path, 0)
     unit = eng.layout.units[0]
     store = ShardStore.open(root, runner=eng.io.runner)
@@ -87,7 +87,7 @@ def spilled_step(cfg: Config) -> dict:
     }
     eng.step()
     stats = eng.last_step_stats
-    out |= {"read": stats.bytes_read, "written": stats.bytes_written, "norm": eng.math.last_grad_norm}
+    out |= {"read": stats.bytes_read, "written": stats.bytes_written, "norm": eng.step_control.last_grad_norm}
     eng.close()
     return out
 

@@ -19,7 +19,7 @@ from engine.config import ConfigError
 from engine.engine import Engine
 from engine.runtime.device import SIM_ENV
 from engine.runtime.host_worker import WORKER_THREAD
-from engine.zero.step import StepMath
+from engine.zero.step import UnitWork
 from tests.training import batches, config, tiny_gpt, train_engine, train_reference
 
 STEPS = 3
@@ -63,7 +63,7 @@ def test_the_worker_on_the_cpu_device_is_bit_identical(tmp_path) -> None:
 def test_an_error_on_the_worker_surfaces_on_the_training_thread(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=1")
     updated: list[str] = []
-    compute = StepMath.compute
+    compute = UnitWork.compute
 
     def failing(self, unit, state, grad, spilled) -> None:
         assert threading.current_thread().name.startswith(WORKER_THREAD), "AdamW runs on the worker"
@@ -72,7 +72,7 @@ def test_an_error_on_the_worker_surfaces_on_the_training_thread(tmp_path, monkey
         updated.append(unit.name)
         compute(self, unit, state, grad, spilled)
 
-    monkeypatch.setattr(StepMath, "compute", failing)
+    monkeypatch.setattr(UnitWork, "compute", failing)
     before = set(worker_threads())  # an engine a failed test left open keeps its own
     eng = Engine(tiny_gpt(), plan_config(3, "cpu", "cpu", str(tmp_path / "store")), total_steps=STEPS)
     data = batches(4)
@@ -87,7 +87,7 @@ def test_an_error_on_the_worker_surfaces_on_the_training_thread(tmp_path, monkey
 def test_the_switch(tmp_path) -> None:
     store = str(tmp_path / "store")
     eng = Engine(tiny_gpt(), config(offload={"optimizer": "cpu", "nvme_path": store}), total_steps=1)
-    assert eng.worker is None, "auto: off where the device is the host"
+    assert eng.step_control.worker is None, "auto: off where the device is the host"
     eng.close()
     with pytest.raises(ConfigError, match=r'offload.host_worker.*set offload.optimizer = "cpu" or "nvme"'):
         config(offload={"optimizer": "device", "host_worker": True})

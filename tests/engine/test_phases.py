@@ -15,8 +15,9 @@ import torch
 from engine.config import Config
 from engine.engine import Engine
 from engine.zero.divergence import DivergedError
-from engine.zero.params import ShardedParams, UnitState, UnitStateError
+from engine.zero.params import ShardedParams
 from engine.zero.phase import PhaseError, StepPhase
+from engine.zero.unit_params import UnitState, UnitStateError
 from tests.engine.test_divergence import poison
 from tests.engine.test_resume import nvme, params
 from tests.training import batches, config, tiny_gpt, train_engine
@@ -306,7 +307,7 @@ def test_a_stage_3_unit_refuses_a_transition_its_state_does_not_lead_to() -> Non
     eng = Engine(tiny_gpt(), config(zero={"stage": 3}), total_steps=2)
     sharded, name = eng.params, "blocks.0"
     assert isinstance(sharded, ShardedParams)
-    unit = sharded._units[name]
+    unit = sharded.unit(name)
     refused = r"^unit 'blocks\.0' cannot become GATHERED from SHARDED: only from GATHERING$"
     with pytest.raises(UnitStateError, match=refused), unit.becoming(UnitState.GATHERED):
         pytest.fail("the transition's work runs only from a state that leads to it")
@@ -315,11 +316,11 @@ def test_a_stage_3_unit_refuses_a_transition_its_state_does_not_lead_to() -> Non
     with pytest.raises(
         UnitStateError, match=r"^unit 'blocks\.0' cannot become GATHERING from GATHERED: only from COPYING$"
     ):
-        sharded._start_gather(unit)  # a second gather of a gathered unit
+        unit.start_gather()  # a second gather of a gathered unit
     with pytest.raises(
         UnitStateError, match=r"^unit 'blocks\.0' cannot become FETCHING from GATHERED: only from SHARDED$"
     ):
-        sharded._fetch(unit)
+        unit.start_fetch()
     assert unit.state is UnitState.GATHERED and eng.budget.used == used, "a refused transition does none of its work"
     sharded.release(name)
     assert unit.state is UnitState.SHARDED and eng.budget.used == used - unit.nbytes

@@ -20,7 +20,7 @@ from engine.runtime.device import SIM_ENV
 from engine.runtime.sim_device import CopyRaceError, SimDevice
 from engine.zero.divergence import DivergedError
 from engine.zero.grads import PendingShard
-from engine.zero.params import ShardedParams, UnitState
+from engine.zero.unit_params import UnitParams, UnitState
 from tests.ranks import run_ranks
 from tests.training import config, rel_diff, train_engine, train_engine_on_ranks, train_reference
 
@@ -93,15 +93,15 @@ def test_two_ranks_with_late_copies(tmp_path, monkeypatch) -> None:
     assert all(rel_diff(result["params"], ref["params"]) <= 1e-6 for result in ranks)
 
 
-def gather_before_the_copy(self: ShardedParams, entry) -> None:
-    """``_start_gather`` without waiting for the shard's copy."""
-    with entry.becoming(UnitState.GATHERING):
-        entry.work = self._comm.all_gather(entry.flat, self._own(entry))
+def gather_before_the_copy(self: UnitParams) -> None:
+    """``UnitParams.start_gather`` without waiting for the shard's copy."""
+    with self.becoming(UnitState.GATHERING):
+        self.work = self.all_gather()
 
 
 def train_gathering_before_the_copy(cfg, steps: int, micro_batch: int) -> dict:
     """On each rank (a process of its own): train with ``gather_before_the_copy``."""
-    ShardedParams._start_gather = gather_before_the_copy  # type: ignore[method-assign]
+    UnitParams.start_gather = gather_before_the_copy  # type: ignore[method-assign]
     return train_engine_on_ranks(cfg, steps, micro_batch)
 
 

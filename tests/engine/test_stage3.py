@@ -10,7 +10,8 @@ import torch
 from engine.engine import Engine
 from engine.run.models.gpt import GPT, init_parameters_
 from engine.state.partition import ROOT_UNIT
-from engine.zero.params import ShardedParams, UnitState
+from engine.zero.params import ShardedParams
+from engine.zero.unit_params import UnitState
 from tests.training import batches, config, tiny_gpt, train_engine, train_reference
 
 

@@ -18,14 +18,13 @@ from torch import nn
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.detect import detect_device
 from engine.runtime.sizes import MIB
-from engine.state.forms import STATE_KINDS, ShardState
+from engine.state.forms import FP32_STATE, STATE_KINDS, ShardState
 from engine.state.partition import ModelLayout, UnitLayout, build_layout
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.frozen import FrozenAdder, read_frozen, read_frozen_async
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_KIND, MemoryParamTier, ParamTier, StoreParamTier
-from engine.tiers.store_checks import unit_state_bytes
 from engine.tiers.store_io import StoreIO
 from offload import TOP, IORunner, ShardStore, read_shard, unit_arrays
 
@@ -294,7 +293,7 @@ def test_io_counters_count_a_step_and_reset_when_taken(kind, tmp_path, io) -> No
     tier.take_io_bytes()
     step(tier, layout, seed=12)
     tier.commit({"step": 1})
-    state_bytes = sum(unit_state_bytes(u) for u in layout.units)
+    state_bytes = sum(FP32_STATE.unit_bytes(u) for u in layout.units)
     assert tier.take_io_bytes() == ((state_bytes, state_bytes) if kind.on_disk else (0, 0))
     assert tier.take_io_bytes() == (0, 0)
     tier.close()
@@ -303,7 +302,7 @@ def test_io_counters_count_a_step_and_reset_when_taken(kind, tmp_path, io) -> No
 def test_nbytes_is_the_state_held(kind, tmp_path, io) -> None:
     layout = small_layout()
     tier = new_tier(kind, tmp_path / "store", layout, io)
-    state_bytes = sum(unit_state_bytes(u) for u in layout.units)
+    state_bytes = sum(FP32_STATE.unit_bytes(u) for u in layout.units)
     live = {"nvme generations": 2, "nvme in-place": 1}.get(kind.name, 1)
     assert tier.nbytes() == live * state_bytes
     tier.close()

@@ -433,7 +433,7 @@ def test_a_scratch_store_never_fsyncs_its_chunks_and_is_swept_from_its_parent(tm
     scratch.read_into("a/grad", 0, back)
     assert same_bits(back, data)
     assert parent.array_names() == [], "a scratch store is no node of the store it sits in"
-    parent.sweep()
+    parent.nodes.sweep()
     assert not (parent.path / SCRATCH).exists()
 
 
@@ -459,7 +459,7 @@ def test_move_renames_a_generation_durably_and_zarr_still_reads_it(tmp_path, run
     store.create_array("gen-1/blocks.0/master", NUMEL, CHUNK, torch.float32)
     store.array_info("gen-1/blocks.0/master")
     store.write_async("gen-1/blocks.0/master", 0, values)  # still in flight: move syncs first
-    store.move("gen-1", "checkpoints/step-10")
+    store.nodes.move("gen-1", "checkpoints/step-10")
     assert store.array_names() == ["checkpoints/step-10/blocks.0/master"]
     assert not store.has_array("gen-1/blocks.0/master")
     out = torch.empty(NUMEL)
@@ -473,9 +473,9 @@ def test_move_renames_a_generation_durably_and_zarr_still_reads_it(tmp_path, run
     assert read.tobytes() == values.numpy().tobytes()
     store.create_array("gen-1/blocks.0/master", NUMEL, CHUNK, torch.float32)
     with pytest.raises(FileExistsError, match="destination exists"):
-        store.move("gen-1", "checkpoints/step-10")
+        store.nodes.move("gen-1", "checkpoints/step-10")
     with pytest.raises(FileNotFoundError, match="no group or array 'gen-9'"):
-        store.move("gen-9", "gen-10")
+        store.nodes.move("gen-9", "gen-10")
 
 
 def test_delete_removes_arrays_and_pending_state(tmp_path, runner):
@@ -483,13 +483,13 @@ def test_delete_removes_arrays_and_pending_state(tmp_path, runner):
     store.create_array("gen-0/a/master", NUMEL, CHUNK, torch.float32)
     store.create_array("gen-1/a/master", NUMEL, CHUNK, torch.float32)
     store.write_async("gen-0/a/master", 0, torch.ones(NUMEL))
-    store.delete("gen-0")
+    store.nodes.delete("gen-0")
     assert store.array_names() == ["gen-1/a/master"]
     assert not (store.path / "gen-0").exists()
     assert not store.has_array("gen-0/a/master")
     store.sync()  # nothing pending refers to the deleted files
     with pytest.raises(FileNotFoundError, match="no group or array 'gen-0'"):
-        store.delete("gen-0")
+        store.nodes.delete("gen-0")
 
 
 def test_read_range_reads_any_range_through_the_chunks_covering_it(tmp_path) -> None:

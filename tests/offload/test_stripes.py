@@ -85,7 +85,7 @@ def test_a_single_folder_store_records_no_list_and_stays_plain_zarr(tmp_path, ru
 def test_moves_deletes_and_generations_act_on_every_folder(tmp_path, runner) -> None:
     store = striped(tmp_path, runner)
     generations = Generations(store)
-    store.build("gen-1", lambda staging: store.create_array(f"{staging}/u/master", NUMEL, CHUNK, torch.float32))
+    store.nodes.build("gen-1", lambda staging: store.create_array(f"{staging}/u/master", NUMEL, CHUNK, torch.float32))
     store.write_from("gen-1/u/master", 0, random_bits(NUMEL, torch.float32))
     store.sync()
     generations.commit(1, {"step": 1})
@@ -93,22 +93,22 @@ def test_moves_deletes_and_generations_act_on_every_folder(tmp_path, runner) -> 
     for folder in folders(tmp_path, 3):
         assert not (folder / "gen-1").exists() and (folder / "checkpoints/step-1/u/master/zarr.json").is_file()
         assert not [p for p in folder.iterdir() if p.name.startswith(".")], "no staging or trash left"
-    store.delete("checkpoints/step-1")
+    store.nodes.delete("checkpoints/step-1")
     store.sync()
     assert all(not (folder / "checkpoints/step-1").exists() for folder in folders(tmp_path, 3))
 
 
 def test_a_move_a_crash_left_done_on_the_other_folders_is_finished(tmp_path, runner) -> None:
     store = striped(tmp_path, runner, count=2)
-    store.build("gen-2", lambda staging: store.create_array(f"{staging}/u/master", NUMEL, CHUNK, torch.float32))
+    store.nodes.build("gen-2", lambda staging: store.create_array(f"{staging}/u/master", NUMEL, CHUNK, torch.float32))
     store.sync()
     second = folders(tmp_path, 2)[1]
     os.rename(second / "gen-2", second / "gen-3")  # the second folder renamed, the first not yet
-    store.move("gen-2", "gen-3")
+    store.nodes.move("gen-2", "gen-3")
     assert (folders(tmp_path, 2)[0] / "gen-3").is_dir() and not (second / "gen-2").exists()
     # and a node the first folder no longer holds is an orphan elsewhere, replaced when made again
     shutil.copytree(second / "gen-3", second / "gen-4")
-    store.build("gen-4", lambda staging: store.create_array(f"{staging}/v/master", NUMEL, CHUNK, torch.float32))
+    store.nodes.build("gen-4", lambda staging: store.create_array(f"{staging}/v/master", NUMEL, CHUNK, torch.float32))
     assert sorted(p.name for p in (second / "gen-4").iterdir()) == ["v", "zarr.json"]
 
 

@@ -70,19 +70,19 @@ def _total(terms: Iterable[Footprint]) -> Footprint:
 
 def _grad_tier(plan: Plan) -> Tier:
     """Gradient shards live beside the optimizer state, in memory."""
-    return "device" if plan.optimizer == "device" else "cpu"
+    return "device" if plan.tiers.optimizer_on_device else "cpu"
 
 
 def _held_state(run: RunShape, plan: Plan) -> dict[str, Footprint]:
     """What the engine builds and keeps for the whole run, by term."""
     terms = {"optimizer state": _on(plan.optimizer, optimizer_state_bytes(run))}
-    if plan.optimizer == "nvme":
+    if plan.tiers.optimizer_in_store:
         terms["optimizer staging"] = Footprint(host=optimizer_staging_bytes(run))
     if plan.stage < 3:
         terms["parameters"] = Footprint(device=replicated_param_bytes(run))
     else:
         terms["parameter shards"] = _on(plan.param, param_shard_bytes(run))
-    if plan.param == "nvme":
+    if plan.tiers.params_in_store:
         terms["parameter staging"] = Footprint(host=param_staging_bytes(run))
     if spills_gradients(run.config):
         terms["gradient spill staging"] = Footprint(host=spill_staging_bytes(run))
@@ -94,7 +94,7 @@ def _construction_end(run: RunShape, plan: Plan) -> dict[str, Footprint]:
     tier's pool having staged only one unit's optimizer state at a time so far."""
     built = _held_state(run, plan)
     built.pop("gradient spill staging", None)  # nothing spilled yet
-    if plan.optimizer == "nvme":
+    if plan.tiers.optimizer_in_store:
         built["optimizer staging"] = Footprint(host=max(run.form.unit_bytes(u) for u in run.layout.units))
     return built
 
@@ -161,7 +161,7 @@ def refusal(run: RunShape, plan: Plan) -> str:
         plan.apply(run.config)
     except ConfigError as err:
         return str(err)
-    if plan.optimizer == "nvme":
+    if plan.tiers.optimizer_in_store:
         try:
             check_buffer(run.layout, optimizer_buffer_bytes(run.config.offload, run.layout.units, run.form), run.form)
         except ValueError as err:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.build import units_layout
-from engine.config import Config, ConfigError, Tier, spills_gradients
+from engine.config import Config, ConfigError, OffloadConfig, Tier, spills_gradients
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
@@ -56,12 +56,17 @@ class Plan:
         estimate sizes, even for a plan the engine refuses (``refusal`` says why)."""
         zero = dataclasses.replace(config.zero, stage=self.stage)
         offload = dataclasses.replace(config.offload, optimizer=self.optimizer, param=self.param)
-        if offload.grad_spill is True and (self.optimizer != "nvme" or self.stage < 2):
+        if offload.grad_spill is True and (not offload.optimizer_in_store or self.stage < 2):
             offload = dataclasses.replace(offload, grad_spill="auto")  # a plan that cannot spill keeps its shards
         planned = dataclasses.replace(config, zero=zero, offload=offload)
         if not spills_gradients(planned):  # nor does it store spilled shards in any dtype
             planned = dataclasses.replace(planned, offload=dataclasses.replace(offload, grad_spill_dtype="fp32"))
         return planned
+
+    @property
+    def tiers(self) -> OffloadConfig:
+        """The plan's tiers as an ``[offload]`` section, which says where each kind of state lives."""
+        return OffloadConfig(optimizer=self.optimizer, param=self.param)
 
     def __str__(self) -> str:
         return f"stage {self.stage}, optimizer {self.optimizer}, param {self.param}"
@@ -69,12 +74,8 @@ class Plan:
 
 def all_plans() -> list[Plan]:
     """Every valid plan, in ``TIER_ORDER`` and then by stage (parameter tiers need stage 3)."""
-    return [
-        Plan(stage, optimizer, param)
-        for optimizer, param in TIER_ORDER
-        for stage in (1, 2, 3)
-        if param == "device" or stage == 3
-    ]
+    plans = [Plan(stage, optimizer, param) for optimizer, param in TIER_ORDER for stage in (1, 2, 3)]
+    return [plan for plan in plans if plan.tiers.params_on_device or plan.stage == 3]
 
 
 def plan_of(config: Config) -> Plan:

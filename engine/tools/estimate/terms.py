@@ -147,7 +147,7 @@ def step_io_bytes(run: RunShape, plan: Plan) -> int:
     """Bytes one rank reads plus writes per step under ``plan``: the ``nvme`` optimizer tier's
     state read and written back, the gradient shards spilled and read back, and the ``nvme``
     parameter tier's shards (``param_io_bytes``)."""
-    state = optimizer_state_bytes(run) if plan.optimizer == "nvme" else 0
+    state = optimizer_state_bytes(run) if plan.tiers.optimizer_in_store else 0
     return 2 * (state + scratch_bytes(run, plan) // run.layout.world_size) + param_io_bytes(run, plan)
 
 
@@ -156,7 +156,7 @@ def param_io_bytes(run: RunShape, plan: Plan) -> int:
     backward's gather in every micro-batch (at most: a unit still gathered is not read again),
     and the trained units' copy written each step, unless their bf16 masters are the copy
     (``shares_master``: the optimizer tier writes those anyway)."""
-    if plan.param != "nvme":
+    if not plan.tiers.params_in_store:
         return 0
     reads = 2 * run.config.zero.grad_accum_steps * sum(shard_bytes(u, run.dtype) for u in run.layout.all_units)
     shared = shares_master(plan.laid_over(run.config))
@@ -221,8 +221,8 @@ def store_bytes(run: RunShape, plan: Plan) -> int:
     units' values, once, when the store keeps a step or the parameters are on disk
     (``engine.tiers.frozen``), and the spilled gradients' scratch stores."""
     config, layout = run.config, run.layout
-    live = optimizer_store_bytes(layout, config.store.mode, run.form) if plan.optimizer == "nvme" else 0
-    on_disk = plan.param == "nvme"
+    live = optimizer_store_bytes(layout, config.store.mode, run.form) if plan.tiers.optimizer_in_store else 0
+    on_disk = plan.tiers.params_in_store
     copied = on_disk and not shares_master(plan.laid_over(config))
     params = sum(array_bytes(u, run.dtype) for u in layout.units) if copied else 0
     ckpt = config.checkpoint

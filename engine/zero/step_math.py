@@ -1,0 +1,99 @@
+"""The arithmetic of an optimizer step, apart from its control path (``engine.zero.step``):
+AdamW over every unit's shard with each unit's step count and weight decay, and the global
+gradient norm, taken as torch takes it.
+
+On one rank the norm is ``torch.nn.utils.clip_grad_norm_``'s bit for bit: the norm of each
+parameter's gradient in the model's parameter order. With spilled gradients
+(``engine.tiers.grad_spill``) those pieces' norms are taken as backward finishes each shard,
+before it goes to disk, and combined at the step into the same norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.config import OptimConfig
+from engine.runtime.comm import Comm
+from engine.state.forms import ShardState
+from engine.state.partition import ModelLayout, UnitLayout, param_views
+from engine.zero.compact_update import CompactAdamW
+from engine.zero.decay import no_decay_names, shard_decays
+from engine.zero.divergence import nonfinite_units
+from engine.zero.optim import global_norm, grad_norm, norm_of_norms, piece_norms
+
+
+class UnitAdamW:
+    """AdamW on each unit's shard: the unit's own step count (the bias correction's) and which
+    of its elements take weight decay (``optim.no_decay``), with the kernel its state's form takes."""
+
+    def __init__(self, optim: OptimConfig, layout: ModelLayout, rank: int, model: nn.Module, device: torch.device):
+        self._adam = CompactAdamW(optim)
+        self._counters = {u.name: self._adam.new_step_counter(device) for u in layout.units}
+        self._decay = shard_decays(layout, rank, no_decay_names(model, optim.no_decay))
+
+    def update(
+        self, unit: UnitLayout, state: ShardState, grad: torch.Tensor, lr: float, scale: torch.Tensor | None
+    ) -> None:
+        """One AdamW step on the unit's shard, in place; ``scale`` multiplies the gradient first
+        (clipping's coefficient, for a gradient read back from disk)."""
+        counter, decay = self._counters[unit.name], self._decay[unit.name]
+        self._adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, counter, lr, scale, decay)
+
+    def steps_taken(self) -> int:
+        """AdamW steps taken (the bias correction's count), for the step's record."""
+        return int(next(iter(self._counters.values())).item())
+
+    def restore(self, steps: int) -> None:
+        for counter in self._counters.values():
+            counter.fill_(steps)
+
+
+class GradNorms:
+    """The global gradient norm over the pieces it is taken over: on one rank each parameter's
+    gradient (views of the unit shards, which are whole there) in the model's parameter order,
+    as ``torch.nn.utils.clip_grad_norm_`` takes it; on several ranks a parameter may span
+    shards, so each rank's shards."""
+
+    def __init__(self, layout: ModelLayout, comm: Comm, model: nn.Module):
+        self._layout, self._comm = layout, comm
+        self._param_order = [name for name, param in model.named_parameters() if param.requires_grad]
+        """The model's own parameter order, which torch's gradient norm follows."""
+
+    def pieces(self, unit: UnitLayout, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The unit's pieces, by name: its parameters' views (one rank), or its shard (several)."""
+        return param_views(grad, unit) if self._comm.world_size == 1 else {unit.name: grad}
+
+    def piece_norms(self, unit: UnitLayout, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The norms of the unit's pieces, by name, for ``of_piece_norms`` to combine later."""
+        pieces = self.pieces(unit, grad)
+        return dict(zip(pieces, piece_norms(list(pieces.values())), strict=True))
+
+    def in_memory(self, grads: list[torch.Tensor], shard: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The norm of the gradient shards in memory: ``grads`` in layout order, ``shard`` each
+        unit's by name."""
+        if self._comm.world_size > 1:
+            return grad_norm(grads, self._comm)
+        views = {}
+        for unit in self._layout.units:
+            views.update(self.pieces(unit, shard(unit.name)))
+        return grad_norm([views[name] for name in self._param_order], self._comm)
+
+    def of_piece_norms(self, norms: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The norm combined from every piece's norm (``piece_norms``), in the order ``in_memory`` takes them."""
+        order = self._param_order if self._comm.world_size == 1 else [u.name for u in self._layout.units]
+        return global_norm(norm_of_norms([norms[name] for name in order]), self._comm)
+
+    def of_unit_norms(self, unit_norms: dict[str, float]) -> tuple[float, str | None]:
+        """The global norm from each unit's own, and what is not finite on any rank (None if
+        nothing): one all-reduce of the squared norms agrees on it on every rank (nan and inf
+        survive the sum)."""
+        squares = sum(norm * norm for norm in unit_norms.values())
+        norm = math.sqrt(self._comm.all_reduce_value(squares, op="sum"))
+        if math.isfinite(norm):
+            return norm, None
+        left_out = [(name, n) for name, n in unit_norms.items() if not math.isfinite(n)]
+        return norm, nonfinite_units(self._comm.all_gather_object(left_out))

@@ -1,0 +1,155 @@
+"""One stage-3 unit's full parameters through their life cycle: fetched from the unit's tier,
+copied into place on the device, all-gathered, and freed again (``engine.zero.params`` decides
+when). Each step of the cycle is a method here, and refused, before any of its work, from a
+state that does not lead to it."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from engine.runtime.budget import DeviceBudget
+from engine.runtime.comm import Comm, Work
+from engine.runtime.device import Device, Event
+from engine.state.partition import UnitLayout
+from engine.tiers.parameters import Fetch, ParamTier
+
+
+class UnitStateError(RuntimeError):
+    """A stage-3 unit asked to enter a state its life cycle does not lead to from the one it
+    is in (a unit gathered twice, or completed before its gather started): the unit is left
+    as it was, before any of the transition's work."""
+
+
+class UnitState(enum.Enum):
+    """Where a stage-3 unit's full parameters are in their life cycle."""
+
+    SHARDED = "sharded"
+    """Only this rank's shard exists, on its tier."""
+    FETCHING = "fetching"
+    """The shard is on its way from its tier to where the device can copy it."""
+    COPYING = "copying"
+    """The shard's copy into the full buffer is queued on the copy stream."""
+    GATHERING = "gathering"
+    """The all-gather into the full buffer is in flight."""
+    GATHERED = "gathered"
+
+
+COMES_FROM = {
+    UnitState.FETCHING: frozenset({UnitState.SHARDED}),
+    UnitState.COPYING: frozenset({UnitState.FETCHING}),
+    UnitState.GATHERING: frozenset({UnitState.COPYING}),
+    UnitState.GATHERED: frozenset({UnitState.GATHERING}),
+    UnitState.SHARDED: frozenset({UnitState.FETCHING, UnitState.COPYING, UnitState.GATHERING, UnitState.GATHERED}),
+}
+"""The states each state is entered from: a unit is fetched, copied, gathered and completed
+in turn, and freed from any of them."""
+
+
+class UnitParams:
+    """A stage-3 unit's full compute-dtype buffer (its parameters are views of it), where it is
+    in its life cycle, and what is in flight for it."""
+
+    def __init__(
+        self,
+        layout: UnitLayout,
+        flat: torch.Tensor,
+        persistent: bool,
+        state: UnitState,
+        *,
+        tier: ParamTier,
+        comm: Comm,
+        device: Device,
+        budget: DeviceBudget,
+    ):
+        self.layout, self.flat, self.persistent, self.state = layout, flat, persistent, state
+        self._tier, self._comm, self._device, self._budget = tier, comm, device, budget
+        self.fetch: Fetch | None = None
+        self.copied: Event | None = None
+        """The copy of the fetched shard into place: the fetch's buffer is released only after it."""
+        self.work: Work | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    @contextmanager
+    def becoming(self, state: UnitState) -> Iterator[None]:
+        """One transition to ``state``, its work inside: refused before any of it unless the
+        unit is in a state that leads there (``COMES_FROM``), made once the work is done."""
+        if self.state not in COMES_FROM[state]:
+            allowed = " or ".join(sorted(s.name for s in COMES_FROM[state]))
+            raise UnitStateError(
+                f"unit {self.layout.name!r} cannot become {state.name} from {self.state.name}: only from {allowed}"
+            )
+        yield
+        self.state = state
+
+    def own(self) -> torch.Tensor:
+        """This rank's shard of the full buffer."""
+        return self.flat[self.layout.shard_slice(self._comm.rank)]
+
+    def start_fetch(self) -> None:
+        """Start reading the shard from its tier."""
+        with self.becoming(UnitState.FETCHING):
+            self.fetch = self._tier.read(self.layout)
+
+    def start_copy(self) -> None:
+        """The shard is fetched: give the full buffer its memory and queue the shard's copy into
+        place on the copy stream. The fetch's buffer is released only once the copy's event
+        has completed (``release_fetch``): the copy may still be reading it."""
+        if self.state is UnitState.SHARDED:
+            self.start_fetch()
+        with self.becoming(UnitState.COPYING):
+            self._budget.charge(self.nbytes, f"gathering unit {self.layout.name!r}")
+            self.flat.untyped_storage().resize_(self.nbytes)
+            assert self.fetch is not None  # FETCHING holds it
+            self.copied = self._device.copy(self.own(), self.fetch.wait())
+
+    def start_gather(self) -> None:
+        """All-gather the full buffer once the shard's copy is done (asynchronously)."""
+        with self.becoming(UnitState.GATHERING):
+            assert self.copied is not None  # COPYING holds it
+            self._device.wait_for(self.copied)  # the all-gather reads the shard
+            self.work = self.all_gather()
+
+    def all_gather(self) -> Work:
+        """The all-gather of the full buffer from every rank's shard, started."""
+        return self._comm.all_gather(self.flat, self.own())
+
+    def release_fetch(self) -> None:
+        """Hand the fetched shard's buffer back, after the copy reading it is done."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+        if self.fetch is not None:
+            self.fetch.release()
+            self.fetch = None
+
+    def complete(self) -> None:
+        """Take the unit through what is left of its cycle until it is gathered, and wait for that."""
+        if self.state in (UnitState.SHARDED, UnitState.FETCHING):
+            self.start_copy()
+        if self.state is UnitState.COPYING:
+            self.start_gather()
+        with self.becoming(UnitState.GATHERED):
+            assert self.work is not None  # GATHERING holds it
+            self.work.wait()
+            self.work = None
+            self.release_fetch()
+
+    def free(self) -> None:
+        """Back to the shard alone, from wherever the unit is in its cycle."""
+        if self.state is UnitState.SHARDED:
+            return
+        with self.becoming(UnitState.SHARDED):
+            if self.work is not None:  # an all-gather nobody waited for: it must land before its buffer goes
+                self.work.wait()
+                self.work = None
+            self.release_fetch()
+            if self.state is not UnitState.FETCHING:
+                self.flat.untyped_storage().resize_(0)
+                self._budget.credit(self.nbytes)
