@@ -1,6 +1,7 @@
 """The contract every tier keeps, checked on every tier through the same cases (as zarr's
 ``StoreTests`` checks every store): optimizer tiers (``device``, ``cpu``, ``nvme`` by
-generations, ``nvme`` in place) and parameter tiers (``device``, ``cpu``, ``nvme``).
+generations, ``nvme`` in place), parameter tiers (``device``, ``cpu``, ``nvme``) and the gradient
+spill.
 
 A new tier joins by adding a ``Kind`` below; it then passes these or it is not a tier.
 """
@@ -479,3 +480,32 @@ def test_frozen_values_go_to_each_host_store_made_by_its_own_leader(tmp_path) ->
         assert unit is fixed and torch.equal(stored, values)
     finally:
         host_io.close()
+
+
+# ------------------------------------------------- the gradient spill tier
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_spilled_gradients_read_back_in_the_order_asked_and_leave_nothing(dtype, tmp_path, io) -> None:
+    """The spill tier's contract: nothing on disk before the first step; each unit's final shard
+    written behind backward reads back in the order the update asks, in the spill's dtype
+    (rounded once), its bytes counted both ways; closing removes every file it made."""
+    from engine.tiers.grad_spill import GradSpill
+
+    layout = small_layout()
+    spill = GradSpill(tmp_path, layout, rank=0, io=io, buffer_bytes=4 * MIB, dtype=dtype)
+    assert not any(tmp_path.iterdir()), "a start makes no scratch folder"
+    grads = {u.name: master_of(u, seed=3) for u in layout.units}
+    for step in range(2):  # a second step's spill replaces the first's
+        spill.begin()
+        for unit in layout.units:
+            spill.write(unit, grads[unit.name] * (step + 1))
+        asked = list(reversed(layout.units))
+        got = [(unit.name, values.clone()) for unit, values in spill.read(asked)]
+        assert [name for name, _ in got] == [u.name for u in asked]
+        for name, values in got:
+            assert values.dtype == dtype and torch.equal(values, (grads[name] * (step + 1)).to(dtype))
+        nbytes = sum(u.shard_numel for u in layout.units) * dtype.itemsize
+        assert spill.take_io_bytes() == (nbytes, nbytes)
+    spill.close()
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()], "closing leaves no file of the spill"
