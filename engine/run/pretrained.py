@@ -243,7 +243,8 @@ def record_source(
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name != INDEX_FILE:
             shutil.copyfile(path, staging / path.name)
-    buffers = Pretrained(folder, meta_model(folder)).buffer_values()
+    weighed = (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()  # not a model built from config
+    buffers = Pretrained(folder, meta_model(folder)).buffer_values() if weighed else {}
     if buffers:
         from safetensors.torch import save_file
 
