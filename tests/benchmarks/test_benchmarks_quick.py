@@ -65,8 +65,7 @@ def test_tiers_stripes_across_other_drives_folders(tmp_path: Path) -> None:
 def test_tiers_moves_one_unit_as_the_tier_does(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     tiers.main(
-        ["--out", str(tmp_path), "--dir", str(disk), "--mb", "16", "--chunk-mb", "4", "--threads", "2"]
-        + ["--reps", "1", "--unit-mb", "48"]
+        ["--out", str(tmp_path), "--dir", str(disk), "--mb", "16", "--chunk-mb", "4", "--threads", "2", "--reps", "1", "--unit-mb", "48"]
     )
     units = [row for row in load_record(tmp_path, "tiers")["rows"] if row["tier"] == "store, one unit"]
     assert [row["config"] for row in units] == [

@@ -116,13 +116,13 @@ def test_rounds_merge_into_the_median_of_every_timed_step_and_a_failure_stands()
                 "tokens_per_s": 0.0, "peak_rss_bytes": rss, "wall_s": 2.0, "disk_bytes": rss}
 
     warm = [9.0] * QUICK.warmup
-    merged = compare.merge_rounds([record(warm + [1.0, 2.0, 3.0], 10), record(warm + [4.0, 5.0, 6.0], 30)], QUICK)
+    merged = compare.merge_rounds([record([*warm, 1.0, 2.0, 3.0], 10), record([*warm, 4.0, 5.0, 6.0], 30)], QUICK)
     assert merged["step_s"] == 3.5  # the median of all six timed steps, warm-up steps left out
     assert merged["round_step_s"] == [2.0, 5.0]
     assert merged["peak_rss_bytes"] == merged["disk_bytes"] == 30 and merged["wall_s"] == 4.0
     assert merged["tokens_per_s"] == QUICK.tokens_per_step / 3.5
     failed = record([], 0, status="skipped")
-    assert compare.merge_rounds([record(warm + [1.0], 10), failed], QUICK) is failed
+    assert compare.merge_rounds([record([*warm, 1.0], 10), failed], QUICK) is failed
 
 
 def test_at_scale_is_giants_model_and_data_on_one_rank_built_partitioned() -> None:
@@ -130,7 +130,7 @@ def test_at_scale_is_giants_model_and_data_on_one_rank_built_partitioned() -> No
 
     args = giant.parse_args(["--params", "1e9"])
     workload = compare.at_scale(1e9, warmup=1, steps=2)
-    tokens, vocab_size = workload.tokens()
+    _tokens, vocab_size = workload.tokens()
     gpt = workload.gpt_config(vocab_size)
     assert 0.9e9 <= gpt.num_params() <= 1.1e9 and not gpt.tie_embeddings
     assert (workload.micro_batch, workload.seq_len, workload.lr) == (args.micro_batch, args.seq_len, args.lr)

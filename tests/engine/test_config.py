@@ -98,7 +98,7 @@ def test_infinity_in_a_file_is_refused(tmp_path, name: str, text: str) -> None:
     """Both formats spell infinity, which every range check here (``> 0``) would let through."""
     path = tmp_path / name
     path.write_text(text)
-    with pytest.raises(ConfigError, match="precision.initial_scale = inf: must be finite"):
+    with pytest.raises(ConfigError, match=r"precision\.initial_scale = inf: must be finite"):
         Config.load(path)
 
 

@@ -29,7 +29,7 @@ def test_fp32_one_rank_is_bit_identical_every_step(stage: int, tier: str, kernel
     ours = train_engine(cfg, STEPS)
     ref = train_reference(cfg, STEPS, micro_batch=4)
     assert ours["losses"] == ref["losses"]
-    for step, (a, b) in enumerate(zip(ours["history"], ref["history"])):
+    for step, (a, b) in enumerate(zip(ours["history"], ref["history"], strict=False)):
         differing = [name for name in b if not torch.equal(a[name], b[name])]
         assert not differing, f"step {step}: parameters differ from torch AdamW: {differing[:3]}"
 
@@ -51,7 +51,7 @@ def test_two_gloo_ranks_match_one_process(stage: int, tier: str, tmp_path) -> No
     for result in ranks:
         assert rel_diff(result["params"], ref["params"]) <= 1e-6
     assert torch.equal(ranks[0]["params"]["tok_emb.weight"], ranks[1]["params"]["tok_emb.weight"])
-    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=False)]
     assert mean_losses == pytest.approx(ref["losses"], rel=1e-6)
 
 
@@ -73,7 +73,7 @@ def test_clipping_is_bit_identical_to_clip_grad_norm_every_step(stage: int, tier
     ours = train_engine(cfg, STEPS)
     ref = train_reference(cfg, STEPS, micro_batch=4)
     assert ours["losses"] == ref["losses"]
-    for step, (a, b) in enumerate(zip(ours["history"], ref["history"])):
+    for step, (a, b) in enumerate(zip(ours["history"], ref["history"], strict=False)):
         differing = [name for name in b if not torch.equal(a[name], b[name])]
         assert not differing, f"step {step}: parameters differ from torch AdamW + clip_grad_norm_: {differing[:3]}"
     unclipped = train_reference(config(zero={"stage": stage}), STEPS, micro_batch=4)
