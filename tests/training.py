@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -12,7 +13,6 @@ from engine.config import Config, OptimConfig
 from engine.engine import Engine
 from engine.run.data import TokenBatches
 from engine.run.models.gpt import GPT, GPTConfig
-from engine.zero.optim import lr_factor
 
 # A random 1000-token phrase repeated: random enough to exercise every embedding row,
 # predictable enough that a few steps visibly lower the loss.
@@ -86,7 +86,7 @@ def train_reference(
     exempt: Exempt | None = None,
 ) -> dict:
     """Plain PyTorch: one process, ``torch.optim.AdamW`` with the engine's hyper-parameters,
-    ``LambdaLR`` with the same schedule, ``clip_grad_norm_``, autocast for bf16/fp16, on
+    ``reference_schedule``, ``clip_grad_norm_``, autocast for bf16/fp16, on
     ``device`` (the engine computes on the accelerator when there is one).
 
     With ``concat`` > 1 each batch is that many consecutive micro-batches in one: the data an
@@ -95,7 +95,7 @@ def train_reference(
     model = tiny_gpt(tie=tie).to(device)
     o = cfg.optim
     opt = reference_adamw(model, o, exempt)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, steps))
+    schedule = reference_schedule(opt, o, steps)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.compute_dtype)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
     data = batches(micro_batch)
@@ -117,6 +117,34 @@ def train_reference(
         losses.append(step_loss)
         history.append(_snapshot(model))
     return {"losses": losses, "params": history[-1], "history": history}
+
+
+def schedule_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """The learning-rate multiplier at optimizer step ``step`` (0-based) as ``optim.schedule``
+    documents it, written here apart from the engine's ``lr_factor`` so that a reference built
+    on it does not follow the engine's mistakes (``tests.engine.test_schedule`` holds it to
+    torch's own ``LinearLR``, ``CosineAnnealingLR`` and ``SequentialLR``): ``(step + 1) / W``
+    over ``W`` warmup steps, then from 1 down to ``min_lr_ratio`` over ``decay_steps`` (0: the
+    steps left of ``total_steps``) along a half cosine or a line, held there after; or 1."""
+    warmup, floor = optim.warmup_steps, optim.min_lr_ratio
+    if step < warmup:
+        return (step + 1) / warmup
+    if optim.schedule == "constant":
+        return 1.0
+    length = optim.decay_steps if optim.decay_steps > 0 else max(1, total_steps - warmup)
+    done = min(1.0, (step - warmup) / length)
+    if optim.schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - done)
+    assert optim.schedule == "cosine", optim.schedule
+    return floor + (1.0 - floor) * (1.0 + math.cos(math.pi * done)) / 2
+
+
+def reference_schedule(
+    opt: torch.optim.Optimizer, optim: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` along ``schedule_factor``: a reference optimizer's learning rate, the same
+    bits as the engine's ``lr * lr_factor`` when both are right."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule_factor(step, optim, total_steps))
 
 
 def decay_groups(model: torch.nn.Module, optim: OptimConfig, exempt: Exempt | None = None) -> list[dict]:

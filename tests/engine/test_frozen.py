@@ -24,11 +24,10 @@ from engine.tiers.parameters import PARAM_KIND
 from engine.tools.consolidate import consolidate
 from engine.tools.export import export
 from engine.tools.inspect import inspect_store
-from engine.zero.optim import lr_factor
 from engine.zero.partition import FROZEN_SUFFIX
 from offload import IORunner, ShardStore, generation_prefix, unit_arrays
 from tests.ranks import run_ranks
-from tests.training import _snapshot, batches, config, reference_adamw, rel_diff, tiny_gpt
+from tests.training import _snapshot, batches, config, reference_adamw, reference_schedule, rel_diff, tiny_gpt
 
 STEPS = 4
 FROZEN_NAMES = ("tok_emb.weight", ".attn.", "blocks.1.")
@@ -79,8 +78,8 @@ def train_reference(cfg: Config, steps: int = STEPS, micro_batch: int = 4) -> di
     model = frozen_gpt()
     o = cfg.optim
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = reference_adamw(model, o)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, steps))
+    opt = reference_adamw, reference_schedule(model, o)
+    schedule = reference_schedule(opt, o, steps)
     dtype = {"bf16": torch.bfloat16}.get(cfg.precision.compute_dtype)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
     data = batches(micro_batch)
