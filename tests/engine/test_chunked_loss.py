@@ -346,7 +346,7 @@ def engine_run(model: torch.nn.Module, cfg, loss_of, stage: int) -> tuple[list[f
 
 def reference_run(model: torch.nn.Module, cfg, logits_of) -> tuple[list[float], dict]:
     """Plain PyTorch AdamW on the plain loss of the whole micro-batch's logits."""
-    opt = reference_adamw, reference_schedule(model, cfg.optim)
+    opt = reference_adamw(model, cfg.optim)
     schedule = reference_schedule(opt, cfg.optim, STEPS)
     losses = []
     for x, y in data_with_ignored():

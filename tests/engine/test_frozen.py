@@ -78,7 +78,7 @@ def train_reference(cfg: Config, steps: int = STEPS, micro_batch: int = 4) -> di
     model = frozen_gpt()
     o = cfg.optim
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = reference_adamw, reference_schedule(model, o)
+    opt = reference_adamw(model, o)
     schedule = reference_schedule(opt, o, steps)
     dtype = {"bf16": torch.bfloat16}.get(cfg.precision.compute_dtype)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()

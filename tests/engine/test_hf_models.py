@@ -71,7 +71,7 @@ def test_stage3_on_nvme_is_bit_identical_to_torch_adamw(build, tmp_path) -> None
 
     ref_model = build()
     o = cfg.optim
-    opt = reference_adamw, reference_schedule(ref_model, o)
+    opt = reference_adamw(ref_model, o)
     schedule = reference_schedule(opt, o, STEPS)
 
     def reference_step(x: torch.Tensor) -> float:

@@ -87,7 +87,7 @@ def test_lora_stage3_base_on_nvme_is_bit_identical_to_peft_and_adamw(tmp_path) -
 
     ref_model = lora_llama()
     o = cfg.optim
-    opt = reference_adamw, reference_schedule(ref_model, o)
+    opt = reference_adamw(ref_model, o)
     schedule = reference_schedule(opt, o, STEPS)
 
     def reference_step(loss: torch.Tensor) -> float:
@@ -149,7 +149,7 @@ def peft_reference(folder: Path, corpus: Path, args: list[str]) -> tuple[torch.n
     adapters = {n: p for n, p in ref.named_parameters() if p.requires_grad}
     init_adapters_(adapters, cfg.train.seed)
     o, steps = cfg.optim, cfg.train.steps
-    opt = reference_adamw, reference_schedule(ref, o)  # over the adapters, the parameters that require grad
+    opt = reference_adamw(ref, o)  # over the adapters, the parameters that require grad
     schedule = reference_schedule(opt, o, steps)
     tokens, _ = load_tokens(str(corpus), pretrained=str(folder))
     data = TokenBatches(tokens, seq_len=16, micro_batch=2, seed=cfg.data.seed)

@@ -111,7 +111,7 @@ def fine_tune(step) -> list[float]:
 def torch_adamw(folder: Path, cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same fine-tuning in plain PyTorch, from ``from_pretrained``."""
     model, o = reference(folder), cfg.optim
-    opt = reference_adamw, reference_schedule(model, o)
+    opt = reference_adamw(model, o)
     schedule = reference_schedule(opt, o, STEPS)
 
     def step(x: torch.Tensor) -> float:
