@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -12,7 +13,6 @@ from engine.config import Config, OptimConfig
 from engine.engine import Engine
 from engine.run.data import TokenBatches
 from engine.run.models.gpt import GPT, GPTConfig
-from engine.zero.optim import lr_factor
 
 # A random 1000-token phrase repeated: random enough to exercise every embedding row,
 # predictable enough that a few steps visibly lower the loss.
@@ -38,19 +38,23 @@ def config(**sections: dict) -> Config:
 
 
 def tiny_gpt(seed: int = 0, tie: bool = False) -> GPT:
+    """The tiny GPT initialised from ``seed`` (the GPT draws its weights from its own ``seed``,
+    not from torch's global generator)."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig.preset("tiny", seq_len=SEQ_LEN, tie_embeddings=tie))
+    return GPT(GPTConfig.preset("tiny", seq_len=SEQ_LEN, tie_embeddings=tie), seed=seed)
 
 
 def batches(micro_batch: int, rank: int = 0, world_size: int = 1) -> TokenBatches:
     return TokenBatches(TOKENS, seq_len=SEQ_LEN, micro_batch=micro_batch, rank=rank, world_size=world_size, seed=7)
 
 
-def train_engine(cfg: Config, steps: int, micro_batch: int = 4, tie: bool = False) -> dict:
-    """Train with the engine on this process's rank; returns losses and final parameters."""
-    eng = Engine(tiny_gpt(tie=tie), cfg, total_steps=steps)
+def train_engine(cfg: Config, steps: int, micro_batch: int = 4, tie: bool = False, seed: int = 0) -> dict:
+    """Train with the engine on this process's rank (the model initialised from ``seed``);
+    returns losses, parameters after each step and the final ones, and each step's gradient
+    norm (None without clipping)."""
+    eng = Engine(tiny_gpt(seed, tie=tie), cfg, total_steps=steps)
     data = batches(micro_batch, eng.comm.rank, eng.comm.world_size)
-    losses, history = [], []
+    losses, history, norms = [], [], []
     for _ in range(steps):
         step_loss = 0.0
         for _ in range(cfg.zero.grad_accum_steps):
@@ -59,10 +63,11 @@ def train_engine(cfg: Config, steps: int, micro_batch: int = 4, tie: bool = Fals
             eng.step()
             step_loss += loss.item() / cfg.zero.grad_accum_steps
         losses.append(step_loss)
+        norms.append(eng.last_grad_norm)
         with eng.gathered():
             history.append(_snapshot(eng.module))
     eng.close()
-    return {"losses": losses, "params": history[-1], "history": history}
+    return {"losses": losses, "params": history[-1], "history": history, "grad_norms": norms}
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -84,39 +89,86 @@ def train_reference(
     concat: int = 1,
     device: torch.device = CPU,
     exempt: Exempt | None = None,
+    seed: int = 0,
 ) -> dict:
     """Plain PyTorch: one process, ``torch.optim.AdamW`` with the engine's hyper-parameters,
-    ``LambdaLR`` with the same schedule, ``clip_grad_norm_``, autocast for bf16/fp16, on
-    ``device`` (the engine computes on the accelerator when there is one).
+    ``reference_schedule``, ``clip_grad_norm_``, autocast for bf16/fp16 and ``GradScaler`` for
+    dynamic loss scaling, on ``device`` (the engine computes on the accelerator when there is one).
 
     With ``concat`` > 1 each batch is that many consecutive micro-batches in one: the data an
     engine accumulating ``concat`` micro-batches per step sees. ``exempt``: the parameters a
     custom ``optim.no_decay`` exempts from weight decay (``decay_groups``)."""
-    model = tiny_gpt(tie=tie).to(device)
+    model = tiny_gpt(seed, tie=tie).to(device)
     o = cfg.optim
     opt = reference_adamw(model, o, exempt)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, steps))
+    schedule = reference_schedule(opt, o, steps)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.compute_dtype)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+    scaler = reference_scaler(cfg, device)
     data = batches(micro_batch)
     accum = cfg.zero.grad_accum_steps
-    losses, history = [], []
+    losses, history, norms = [], [], []
     for _ in range(steps):
         step_loss = 0.0
         for _ in range(accum):
             x, y = (torch.cat(parts).to(device) for parts in zip(*(data.next() for _ in range(concat)), strict=True))
             with autocast:
                 loss = model(x, y)
-            (loss / accum if accum > 1 else loss).backward()
+            scaler.scale(loss / accum if accum > 1 else loss).backward()
             step_loss += loss.item() / accum
-        if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        opt.step()
+        scaler.unscale_(opt)
+        clipped = o.grad_clip > 0
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)) if clipped else None)
+        scaler.step(opt)  # skipped where a gradient overflowed
+        scaler.update()
         schedule.step()
         opt.zero_grad(set_to_none=True)
         losses.append(step_loss)
         history.append(_snapshot(model))
-    return {"losses": losses, "params": history[-1], "history": history}
+    return {"losses": losses, "params": history[-1], "history": history, "grad_norms": norms}
+
+
+def reference_scaler(cfg: Config, device: torch.device) -> torch.amp.GradScaler:
+    """``torch.amp.GradScaler`` as the engine's ``precision`` section configures dynamic loss
+    scaling; a disabled one (every call passes through) without it."""
+    p = cfg.precision
+    assert p.loss_scaling in ("dynamic", "none"), f"no reference for loss_scaling = {p.loss_scaling!r}"
+    return torch.amp.GradScaler(
+        device.type,
+        init_scale=p.initial_scale,
+        growth_factor=p.growth_factor,
+        backoff_factor=p.backoff_factor,
+        growth_interval=p.growth_interval,
+        enabled=p.loss_scaling == "dynamic",
+    )
+
+
+def schedule_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """The learning-rate multiplier at optimizer step ``step`` (0-based) as ``optim.schedule``
+    documents it, written here apart from the engine's ``lr_factor`` so that a reference built
+    on it does not follow the engine's mistakes (``tests.engine.test_schedule`` holds it to
+    torch's own ``LinearLR``, ``CosineAnnealingLR`` and ``SequentialLR``): ``(step + 1) / W``
+    over ``W`` warmup steps, then from 1 down to ``min_lr_ratio`` over ``decay_steps`` (0: the
+    steps left of ``total_steps``) along a half cosine or a line, held there after; or 1."""
+    warmup, floor = optim.warmup_steps, optim.min_lr_ratio
+    if step < warmup:
+        return (step + 1) / warmup
+    if optim.schedule == "constant":
+        return 1.0
+    length = optim.decay_steps if optim.decay_steps > 0 else max(1, total_steps - warmup)
+    done = min(1.0, (step - warmup) / length)
+    if optim.schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - done)
+    assert optim.schedule == "cosine", optim.schedule
+    return floor + (1.0 - floor) * (1.0 + math.cos(math.pi * done)) / 2
+
+
+def reference_schedule(
+    opt: torch.optim.Optimizer, optim: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` along ``schedule_factor``: a reference optimizer's learning rate, the same
+    bits as the engine's ``lr * lr_factor`` when both are right."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule_factor(step, optim, total_steps))
 
 
 def decay_groups(model: torch.nn.Module, optim: OptimConfig, exempt: Exempt | None = None) -> list[dict]:
@@ -148,6 +200,19 @@ def reference_adamw(model: torch.nn.Module, optim: OptimConfig, exempt: Exempt |
     kernel = {"fused": True} if optim.kernel == "fused" else {}
     groups = decay_groups(model, optim, exempt)
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, **kernel)
+
+
+def change_error(got: dict, expected: dict, initial: dict) -> float:
+    """``||got - expected|| / ||expected - initial||`` over all parameters as one vector: the
+    engine's distance from a reference relative to how far the reference moved them."""
+    diff = sum(((got[k] - expected[k]).double() ** 2).sum() for k in expected) ** 0.5
+    moved = sum(((expected[k] - initial[k]).double() ** 2).sum() for k in expected) ** 0.5
+    return float(diff / moved)
+
+
+def initial_params(seed: int = 0, tie: bool = False) -> dict[str, torch.Tensor]:
+    """The tiny GPT's parameters before any step."""
+    return _snapshot(tiny_gpt(seed, tie=tie))
 
 
 def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import convergence, copies, optimizer, report, tiers
+from benchmarks import copies, optimizer, report, tiers
 from engine.state.forms import StateForm
 
 TINY_TIERS = ["--quick", "--mb", "16", "--chunk-mb", "4", "16", "--threads", "2", "--reps", "1"]
@@ -65,8 +65,7 @@ def test_tiers_stripes_across_other_drives_folders(tmp_path: Path) -> None:
 def test_tiers_moves_one_unit_as_the_tier_does(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     tiers.main(
-        ["--out", str(tmp_path), "--dir", str(disk), "--mb", "16", "--chunk-mb", "4", "--threads", "2"]
-        + ["--reps", "1", "--unit-mb", "48"]
+        ["--out", str(tmp_path), "--dir", str(disk), "--mb", "16", "--chunk-mb", "4", "--threads", "2", "--reps", "1", "--unit-mb", "48"]
     )
     units = [row for row in load_record(tmp_path, "tiers")["rows"] if row["tier"] == "store, one unit"]
     assert [row["config"] for row in units] == [
@@ -159,17 +158,3 @@ def test_sft_quick(tmp_path: Path) -> None:
     assert [row["loss"] for row in record["loss"]] == ["full", "chunked"]
     small, large = record["tokenize"]
     assert large["records"] > 5 * small["records"] and large["peak RSS GiB"] > 0
-
-
-def test_convergence_accumulates_forms_of_one_setting(tmp_path: Path) -> None:
-    tiny = ["--quick", "--out", str(tmp_path), "--steps", "4", "--eval-every", "2"]
-    convergence.main([*tiny, "--forms", "fp32"])
-    convergence.main([*tiny, "--forms", "int8"])
-    record = load_record(tmp_path, "convergence-quick")
-    assert list(record["forms"]) == ["fp32", "int8"]
-    for curve in record["forms"].values():
-        assert curve["steps"] == [2, 4] and all(loss > 0 for loss in curve["val_loss"])
-    assert [row["form"] for row in record["rows"]] == ["fp32", "int8"]
-    assert record["rows"][0]["vs fp32"] == 1.0
-    convergence.main([*tiny, "--forms", "bf16", "--micro-batch", "1"])  # another setting starts afresh
-    assert list(load_record(tmp_path, "convergence-quick")["forms"]) == ["bf16"]

@@ -1,8 +1,8 @@
 """The peers benchmark end to end at its tiny size, and the launcher that runs each contestant's ranks.
 
 Not a performance check: the numbers only have to exist and be finite, the ratios to be
-there, the contestants to have trained the same model on the same data (equal first
-losses), a missing or failing contestant to be reported rather than to stop the run,
+there, the contestants to have trained the same model on the same data with the same
+updates (equal first losses, and equal drops of the loss after each update), a missing or failing contestant to be reported rather than to stop the run,
 and the benchmark's files to be gone afterwards. DeepSpeed is an optional extra and slow
 to start, so its contestants run only in the slow test, where it is installed.
 """
@@ -29,16 +29,37 @@ def run_quick(tmp_path: Path, *systems: str) -> tuple[dict[str, Any], Path]:
     return record, disk
 
 
+DROP_TOLERANCE = 0.01
+"""How far a contestant's loss drop after each update (first loss minus that step's) may be from
+the first contestant's, relative to it. Measured among plain DDP, FSDP2 and ours over 4
+updates: 0.09% at most (bf16 rounding; ours and FSDP2 agree to the bit), while the drops
+themselves are 0.058 after one update and 0.25 after four. 1% leaves room for DeepSpeed's own
+bf16 path, which is not installed here to measure, and is 50 times finer than a learning rate
+off by a factor of 2."""
+
+
 def check_ran(contestants: list[dict[str, Any]]) -> None:
-    """Each ran, with finite positive step times and memory, and all from the same start."""
+    """Each ran, with finite positive step times and memory, and all did the same training."""
     for c in contestants:
         assert c["status"] == "ok", f"{c['label']}: {c.get('reason')}\n" + "\n".join(c.get("log_tail", []))
         assert math.isfinite(c["step_s"]) and c["step_s"] > 0
         assert all(math.isfinite(s) and s > 0 for s in c["steps_s"])
         assert c["peak_rss_bytes"] > 0 and all(b > 0 for b in c["rank_max_rss_bytes"])
         assert ("disk_bytes" in c) == (c["placement"] == "nvme")
-    first = [c["losses"][0] for c in contestants]
-    assert max(first) - min(first) < 1e-2 * max(first), first  # bf16 rounding differs, the weights do not
+    check_same_training(contestants)
+
+
+def check_same_training(contestants: list[dict[str, Any]]) -> None:
+    """The same start (the first loss, before any update: same weights, same first batch) and
+    the same updates: every model at initialisation scores about ln V, so the first loss alone
+    tells little; the drop after each update tells the optimizer's hyper-parameters and data."""
+    first, *others = contestants
+    for c in others:
+        assert len(c["losses"]) == len(first["losses"]) >= 3, "the first loss and at least two after an update"
+        assert c["losses"][0] == pytest.approx(first["losses"][0], rel=1e-4), (c["label"], "the first loss")
+        drops, expected = ([ls[0] - loss for loss in ls[1:]] for ls in (c["losses"], first["losses"]))
+        assert all(d > 0 for d in expected), f"{first['label']} did not train: {first['losses']}"
+        assert drops == pytest.approx(expected, rel=DROP_TOLERANCE), (c["label"], drops, first["label"], expected)
 
 
 def test_plain_fsdp2_and_ours(tmp_path: Path) -> None:
@@ -112,17 +133,25 @@ def test_rounds_merge_into_the_median_of_every_timed_step_and_a_failure_stands()
 
     def record(steps: list[float], rss: int, status: str = "ok") -> dict[str, Any]:
         timed = sorted(steps[QUICK.warmup :]) or [0.0]
-        return {"status": status, "steps_s": steps, "step_s": timed[len(timed) // 2], "setup_s": 1.0,
-                "tokens_per_s": 0.0, "peak_rss_bytes": rss, "wall_s": 2.0, "disk_bytes": rss}
+        return {
+            "status": status,
+            "steps_s": steps,
+            "step_s": timed[len(timed) // 2],
+            "setup_s": 1.0,
+            "tokens_per_s": 0.0,
+            "peak_rss_bytes": rss,
+            "wall_s": 2.0,
+            "disk_bytes": rss,
+        }
 
     warm = [9.0] * QUICK.warmup
-    merged = compare.merge_rounds([record(warm + [1.0, 2.0, 3.0], 10), record(warm + [4.0, 5.0, 6.0], 30)], QUICK)
+    merged = compare.merge_rounds([record([*warm, 1.0, 2.0, 3.0], 10), record([*warm, 4.0, 5.0, 6.0], 30)], QUICK)
     assert merged["step_s"] == 3.5  # the median of all six timed steps, warm-up steps left out
     assert merged["round_step_s"] == [2.0, 5.0]
     assert merged["peak_rss_bytes"] == merged["disk_bytes"] == 30 and merged["wall_s"] == 4.0
     assert merged["tokens_per_s"] == QUICK.tokens_per_step / 3.5
     failed = record([], 0, status="skipped")
-    assert compare.merge_rounds([record(warm + [1.0], 10), failed], QUICK) is failed
+    assert compare.merge_rounds([record([*warm, 1.0], 10), failed], QUICK) is failed
 
 
 def test_at_scale_is_giants_model_and_data_on_one_rank_built_partitioned() -> None:
@@ -130,7 +159,7 @@ def test_at_scale_is_giants_model_and_data_on_one_rank_built_partitioned() -> No
 
     args = giant.parse_args(["--params", "1e9"])
     workload = compare.at_scale(1e9, warmup=1, steps=2)
-    tokens, vocab_size = workload.tokens()
+    _tokens, vocab_size = workload.tokens()
     gpt = workload.gpt_config(vocab_size)
     assert 0.9e9 <= gpt.num_params() <= 1.1e9 and not gpt.tie_embeddings
     assert (workload.micro_batch, workload.seq_len, workload.lr) == (args.micro_batch, args.seq_len, args.lr)

@@ -17,6 +17,7 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.models.gpt import GPT, GPTConfig
 from engine.runtime.rss import peak_rss_bytes
+from engine.zero.update import spills_gradients
 
 
 def main(n_layer: int, tier: str, budget_mb: int, store: str) -> dict:
@@ -42,9 +43,11 @@ def main(n_layer: int, tier: str, budget_mb: int, store: str) -> dict:
         "added_peak": peak_rss_bytes() - before,
         "held_device": held["device"],
         "held_cpu": held["cpu"],
-        # With clipping every fp32 gradient shard exists at once before the update, which
-        # frees each as it goes, so the report after the step no longer shows them.
-        "held_grads": 4 * sum(u.shard_numel for u in eng.layout.units),
+        # With clipping every fp32 gradient shard exists at once before the update (which frees
+        # each as it goes, so the report after the step no longer shows them), unless they are
+        # spilled to the store as each is made (the nvme tier's default): then none is held.
+        "held_grads": 0 if spills_gradients(eng.config) else 4 * sum(u.shard_numel for u in eng.layout.units),
+        "spills_gradients": spills_gradients(eng.config),
         "pool_peak": getattr(eng.optimizer_state, "pool", None) and eng.optimizer_state.pool.peak_bytes,
     }
 

@@ -18,9 +18,8 @@ from engine.run import loss as loss_module
 from engine.run.loss import IGNORE_INDEX, chunked_cross_entropy
 from engine.run.models.gpt import GPT
 from engine.state.partition import ROOT_UNIT
-from engine.zero.optim import lr_factor
 from engine.zero.unit_params import UnitState
-from tests.training import SEQ_LEN, batches, config, reference_adamw, rel_diff, tiny_gpt
+from tests.training import SEQ_LEN, batches, config, reference_adamw, reference_schedule, rel_diff, tiny_gpt
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -348,7 +347,7 @@ def engine_run(model: torch.nn.Module, cfg, loss_of, stage: int) -> tuple[list[f
 def reference_run(model: torch.nn.Module, cfg, logits_of) -> tuple[list[float], dict]:
     """Plain PyTorch AdamW on the plain loss of the whole micro-batch's logits."""
     opt = reference_adamw(model, cfg.optim)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.optim, STEPS))
+    schedule = reference_schedule(opt, cfg.optim, STEPS)
     losses = []
     for x, y in data_with_ignored():
         loss = F.cross_entropy(logits_of(model, x).float().flatten(0, 1), y.flatten())

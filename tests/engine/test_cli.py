@@ -64,7 +64,7 @@ def torchrun(ranks: int) -> list[str]:
 
 
 def test_torchrun_two_ranks(tmp_path) -> None:
-    steps, first, last = losses(run(["--steps", "3", "--seq_len", "64", "--stage", "1"], tmp_path, torchrun(2)))
+    steps, _first, last = losses(run(["--steps", "3", "--seq_len", "64", "--stage", "1"], tmp_path, torchrun(2)))
     assert steps == 3 and math.isfinite(last)
 
 

@@ -1,4 +1,5 @@
-"""The compact forms' fused update (``engine.zero.compact_update``): compiled, it computes what
+"""The compact forms' fused update (``engine.zero.compact_update``): with fp32 state it is torch's
+AdamW; each compact form stays within a measured distance of it; compiled, it computes what
 the same function computes uncompiled; where it cannot be compiled it warns once and runs
 uncompiled."""
 
@@ -10,6 +11,7 @@ import time
 
 import pytest
 import torch
+from torch.optim.adamw import adamw
 
 from engine.config import OptimConfig
 from engine.state.quantize import packed_bytes
@@ -55,6 +57,84 @@ def test_the_compiled_update_computes_what_the_function_does(moments: str, maste
         else:  # and so a rare value on a rounding boundary goes the other way
             assert (got != expected).float().mean().item() < 1e-3
     assert not torch.equal(compiled[0], before), "the master moved"
+
+
+HYPER = OptimConfig(lr=1e-2, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1)
+"""Away from the defaults (beta2 0.95): each hyper-parameter shows in the result. Weights about 1
+at lr 1e-2 shrink by 1e-3 a step from weight decay alone."""
+UPDATES = 10
+
+
+def shard(seed: int, scale: float, low: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Weights of about ``scale`` and ``UPDATES`` gradients whose sizes spread from ``10**low``
+    to 1e-2: where ``sqrt(v)`` is near ``eps``, a wrong ``eps`` shows."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.randn(N, generator=generator) * scale
+    sizes = torch.logspace(low, -2, N)[torch.randperm(N, generator=generator)]
+    return weights, [torch.randn(N, generator=generator) * sizes for _ in range(UPDATES)]
+
+
+def torch_adamw(weights: torch.Tensor, grads: list[torch.Tensor], config: OptimConfig) -> list[torch.Tensor]:
+    """Master, exp_avg and exp_avg_sq after torch's functional AdamW (single-tensor kernel) on fp32 state."""
+    master, exp_avg, exp_avg_sq, step = weights.clone(), torch.zeros(N), torch.zeros(N), torch.zeros(())
+    beta1, beta2 = config.betas
+    for grad in grads:
+        adamw(
+            [master], [grad.clone()], [exp_avg], [exp_avg_sq], [], [step], foreach=False, amsgrad=False,
+            beta1=beta1, beta2=beta2, lr=config.lr, weight_decay=config.weight_decay, eps=config.eps, maximize=False,
+        )  # fmt: skip
+    return [master, exp_avg, exp_avg_sq]
+
+
+def compact_adamw(weights: torch.Tensor, grads: list[torch.Tensor], config: OptimConfig, form: tuple[str, str]):
+    """The same steps through ``compact_step`` with moments and master in ``form``, from zero moments."""
+    moments, master_dtype = form
+    dtype, numel = MOMENT[moments]
+    master = weights.clone().to(torch.float32 if master_dtype == "fp32" else torch.bfloat16)
+    held = (torch.zeros(numel, dtype=dtype), torch.zeros(numel, dtype=dtype))
+    for count, grad in enumerate(grads, 1):
+        compact_step(config, master, grad.clone(), held, count, config.lr, (2 * count, 2 * count + 1, 1000 + count))
+    return [master, *held]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_the_update_on_fp32_state_is_torchs_adamw(compiled: bool, monkeypatch) -> None:
+    """fp32 master and moments through the compact update (rounding is then a plain copy) give
+    what torch's functional AdamW gives, step count, betas, eps, weight decay and bias
+    corrections all taken: measured, 5e-7 apart at most on weights of about 1 after 10 steps."""
+    if not compiled:
+        monkeypatch.setattr(compact_update.ADAMW, "kernel", compact_update.compact_adamw_)
+    weights, grads = shard(0, 1.0, -9)
+    expected = torch_adamw(weights, grads, HYPER)
+    got = compact_adamw(weights, grads, HYPER, ("fp32", "fp32"))
+    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item(), msg=name)
+    assert (got[0] - weights).abs().max() > 1e-2, "the update moved the weights"
+
+
+FORM_TOLERANCE = {
+    ("bf16", "fp32"): 0.0055,
+    ("int8", "fp32"): 0.095,
+    ("fp32", "bf16"): 0.11,
+    ("int8", "bf16"): 0.14,
+    ("bf16", "bf16"): 0.11,
+}
+"""Largest ``||compact - torch|| / ||torch - initial||`` after ``UPDATES`` steps at lr 1e-3 on
+weights of about 0.02 (a GPT's) with gradients from 1e-4 to 1e-2, about 2.5 times the most
+measured over seeds 0-4: 0.00219 (bf16 moments), 0.0378 (int8), 0.0423 (bf16 master), 0.0566
+(int8 moments, bf16 master), 0.0423 (bf16 moments and master). The error is the rounding's,
+steady from seed to seed (within 3%)."""
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("form", sorted(FORM_TOLERANCE), ids="-".join)
+def test_each_compact_form_stays_within_its_measured_distance_of_torch(form: tuple[str, str], seed: int) -> None:
+    config = OptimConfig(lr=1e-3, betas=HYPER.betas, eps=HYPER.eps, weight_decay=HYPER.weight_decay)
+    weights, grads = shard(seed, 0.02, -4)
+    expected = torch_adamw(weights, grads, config)[0]
+    got = compact_adamw(weights, grads, config, form)[0].float()
+    error = ((got - expected).norm() / (expected - weights).norm()).item()
+    assert 0 < error < FORM_TOLERANCE[form], error
 
 
 def test_an_update_that_cannot_be_compiled_warns_once_and_runs_uncompiled(monkeypatch, caplog) -> None:

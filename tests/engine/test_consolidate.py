@@ -84,7 +84,7 @@ def test_a_chosen_generation_and_one_not_on_disk(untied, tmp_path) -> None:
 def test_store_without_commit_needs_a_generation(untied, tmp_path) -> None:
     store = Path(shutil.copytree(untied[0], tmp_path / "store"))
     (store / "COMMITTED").unlink()
-    with pytest.raises(ValueError, match="no committed generation .* pass --generation N"):
+    with pytest.raises(ValueError, match=r"no committed generation .* pass --generation N"):
         consolidate(store, tmp_path / "model.safetensors")
 
 

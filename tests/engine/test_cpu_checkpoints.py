@@ -75,7 +75,7 @@ def test_retention_and_errors_name_the_tags(tmp_path) -> None:
     eng.close()
     with pytest.raises(FileNotFoundError, match=r"no checkpoint 'nope' in store .*: it holds a-third, m-second"):
         Engine.resume(tiny_gpt(), cfg, total_steps=6, checkpoint="nope")
-    with pytest.raises(ValueError, match="resuming needs the state on disk.*checkpoint=tag"):
+    with pytest.raises(ValueError, match=r"resuming needs the state on disk.*checkpoint=tag"):
         Engine.resume(tiny_gpt(), cfg, total_steps=6)
     with pytest.raises(FileNotFoundError, match="holds only checkpoints written from memory"):
         Engine.resume(tiny_gpt(), nvme(tmp_path), total_steps=6)

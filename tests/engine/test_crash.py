@@ -85,10 +85,10 @@ def test_kill_nine_at_random_instants_always_resumes_unaided(
     for drive in range(1, folders):
         (tmp_path / f"drive-{drive}").mkdir()
     nvme_path = ",".join([str(store), *(str(tmp_path / f"drive-{d}" / "store") for d in range(1, folders))])
-    overrides = OVERRIDES + [f"store.mode={mode}"]
-    config = Config.from_dict({}, overrides + [f"nvme_path={nvme_path}"])
+    overrides = [*OVERRIDES, f"store.mode={mode}"]
+    config = Config.from_dict({}, [*overrides, f"nvme_path={nvme_path}"])
     _, vocab = load_tokens(config.data.source)
-    reference_config = Config.from_dict({}, overrides + ["offload.optimizer=cpu"])
+    reference_config = Config.from_dict({}, [*overrides, "offload.optimizer=cpu"])
     reference = Engine(build_model(reference_config, vocab), reference_config)
     reference_data = batches_for(reference_config, reference)
     trajectory = [fingerprint(reference)]

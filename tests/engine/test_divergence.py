@@ -77,7 +77,7 @@ def test_a_diverged_step_is_never_committed(tmp_path, mode: str, guard: str) -> 
     with pytest.raises(DivergedError, match=expected):
         run(eng, 1)
     with pytest.raises(
-        DivergedError, match="^this engine stopped at a diverged step and takes no further step: step 3"
+        DivergedError, match=r"^this engine stopped at a diverged step and takes no further step: step 3"
     ):
         run(eng, 1)
     eng.close()  # as a user's `finally` would: it commits nothing of the diverged step

@@ -7,7 +7,9 @@ import torch
 
 from tests.ranks import run_ranks
 from tests.training import (
+    change_error,
     config,
+    initial_params,
     rel_diff,
     train_engine,
     train_engine_on_ranks,
@@ -29,7 +31,7 @@ def test_fp32_one_rank_is_bit_identical_every_step(stage: int, tier: str, kernel
     ours = train_engine(cfg, STEPS)
     ref = train_reference(cfg, STEPS, micro_batch=4)
     assert ours["losses"] == ref["losses"]
-    for step, (a, b) in enumerate(zip(ours["history"], ref["history"])):
+    for step, (a, b) in enumerate(zip(ours["history"], ref["history"], strict=False)):
         differing = [name for name in b if not torch.equal(a[name], b[name])]
         assert not differing, f"step {step}: parameters differ from torch AdamW: {differing[:3]}"
 
@@ -51,7 +53,7 @@ def test_two_gloo_ranks_match_one_process(stage: int, tier: str, tmp_path) -> No
     for result in ranks:
         assert rel_diff(result["params"], ref["params"]) <= 1e-6
     assert torch.equal(ranks[0]["params"]["tok_emb.weight"], ranks[1]["params"]["tok_emb.weight"])
-    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=False)]
     assert mean_losses == pytest.approx(ref["losses"], rel=1e-6)
 
 
@@ -73,7 +75,7 @@ def test_clipping_is_bit_identical_to_clip_grad_norm_every_step(stage: int, tier
     ours = train_engine(cfg, STEPS)
     ref = train_reference(cfg, STEPS, micro_batch=4)
     assert ours["losses"] == ref["losses"]
-    for step, (a, b) in enumerate(zip(ours["history"], ref["history"])):
+    for step, (a, b) in enumerate(zip(ours["history"], ref["history"], strict=False)):
         differing = [name for name in b if not torch.equal(a[name], b[name])]
         assert not differing, f"step {step}: parameters differ from torch AdamW + clip_grad_norm_: {differing[:3]}"
     unclipped = train_reference(config(zero={"stage": stage}), STEPS, micro_batch=4)
@@ -90,11 +92,20 @@ def test_two_gloo_ranks_clip_the_global_norm(tmp_path) -> None:
     assert rel_diff(unclipped["params"], ref["params"]) > 1e-4, "the test's clip threshold never bites"
 
 
+BF16_TOLERANCE = 0.15
+"""Largest ``change_error`` of bf16 compute against the autocast reference (fp32 parameters,
+bf16 matmuls) after 8 steps at lr 1e-3: about 2.5 times the most measured, 0.0565-0.0586 over
+seeds 0-4 (the same at stages 1, 2 and 3). Half the learning rate measures 0.52, so a step of
+the wrong size is far outside it, where the losses (within 1% of each other over a drop of 3%)
+could not tell."""
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_loss_curve_follows_autocast_reference(stage: int) -> None:
+def test_bf16_follows_autocast_reference(stage: int) -> None:
+    seed = stage - 1  # a seed per stage: three models for the price of one each
     cfg = config(zero={"stage": stage}, precision={"compute_dtype": "bf16"}, optim={"lr": 1e-3})
-    ours = train_engine(cfg, 8)
-    ref = train_reference(cfg, 8, micro_batch=4)
-    # bf16 parameters (8 mantissa bits) against autocast's fp32 parameters: 1% per step.
-    assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-2)
+    ours = train_engine(cfg, 8, seed=seed)
+    ref = train_reference(cfg, 8, micro_batch=4, seed=seed)
+    error = change_error(ours["params"], ref["params"], initial_params(seed))
+    assert 0 < error < BF16_TOLERANCE, error
     assert ours["losses"][-1] < ours["losses"][0]

@@ -73,7 +73,7 @@ sys.exit(code)
 
 def config_of(args: list[str]) -> Config:
     """The config ``python -m engine train`` builds from these ``--key value`` arguments."""
-    return Config.from_dict({}, [f"{key[2:]}={value}" for key, value in zip(args[::2], args[1::2])])
+    return Config.from_dict({}, [f"{key[2:]}={value}" for key, value in zip(args[::2], args[1::2], strict=False)])
 
 
 def env(tmp_path: Path) -> dict[str, str]:
@@ -244,7 +244,7 @@ def test_a_plan_sets_stage_and_tiers_or_names_the_key_it_breaks(small: Config) -
     planned = Plan(3, "nvme", "cpu").apply(small)
     assert (planned.zero.stage, planned.offload.optimizer, planned.offload.param) == (3, "nvme", "cpu")
     assert small.zero.stage == 2, "the original config is left as it was"
-    with pytest.raises(ConfigError, match="offload.param"):
+    with pytest.raises(ConfigError, match=r"offload\.param"):
         Plan(2, "cpu", "nvme").apply(small)
     assert {p.param for p in all_plans() if p.stage < 3} == {"device"}
 

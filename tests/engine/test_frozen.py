@@ -25,10 +25,19 @@ from engine.tiers.parameters import PARAM_KIND
 from engine.tools.consolidate import consolidate
 from engine.tools.export import export
 from engine.tools.inspect import inspect_store
-from engine.zero.optim import lr_factor
 from offload import IORunner, ShardStore, generation_prefix, unit_arrays
+from tests.engine.test_equivalence import BF16_TOLERANCE
 from tests.ranks import run_ranks
-from tests.training import _snapshot, batches, config, reference_adamw, rel_diff, tiny_gpt
+from tests.training import (
+    _snapshot,
+    batches,
+    change_error,
+    config,
+    reference_adamw,
+    reference_schedule,
+    rel_diff,
+    tiny_gpt,
+)
 
 STEPS = 4
 FROZEN_NAMES = ("tok_emb.weight", ".attn.", "blocks.1.")
@@ -80,7 +89,7 @@ def train_reference(cfg: Config, steps: int = STEPS, micro_batch: int = 4) -> di
     o = cfg.optim
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = reference_adamw(model, o)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, steps))
+    schedule = reference_schedule(opt, o, steps)
     dtype = {"bf16": torch.bfloat16}.get(cfg.precision.compute_dtype)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
     data = batches(micro_batch)
@@ -140,10 +149,14 @@ def test_bf16_trains_frozen_parameters_close_to_autocast(stage: int, tmp_path) -
     cfg = nvme_config(tmp_path, stage=stage, precision={"compute_dtype": "bf16"}, optim={"lr": 1e-3})
     ours = train_engine(cfg, steps=8)
     ref = train_reference(cfg, steps=8)
-    # bf16 parameters (8 mantissa bits) against autocast's fp32 ones: 1% per step, as unfrozen.
-    assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-2)
-    assert ours["losses"][-1] < ours["losses"][0]
     initial = _snapshot(frozen_gpt())
+    frozen = set(frozen_names(frozen_gpt()))
+    trainable = [{k: v for k, v in params.items() if k not in frozen} for params in (ours["params"], ref["params"], initial)]
+    # bf16 parameters against autocast's fp32 ones: measured 0.0487 at stages 1 and 3, within
+    # the bound of the unfrozen model (tests.engine.test_equivalence), 3 times over.
+    error = change_error(*trainable)
+    assert 0 < error < BF16_TOLERANCE, error
+    assert ours["losses"][-1] < ours["losses"][0]
     for name in frozen_names(frozen_gpt()):  # held in bf16: the fp32 values rounded once, never changed
         assert torch.equal(ours["params"][name], initial[name].bfloat16().float()), name
 

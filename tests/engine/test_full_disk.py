@@ -17,7 +17,7 @@ OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=32", "micro_batch=2",
 def test_a_full_disk_names_the_store_and_the_step_it_holds(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     store = tmp_path / "store"
-    config = Config.from_dict({}, OVERRIDES + [f"nvme_path={store}", "steps=6"])
+    config = Config.from_dict({}, [*OVERRIDES, f"nvme_path={store}", "steps=6"])
     commit = offload.generations.commit
     commits = []
 

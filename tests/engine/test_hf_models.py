@@ -14,8 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from engine.engine import Engine  # noqa: E402
-from engine.zero.optim import lr_factor  # noqa: E402
-from tests.training import SEQ_LEN, batches, config, reference_adamw  # noqa: E402
+from tests.training import SEQ_LEN, batches, config, reference_adamw, reference_schedule  # noqa: E402
 
 STEPS = 3
 
@@ -73,7 +72,7 @@ def test_stage3_on_nvme_is_bit_identical_to_torch_adamw(build, tmp_path) -> None
     ref_model = build()
     o = cfg.optim
     opt = reference_adamw(ref_model, o)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, STEPS))
+    schedule = reference_schedule(opt, o, STEPS)
 
     def reference_step(x: torch.Tensor) -> float:
         loss = ref_model(input_ids=x, labels=x).loss

@@ -289,7 +289,7 @@ class Reference:
     """The uninterrupted run (on the cpu tier): its parameters' fingerprint after every step."""
 
     def __init__(self) -> None:
-        self.config = Config.from_dict({}, OVERRIDES + ["offload.optimizer=cpu"])
+        self.config = Config.from_dict({}, [*OVERRIDES, "offload.optimizer=cpu"])
         _, self.vocab = load_tokens(self.config.data.source)
         self.engine = Engine(build_model(self.config, self.vocab), self.config)
         self.data = batches_for(self.config, self.engine)
@@ -317,7 +317,7 @@ def test_kill_nine_mid_step_leaves_a_dirty_store_that_names_its_checkpoint(tmp_p
     assert again.returncode == -signal.SIGKILL, again.stderr[-3000:]
     assert "resuming from its last checkpoint, step-2" in again.stderr
     assert read_committed(store)["step"] == 3 and kept(store) == ["step-2"]
-    cfg = Config.from_dict({}, OVERRIDES + [f"nvme_path={store}", "store.mode=in-place"])
+    cfg = Config.from_dict({}, [*OVERRIDES, f"nvme_path={store}", "store.mode=in-place"])
     reference = Reference()
     with pytest.raises(
         DirtyStoreError, match=r"`python -m engine train --from-checkpoint step-2` \(in Python: .*checkpoint='step-2'\)"
@@ -342,7 +342,7 @@ def test_sigterm_mid_step_finishes_it_and_leaves_a_clean_store(tmp_path, monkeyp
     assert "stopping after the step in flight" in child.stderr
     assert read_committed(store)["step"] == 4, "the step in flight was finished and committed"
     assert inspect_store(store)["dirty"] is None and not (store / "DIRTY").exists()
-    cfg = Config.from_dict({}, OVERRIDES + [f"nvme_path={store}", "store.mode=in-place"])
+    cfg = Config.from_dict({}, [*OVERRIDES, f"nvme_path={store}", "store.mode=in-place"])
     reference = Reference()
     resumed = Engine.resume(build_model(cfg, reference.vocab), cfg)
     assert resumed.global_step == 4

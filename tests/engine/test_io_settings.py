@@ -71,7 +71,7 @@ def test_auto_keeps_to_a_third_of_the_buffer(tmp_path, probes) -> None:
 
 
 def test_no_disk_tier_measures_nothing(tmp_path, probes) -> None:
-    settled, why = settle_io(config(offload={"nvme_path": str(tmp_path / "s")}), resume=False)
+    settled, _why = settle_io(config(offload={"nvme_path": str(tmp_path / "s")}), resume=False)
     assert not probes and (settled.offload.chunk_mb, settled.offload.io_threads) == tuning.FALLBACK
 
 

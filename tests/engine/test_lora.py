@@ -29,12 +29,11 @@ from engine.run.lora import init_adapters_, peft_config  # noqa: E402
 from engine.run.loss import chunked_cross_entropy  # noqa: E402
 from engine.tiers.frozen import FROZEN  # noqa: E402
 from engine.tools.inspect import inspect_store  # noqa: E402
-from engine.zero.optim import lr_factor  # noqa: E402
 from offload import IORunner, ShardStore, generation_prefix, unit_arrays  # noqa: E402
 from tests.engine.test_hf_models import llama  # noqa: E402
 from tests.engine.test_pretrained import SHARD, TEXT, save_tokenizer  # noqa: E402
 from tests.engine.test_pretrained import llama as pretrained_llama  # noqa: E402
-from tests.training import batches, config, reference_adamw  # noqa: E402
+from tests.training import batches, config, reference_adamw, reference_schedule  # noqa: E402
 
 STEPS = 3
 
@@ -89,7 +88,7 @@ def test_lora_stage3_base_on_nvme_is_bit_identical_to_peft_and_adamw(tmp_path) -
     ref_model = lora_llama()
     o = cfg.optim
     opt = reference_adamw(ref_model, o)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, STEPS))
+    schedule = reference_schedule(opt, o, STEPS)
 
     def reference_step(loss: torch.Tensor) -> float:
         loss.backward()
@@ -151,7 +150,7 @@ def peft_reference(folder: Path, corpus: Path, args: list[str]) -> tuple[torch.n
     init_adapters_(adapters, cfg.train.seed)
     o, steps = cfg.optim, cfg.train.steps
     opt = reference_adamw(ref, o)  # over the adapters, the parameters that require grad
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, steps))
+    schedule = reference_schedule(opt, o, steps)
     tokens, _ = load_tokens(str(corpus), pretrained=str(folder))
     data = TokenBatches(tokens, seq_len=16, micro_batch=2, seed=cfg.data.seed)
     losses = []

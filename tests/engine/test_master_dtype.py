@@ -25,9 +25,9 @@ from engine.zero.compact_update import CompactAdamW
 from engine.zero.optim import ShardAdamW
 from tests.engine.test_crafted_stores import snapshot
 from tests.engine.test_resume import params, run
-from tests.engine.test_state_dtype import change_error, state_bytes
+from tests.engine.test_state_dtype import state_bytes
 from tests.ranks import run_ranks
-from tests.training import config, tiny_gpt, train_engine, train_reference
+from tests.training import change_error, config, tiny_gpt, train_engine, train_reference
 
 STEPS = 8
 TRACK_TOLERANCE = 0.3

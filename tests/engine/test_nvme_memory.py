@@ -2,8 +2,9 @@
 
 Each measurement runs in a fresh process (``tests.engine.rss_probe``). On a CPU-only
 machine the "device" is host memory too, so the engine's own report of what it keeps
-resident (compute-dtype parameters, fp32 gradient shards at their peak) is subtracted: what remains
-is the staging of optimizer state, which must stay within the budget plus a constant.
+resident (compute-dtype parameters, and the fp32 gradient shards at their peak where they are
+held rather than spilled to the store) is subtracted: what remains is the staging of optimizer
+state, which must stay within the budget plus a constant.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import sys
 import pytest
 
 BUDGET_MB = 64
-# Interpreter and kernel allocations of a first step, plus one unit's gradient bucket in flight.
-CONSTANT_MB = 40
+CONSTANT_MB = 48
+"""Interpreter and kernel allocations of a first step, one unit's gradient bucket in flight and
+the spilled gradients' writes in flight. Measured, the excess over held parameters is 99-101 MiB
+at 2 layers (the pool's peak 43 of it) and 86-93 MiB at 8 (the pool's 63): within 64 + 48 = 112."""
 MIB = 2**20
 
 
@@ -43,6 +46,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 def test_peak_rss_stays_within_budget_as_the_model_grows_4x(runs) -> None:
     small, large = runs["small"], runs["large"]
     assert large["params"] > 3.5 * small["params"]
+    assert small["spills_gradients"] and large["spills_gradients"], "the nvme tier spills clipped gradients"
     for run in (small, large):
         assert run["pool_peak"] <= BUDGET_MB * MIB
         assert run["excess"] <= (BUDGET_MB + CONSTANT_MB) * MIB, run

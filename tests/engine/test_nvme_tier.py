@@ -127,5 +127,5 @@ def test_too_little_disk_is_refused(tmp_path, monkeypatch) -> None:
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
-    with pytest.raises(OSError, match="the store needs .* GiB .* but only 0.00 GiB are free"):
+    with pytest.raises(OSError, match=r"the store needs .* GiB .* but only 0\.00 GiB are free"):
         Engine(tiny_gpt(), nvme_config(tmp_path), total_steps=1)

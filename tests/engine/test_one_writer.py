@@ -40,14 +40,14 @@ def test_a_second_writer_is_refused_while_the_first_trains_on(tmp_path, monkeypa
     for line in first.stderr:  # once it trains
         if "loss" in line:
             break
-    config = Config.from_dict({}, OVERRIDES + [f"nvme_path={store}"])
+    config = Config.from_dict({}, [*OVERRIDES, f"nvme_path={store}"])
     _, vocab = load_tokens(config.data.source)
     with pytest.raises(StoreLockedError, match=rf"is being written by pid {first.pid} on host"):
         Engine.resume(build_model(config, vocab), config)
     first.stderr.read()
     assert first.wait(timeout=300) == 0
 
-    reference_config = Config.from_dict({}, OVERRIDES + ["offload.optimizer=cpu"])
+    reference_config = Config.from_dict({}, [*OVERRIDES, "offload.optimizer=cpu"])
     reference = Engine(build_model(reference_config, vocab), reference_config)
     train(reference, batches_for(reference_config, reference), STEPS)
     resumed = Engine.resume(build_model(config, vocab), config)

@@ -10,12 +10,15 @@ import torch
 from engine.engine import Engine
 from engine.run.models.gpt import GPT, GPTConfig
 from engine.runtime.budget import DeviceMemoryError
+from tests.engine.test_equivalence import BF16_TOLERANCE
 from tests.engine.test_resume import run
 from tests.ranks import run_ranks
 from tests.training import (
     SEQ_LEN,
     batches,
+    change_error,
     config,
+    initial_params,
     rel_diff,
     train_engine,
     train_engine_on_ranks,
@@ -39,7 +42,7 @@ def test_fp32_one_rank_is_bit_identical(param: str, optimizer: str, tmp_path) ->
     ours = train_engine(cfg, STEPS)
     ref = train_reference(cfg, STEPS, micro_batch=4)
     assert ours["losses"] == ref["losses"]
-    for step, (a, b) in enumerate(zip(ours["history"], ref["history"])):
+    for step, (a, b) in enumerate(zip(ours["history"], ref["history"], strict=False)):
         assert all(torch.equal(a[k], b[k]) for k in b), f"step {step} differs from torch AdamW"
 
 
@@ -56,7 +59,8 @@ def test_bf16_on_nvme_follows_autocast_reference(tmp_path) -> None:
     cfg = config(**stage3(tmp_path, "nvme", "nvme"), precision={"compute_dtype": "bf16"}, optim={"lr": 1e-3})
     ours = train_engine(cfg, 8)
     ref = train_reference(cfg, 8, micro_batch=4)
-    assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-2)
+    error = change_error(ours["params"], ref["params"], initial_params())
+    assert 0 < error < BF16_TOLERANCE, error  # measured 0.0565, as with the parameters in memory
     assert ours["losses"][-1] < ours["losses"][0]
 
 

@@ -245,12 +245,12 @@ def test_a_diverged_engine_refuses_everything_but_reading_and_closing() -> None:
     data = batches(4)
     poison(eng)
     micro_batch(eng, data)
-    with pytest.raises(DivergedError, match="^step 1 diverged"):
+    with pytest.raises(DivergedError, match=r"^step 1 diverged"):
         eng.step()
     assert eng.phase is StepPhase.DIVERGED
     for call in (lambda: eng(*data.next()), eng.step, eng.zero_grad, lambda: eng.save("x")):
         with pytest.raises(
-            DivergedError, match="^this engine stopped at a diverged step and takes no further step: step 1"
+            DivergedError, match=r"^this engine stopped at a diverged step and takes no further step: step 1"
         ):
             call()
     with eng.gathered():

@@ -23,9 +23,8 @@ from engine.run import cli  # noqa: E402
 from engine.run.pretrained import Pretrained, meta_model, record_source  # noqa: E402
 from engine.tools.consolidate import consolidate  # noqa: E402
 from engine.tools.export import export  # noqa: E402
-from engine.zero.optim import lr_factor  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
-from tests.training import SEQ_LEN, batches, config, reference_adamw  # noqa: E402
+from tests.training import SEQ_LEN, batches, config, reference_adamw, reference_schedule  # noqa: E402
 
 STEPS = 3
 SHARD = "40KB"
@@ -113,7 +112,7 @@ def torch_adamw(folder: Path, cfg) -> tuple[list[float], dict[str, torch.Tensor]
     """The same fine-tuning in plain PyTorch, from ``from_pretrained``."""
     model, o = reference(folder), cfg.optim
     opt = reference_adamw(model, o)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, STEPS))
+    schedule = reference_schedule(opt, o, STEPS)
 
     def step(x: torch.Tensor) -> float:
         loss = model(input_ids=x, labels=x).loss

@@ -3,26 +3,43 @@
 On the simulated device every host<->device copy lands later, on a worker thread, after a
 seeded random delay; its destination reads NaN until then and a source changed meanwhile is
 reported. Every stage and tier plan must stay bit-identical to torch AdamW there, as on the
-CPU, for several seeds; and each guard, taken out again (the buffer released before the
-copy's event, the gather not waiting for the copy, the optimizer not waiting for a gradient
-copy), must be caught.
+CPU, for several seeds; and each guard, taken out again, must be caught (``GUARDS``): the
+fetched buffer released before its copy's event, the gather not waiting for the shard's copy
+or for the new master's, the master reused before its copy to the device, the optimizer not
+waiting for a gradient copy, a gradient added before its copy into the staging shard. (The
+host waits that follow a ``wait_for`` cannot be taken out visibly here: on this device
+``wait_for`` already blocks the host.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from engine.engine import Engine
 from engine.runtime.detect import detect_device
 from engine.runtime.device import SIM_ENV
 from engine.runtime.sim_device import CopyRaceError, SimDevice
+from engine.tiers.parameters import MemoryParamTier
+from engine.zero import params as params_module
 from engine.zero.divergence import DivergedError
-from engine.zero.grads import PendingShard
+from engine.zero.grads import GradientShards, PendingShard
 from engine.zero.unit_params import UnitParams, UnitState
 from tests.ranks import run_ranks
-from tests.training import config, rel_diff, train_engine, train_engine_on_ranks, train_reference
+from tests.training import (
+    batches,
+    config,
+    rel_diff,
+    tiny_gpt,
+    train_engine,
+    train_engine_on_ranks,
+    train_reference,
+)
 
 STEPS = 3
 PLANS = [(1, "cpu", "device"), (2, "device", "device"), (2, "nvme", "device")]
@@ -93,16 +110,29 @@ def test_two_ranks_with_late_copies(tmp_path, monkeypatch) -> None:
     assert all(rel_diff(result["params"], ref["params"]) <= 1e-6 for result in ranks)
 
 
+def release_before_the_copy(self: UnitParams) -> None:
+    """``UnitParams.release_fetch`` without waiting for the copy's event: the fetched buffer goes
+    back to its pool (and the next fetch) while the copy may still be reading it."""
+    self.copied = None
+    if self.fetch is not None:
+        self.fetch.release()
+        self.fetch = None
+
+
 def gather_before_the_copy(self: UnitParams) -> None:
     """``UnitParams.start_gather`` without waiting for the shard's copy."""
     with self.becoming(UnitState.GATHERING):
         self.work = self.all_gather()
 
 
-def train_gathering_before_the_copy(cfg, steps: int, micro_batch: int) -> dict:
-    """On each rank (a process of its own): train with ``gather_before_the_copy``."""
-    UnitParams.start_gather = gather_before_the_copy  # type: ignore[method-assign]
-    return train_engine_on_ranks(cfg, steps, micro_batch)
+def gather_before_the_master_copy(device, comm, flat: torch.Tensor, unit, master: torch.Tensor):
+    """``copy_and_gather`` without the compute stream waiting for the new master's copy before
+    the all-gather reads it."""
+    own = flat[unit.shard_slice(comm.rank)]
+    copied = device.copy(own, master)
+    work = comm.all_gather(flat, own)
+    copied.synchronize()
+    return work
 
 
 def gradient_not_waited_for(self: PendingShard) -> torch.Tensor:
@@ -111,36 +141,133 @@ def gradient_not_waited_for(self: PendingShard) -> torch.Tensor:
     return self.shard
 
 
-@pytest.mark.parametrize(
-    ("owner", "name", "broken", "stage"),
-    [(PendingShard, "wait", gradient_not_waited_for, 2)],
-    ids=["update before the gradient copy"],
-)
-def test_a_missing_wait_is_caught(owner, name, broken, stage, tmp_path, monkeypatch) -> None:
-    cfg = plan_config(
-        stage, "nvme", "nvme" if stage == 3 else "device", str(tmp_path / "store"), train={"steps": STEPS}
-    )
-    ref = train_reference(cfg, STEPS, micro_batch=4)
-    monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=5")
-    monkeypatch.setattr(owner, name, broken)
-    try:
-        ours = train_engine(cfg, STEPS)
-    except (DivergedError, CopyRaceError):
-        return  # caught by the engine's own checks
-    assert not all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"]), (
-        "the missing wait went unseen"
-    )
+def added_before_the_staging_copy(self: GradientShards, unit, reduced: torch.Tensor) -> None:
+    """``_fold`` adding a later micro-batch's reduced shard before its copy into the staging
+    shard has landed."""
+    if (self._first_micro_batch or not self._early) and self._keeps(unit, reduced):
+        self._charge_shard(unit)
+        self.shards[unit.name] = reduced
+        return
+    target = self._shard(unit)
+    if self._first_micro_batch or not self._early:
+        copied = self._device.copy(target, reduced)
+        self._copies[unit.name] = (copied, None if copied.query() else reduced)
+        return
+    self.ready(unit.name)
+    staged = self._staging(unit)
+    self._device.copy(staged, reduced)
+    target.add_(staged)
 
 
-def test_a_gather_that_does_not_wait_for_its_copy_is_caught(tmp_path, monkeypatch) -> None:
-    """On two ranks the all-gather sends each rank's shard to the other: one not yet copied
-    into place sends NaN (on one rank the gather moves nothing, so it takes two)."""
+EVALUATING = (("prefetch_mb", 0.8),)
+"""A window of four of the tiny GPT's five units: an evaluation forward ends with one unit's
+copy queued for the backward that never comes (``test_evaluations_between_steps_...``)."""
+
+
+def master_reused_before_its_copy(self: MemoryParamTier, unit, master: torch.Tensor) -> None:
+    """``MemoryParamTier.write_back`` on the device without waiting for the copy from the host
+    master, whose buffer the optimizer tier hands to the next unit."""
+    self._copier.copy(self._shards[unit.name], master)
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A wait the engine makes, and how to take it out: ``name`` of ``owner`` replaced by ``broken``."""
+
+    owner: object
+    name: str
+    broken: object
+    plan: tuple[int, str, str]
+    ranks: int = 1
+    """On one rank an all-gather moves nothing: a gather that reads too early needs two."""
+    zero: tuple[tuple[str, float], ...] = ()
+    evaluate: bool = False
+    """Whether an evaluation forward follows each step: its prefetch, copies in flight for a
+    backward that never comes, is dropped at the next forward (on the simulated device every
+    other release follows a gather that already waited)."""
+
+
+GUARDS = {
+    "buffer released before its copy's event": Guard(
+        UnitParams, "release_fetch", release_before_the_copy, (3, "nvme", "nvme"), zero=EVALUATING, evaluate=True
+    ),
+    "gather before the shard's copy": Guard(
+        UnitParams, "start_gather", gather_before_the_copy, (3, "nvme", "nvme"), 2
+    ),
+    "gather before the new master's copy": Guard(
+        params_module, "copy_and_gather", gather_before_the_master_copy, (2, "nvme", "device"), 2
+    ),
+    "master reused before its copy to the device": Guard(
+        MemoryParamTier, "write_back", master_reused_before_its_copy, (3, "nvme", "device")
+    ),
+    "update before the gradient copy": Guard(PendingShard, "wait", gradient_not_waited_for, (2, "nvme", "device")),
+    "addition before the staging copy": Guard(
+        GradientShards, "_fold", added_before_the_staging_copy, (2, "nvme", "device"), zero=(("grad_accum_steps", 2),)
+    ),
+}
+
+
+def train_engine_evaluating(cfg, steps: int) -> dict:
+    """``train_engine``'s steps, each followed by an evaluation forward (of the first batch)."""
+    eng = Engine(tiny_gpt(), cfg, total_steps=steps)
+    data, evaluation = batches(4), batches(4).next()
+    for _ in range(steps):
+        eng.backward(eng(*data.next()))
+        eng.step()
+        with torch.no_grad():
+            eng(*evaluation)
+    with eng.gathered():
+        params = {n: p.detach().float().clone() for n, p in eng.module.named_parameters()}
+    eng.close()
+    return {"params": params}
+
+
+def test_evaluations_between_steps_change_nothing_with_late_copies(tmp_path, monkeypatch) -> None:
+    """An evaluation's prefetch for a backward that never comes is dropped at the next forward,
+    a unit's copy still in flight among it; the training is torch's all the same."""
     monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=5")
     cfg = plan_config(3, "nvme", "nvme", str(tmp_path / "store"))
+    cfg.zero = dataclasses.replace(cfg.zero, **dict(EVALUATING))
+    dropped = []
+    free = UnitParams.free
+    monkeypatch.setattr(UnitParams, "free", lambda self: dropped.append(self.state) or free(self))
+    ours = train_engine_evaluating(cfg, STEPS)
+    assert UnitState.COPYING in dropped, "no unit was dropped with its copy in flight"
     ref = train_reference(cfg, STEPS, micro_batch=4)
+    assert all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"])
+
+
+def guard_config(guard: Guard, store: str):
+    stage, optimizer, param = guard.plan
+    cfg = plan_config(stage, optimizer, param, store, train={"steps": STEPS})
+    cfg.zero = dataclasses.replace(cfg.zero, **dict(guard.zero))
+    return cfg
+
+
+def train_without(guard_name: str, cfg, steps: int, micro_batch: int) -> dict:
+    """On each rank (a process of its own, for ``run_ranks``): train with the guard taken out."""
+    guard = GUARDS[guard_name]
+    setattr(guard.owner, guard.name, guard.broken)
+    return train_engine_on_ranks(cfg, steps, micro_batch)
+
+
+@pytest.mark.parametrize("guard_name", list(GUARDS))
+def test_each_missing_wait_is_caught(guard_name: str, tmp_path, monkeypatch) -> None:
+    """With the wait taken out, copies landing late must show: a race or a divergence the
+    engine raises, or parameters that are not torch's."""
+    guard = GUARDS[guard_name]
+    cfg = guard_config(guard, str(tmp_path / "store"))
+    ref = train_reference(cfg, STEPS, micro_batch=4)
+    monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=5")  # the ranks inherit it
     try:
-        ranks = run_ranks(2, train_gathering_before_the_copy, cfg, STEPS, 2)
-    except RuntimeError as failed:  # a rank stopped at a diverged step
+        if guard.ranks == 1:
+            monkeypatch.setattr(guard.owner, guard.name, guard.broken)
+            results = [train_engine_evaluating(cfg, STEPS) if guard.evaluate else train_engine(cfg, STEPS)]
+        else:
+            results = run_ranks(guard.ranks, functools.partial(train_without, guard_name), cfg, STEPS, 4 // guard.ranks)
+    except (DivergedError, CopyRaceError):
+        return  # caught by the engine's own checks, on this process
+    except RuntimeError as failed:  # a rank stopped by them
         assert "DivergedError" in str(failed) or "CopyRaceError" in str(failed), failed
         return
-    assert all(rel_diff(result["params"], ref["params"]) > 1e-6 for result in ranks), "the missing wait went unseen"
+    assert all(rel_diff(result["params"], ref["params"]) > 1e-6 for result in results), "the missing wait went unseen"

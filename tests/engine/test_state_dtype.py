@@ -16,7 +16,7 @@ from engine.tools.estimate import plan_of, run_shape, store_bytes
 from engine.tools.inspect import format_report, inspect_store
 from tests.engine.test_crafted_stores import snapshot
 from tests.engine.test_resume import nvme, params, run
-from tests.training import config, tiny_gpt, train_engine, train_reference
+from tests.training import change_error, config, tiny_gpt, train_engine, train_reference
 
 STEPS = 8
 TRACK_TOLERANCE = {"bf16": 0.01, "int8": 0.05}
@@ -29,13 +29,6 @@ nearest freezing ``v``) or a wrong one (say, moments not kept between steps) is 
 An 8-bit code resolves about 1% of its block's largest value, so each update is off by about
 1%: measured, 2.3%; 5% allows for the same doubling. (Before the least code of a positive
 ``v`` was made 1, a ``v`` decoded as 0 took steps of ``m / eps``: 11%.)"""
-
-
-def change_error(got: dict, expected: dict, initial: dict) -> float:
-    """The engine's distance from torch relative to how far torch moved the parameters."""
-    diff = sum(((got[k] - expected[k]).double() ** 2).sum() for k in expected) ** 0.5
-    moved = sum(((expected[k] - initial[k]).double() ** 2).sum() for k in expected) ** 0.5
-    return float(diff / moved)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,7 @@ from engine.run.watch import Scalars
 
 pytest.importorskip("matplotlib")
 
-from engine.tools.plot import curves, draw, read_metrics  # noqa: E402
+from engine.tools.plot import curves, draw, read_metrics
 
 STEPS = 6
 EVAL_EVERY = 2
@@ -73,7 +74,7 @@ def test_plot_writes_a_png_of_every_step_and_every_validation(run, tmp_path, cap
 def test_plot_defaults_to_a_png_beside_the_metrics_file(run, tmp_path) -> None:
     config, _ = run
     metrics = tmp_path / "run.jsonl"
-    metrics.write_text(open(config.train.metrics).read())
+    metrics.write_text(Path(config.train.metrics).read_text())
     assert cli.main(["plot", str(metrics)]) == 0
     assert (tmp_path / "run.png").stat().st_size > 0
 
@@ -99,7 +100,7 @@ def test_tensorboard_without_its_package_is_refused_by_the_config_check(monkeypa
         importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a)
     )
     with pytest.raises(
-        ConfigError, match="train.tensorboard = 'tb': needs the tensorboard package: pip install tensorboard"
+        ConfigError, match=r"train\.tensorboard = 'tb': needs the tensorboard package: pip install tensorboard"
     ):
         Config.from_dict({}, ["tensorboard=tb"])
 

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 import offload.chunks
-
+from offload.chunks import ChecksumError
 from offload.generations import DIRTY, KEEP, Generations
 from offload.io import IORunner
-from offload.chunks import ChecksumError
 from offload.store import ShardStore
 
 

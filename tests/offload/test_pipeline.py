@@ -200,7 +200,7 @@ def test_abandoning_the_stream_leaks_nothing(runner):
     assert len(loaded) < 20  # loads not yet started were cancelled
 
     with pytest.raises(RuntimeError, match="consumer failed"):
-        for item, buf in pipe.read_ahead(range(20), nbytes=lambda i: 4 * KIB, load=slow_load):
+        for _item, buf in pipe.read_ahead(range(20), nbytes=lambda i: 4 * KIB, load=slow_load):
             pipe.release(buf)
             raise RuntimeError("consumer failed")
     assert pool.in_use_bytes == 0
@@ -285,7 +285,7 @@ def test_loads_overlap_with_compute(any_runner):
         time.sleep(delay)
 
     start = time.perf_counter()
-    for item, buf in pipe.read_ahead(range(count), nbytes=lambda i: 4 * KIB, load=slow_load):
+    for _item, buf in pipe.read_ahead(range(count), nbytes=lambda i: 4 * KIB, load=slow_load):
         time.sleep(delay)  # compute
         pipe.release(buf)
     elapsed = time.perf_counter() - start

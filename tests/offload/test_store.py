@@ -12,8 +12,8 @@ import pytest
 import torch
 import zarr
 
-from offload.io import IORunner, OffloadIOError
 from offload.chunks import ChecksumError, FileOps
+from offload.io import IORunner, OffloadIOError
 from offload.nodes import SCRATCH
 from offload.store import ShardStore
 
