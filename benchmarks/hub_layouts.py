@@ -49,8 +49,11 @@ def small_config(kind: str) -> Any:
 
     given = {k: v for k, v in SMALL.items() if hasattr(transformers.AutoConfig.for_model(kind), k)}
     settings = transformers.AutoConfig.for_model(kind, **given)
-    if getattr(settings, "layer_types", None) is not None:
-        settings.layer_types = settings.layer_types[: settings.num_hidden_layers]
+    layers = getattr(settings, "layer_types", None)
+    if isinstance(layers, list) and len(layers) != settings.num_hidden_layers:
+        settings.layer_types = layers[: settings.num_hidden_layers]
+    if (getattr(settings, "pad_token_id", None) or 0) >= SMALL["vocab_size"]:  # an id of the full vocabulary
+        settings.pad_token_id = 0
     return settings
 
 
