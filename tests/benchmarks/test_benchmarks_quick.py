@@ -127,6 +127,7 @@ def test_copies_quick(tmp_path: Path) -> None:
     assert row["async s"] > 0 and row["sync s"] > 0 and 0 < row["overlap"] <= 1.5
 
 
+@pytest.mark.slow  # benchmarks.pretrained end to end: about 25 s
 def test_pretrained_quick(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from benchmarks import pretrained
@@ -145,6 +146,7 @@ def test_pretrained_quick(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-pretrained-")] == []
 
 
+@pytest.mark.slow  # benchmarks.sft end to end: about 30 s
 def test_sft_quick(tmp_path: Path) -> None:
     pytest.importorskip("datasets")
     from benchmarks import sft

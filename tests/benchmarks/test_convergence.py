@@ -11,6 +11,7 @@ from benchmarks import convergence
 from tests.benchmarks.test_benchmarks_quick import load_record
 
 
+@pytest.mark.slow  # seven runs of python -m engine train: about 90 s
 def test_convergence_scores_each_form_over_seeds_and_keys_results_on_code_and_config(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 from benchmarks import giant
 from engine.tools.consolidate import consolidate
 
+pytestmark = pytest.mark.slow  # three runs of python -m engine train and two resumes: about 100 s
+
 RSS_TOLERANCE = 1.15
 ARGS = ["--quick", "--params", "2e7"]
 

@@ -36,6 +36,7 @@ def test_without_cuda_it_says_so_in_one_line_and_saves_nothing(tmp_path: Path) -
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a run of each size in turn: about 25 s
 def test_the_search_doubles_until_the_device_limit_refuses_a_size(tmp_path: Path) -> None:
     search = gpu.largest_model(limit_mb=8, start_params=1e6, budget_s=600, threads=1, work=tmp_path)
     params = [row["params M"] for row in search.rows]

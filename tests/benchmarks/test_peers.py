@@ -62,6 +62,7 @@ def check_same_training(contestants: list[dict[str, Any]]) -> None:
         assert drops == pytest.approx(expected, rel=DROP_TOLERANCE), (c["label"], drops, first["label"], expected)
 
 
+@pytest.mark.slow  # three systems' ranks: about 50 s
 def test_plain_fsdp2_and_ours(tmp_path: Path) -> None:
     record, disk = run_quick(tmp_path, "plain", "fsdp2", "ours")
     contestants = record["contestants"]

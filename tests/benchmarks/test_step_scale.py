@@ -79,6 +79,7 @@ def test_step_traffic_moves_what_the_plan_offloads() -> None:
         assert sum(s.nbytes for t in spilled for s in t.writes) == (written + 4) * numel, key
 
 
+@pytest.mark.slow  # benchmarks.scale end to end over its sizes: about 45 s
 def test_scale_quick(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     scale.main(["--quick", "--out", str(tmp_path), "--dir", str(disk), "--steps", "1", *ONE_THREAD])
@@ -95,6 +96,7 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert list(disk.iterdir()) == []
 
 
+@pytest.mark.slow  # benchmarks.scale with clipping end to end: about 45 s
 def test_scale_clipping_quick(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     argv = ["--clipping", "--sizes", "0.5", "--plan", "s2-nvme", "--seq_len", "32", "--micro_batch", "1"]

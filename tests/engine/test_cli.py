@@ -44,6 +44,7 @@ def test_three_steps_exit_cleanly(tmp_path) -> None:
     assert steps == 3 and math.isfinite(first) and math.isfinite(last)
 
 
+@pytest.mark.slow  # fifty steps (a few steps lower it in test_gpt): about 45 s
 def test_fifty_steps_lower_the_loss(tmp_path) -> None:
     steps, first, last = losses(
         run(["--steps", "50", "--seq_len", "64", "--lr", "3e-3", "--log_every", "25"], tmp_path)
@@ -63,6 +64,7 @@ def torchrun(ranks: int) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # torchrun trains two ranks in the two-rank resume below too: about 20 s
 def test_torchrun_two_ranks(tmp_path) -> None:
     steps, _first, last = losses(run(["--steps", "3", "--seq_len", "64", "--stage", "1"], tmp_path, torchrun(2)))
     assert steps == 3 and math.isfinite(last)

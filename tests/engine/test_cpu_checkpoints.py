@@ -81,6 +81,7 @@ def test_retention_and_errors_name_the_tags(tmp_path) -> None:
         Engine.resume(tiny_gpt(), nvme(tmp_path), total_steps=6)
 
 
+@pytest.mark.slow  # three runs of the command (test_checkpoints runs it on nvme): about 75 s
 def test_cli_keeps_every_interval_and_resumes_on_the_cpu_tier(tmp_path) -> None:
     store = tmp_path / "offload_store"
     args = ["--steps", "5", "--seq_len", "64", "--offload.optimizer", "cpu", "--checkpoint.interval", "2"]

@@ -107,7 +107,7 @@ def template(tmp_path: Path, mode: str) -> tuple[Path, list[dict[str, torch.Tens
     return tmp_path / "template" / "store", trajectory, losses
 
 
-@pytest.mark.parametrize("mode", ["generations", "in-place"])
+@pytest.mark.parametrize("mode", ["generations", pytest.param("in-place", marks=pytest.mark.slow)])  # in place: 70 s
 def test_a_crash_at_any_point_of_creating_a_generation_resumes_to_the_committed_step(
     tmp_path, monkeypatch, mode
 ) -> None:

@@ -45,7 +45,11 @@ def test_tied_embeddings_bit_identical(stage: int) -> None:
     assert all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"])
 
 
-@pytest.mark.parametrize(("stage", "tier"), [(1, "cpu"), (2, "cpu"), (3, "cpu"), (1, "nvme"), (2, "nvme"), (3, "nvme")])
+# Two ranks with the state on nvme are also held to one rank on the cpu tier by test_nvme_tier: slow here.
+@pytest.mark.parametrize(
+    ("stage", "tier"),
+    [(1, "cpu"), (2, "cpu"), (3, "cpu")] + [pytest.param(s, "nvme", marks=pytest.mark.slow) for s in (1, 2, 3)],
+)
 def test_two_gloo_ranks_match_one_process(stage: int, tier: str, tmp_path) -> None:
     cfg = config(zero={"stage": stage}, offload={"optimizer": tier, "nvme_path": str(tmp_path / "store")})
     ranks = run_ranks(2, train_engine_on_ranks, cfg, STEPS, 2)

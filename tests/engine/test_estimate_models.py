@@ -127,6 +127,7 @@ def test_estimate_command_takes_a_config_folder(tmp_path, capsys, caplog) -> Non
     assert "size a built-in GPT: leave them out" in caplog.text
 
 
+@pytest.mark.slow  # plan = auto is applied in test_estimate too: about 15 s
 def test_train_with_plan_auto_fine_tunes_a_pretrained_model(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = tmp_path / "pretrained"

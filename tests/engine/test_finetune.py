@@ -163,6 +163,7 @@ def ranks_fine_tune(folder: Path, root: Path, stop_after: int) -> list[float]:
         train_module.train_step = real_step
 
 
+@pytest.mark.slow  # two ranks then one (one rank's resume stays in the default run): about 50 s
 def test_a_fine_tune_of_two_ranks_resumes_mid_epoch_on_one(tmp_path, folder, monkeypatch) -> None:
     """The same rows make each step on 2 ranks and on 1 (a micro-batch of 1 a rank, of 2 once
     resumed on one: the global batch is kept), so the losses go on as the 2 ranks' would, to

@@ -25,7 +25,7 @@ from engine.zero.compact_update import CompactAdamW
 from engine.zero.optim import ShardAdamW
 from tests.engine.test_crafted_stores import snapshot
 from tests.engine.test_resume import params, run
-from tests.engine.test_state_dtype import state_bytes
+from tests.engine.test_state_dtype import TRACKED, state_bytes
 from tests.ranks import run_ranks
 from tests.training import change_error, config, tiny_gpt, train_engine, train_reference
 
@@ -60,8 +60,7 @@ def tracking_error(cfg: Config) -> tuple[float, list[float]]:
     return change_error(got["params"], expected["params"], initial), got["losses"]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
+@pytest.mark.parametrize(("tier", "stage"), TRACKED)
 def test_bf16_masters_track_torch_adamw(tmp_path, stage: int, tier: str) -> None:
     offload = {"optimizer": tier, "nvme_path": str(tmp_path / "store")}
     error, losses = tracking_error(config(zero={"stage": stage}, offload=offload, optim={"master_dtype": "bf16"}))
