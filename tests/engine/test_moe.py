@@ -112,6 +112,7 @@ def _two_ranks(cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     return train_engine(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
+@pytest.mark.slow
 def test_two_ranks_at_stage_3_on_nvme_track_torch_adamw(tmp_path: Path) -> None:
     """Two ranks each take half of a batch of 8; the reference takes the batch whole. The sums
     run in another order, so the bound is a tolerance: 1e-5 relative, where the first step's
@@ -165,6 +166,7 @@ def test_estimate_lays_out_and_sizes_the_experts_as_the_engine_does(tmp_path: Pa
     assert run.model.ffn == 2 * 96, "a token passes through the two experts it is routed to"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_the_command_line_fine_tunes_exports_and_generates_a_mixture_of_experts(lora, tmp_path, monkeypatch) -> None:
     """A Mixtral checkpoint (experts stored one per tensor) fine-tuned from the command line at
