@@ -69,9 +69,11 @@ class Conversion:
         return [name for _, name in self.sources]
 
 
-def _rules(model: nn.Module, saving: bool) -> list[Any]:
+def _rules(model: nn.Module | None, saving: bool) -> list[Any]:
     """The model's ordered conversion rules; for saving, those ``save_pretrained`` reverses for a
     model it did not load (no legacy renamings, no prefix changes)."""
+    if model is None:  # a model transformers does not know converts nothing
+        return []
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange
 
@@ -227,7 +229,7 @@ def _ignored(model: nn.Module, name: str) -> bool:
     return any(re.search(p, name) for p in [*patterns, r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$"])
 
 
-def stored_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def stored_tensors(model: nn.Module | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors ``save_pretrained`` of ``model`` writes for the parameters ``tensors`` (by
     model name), by their names on disk; on ``meta`` tensors, their shapes and which are views."""
     from transformers.core_model_loading import revert_weight_conversion
@@ -256,7 +258,7 @@ class StoredTensor:
         return math.prod(self.shape)
 
 
-def stored_plan(model: nn.Module, layout: ModelLayout) -> list[StoredTensor]:
+def stored_plan(model: nn.Module | None, layout: ModelLayout) -> list[StoredTensor]:
     """Every tensor ``save_pretrained`` of ``model`` writes for the parameters of ``layout``,
     unit by unit: a unit's slices in the order of its flat values, or, when any of its tensors
     is not a slice, all of them in the order the reversed rules make them."""

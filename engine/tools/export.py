@@ -159,7 +159,7 @@ class _ShardWriter:
 
 
 def _write_shards(
-    model: nn.Module,
+    model: nn.Module | None,
     layout: ModelLayout,
     pieces: Iterable[tuple[UnitLayout, int, torch.Tensor]],
     shards: list[Shard],
@@ -198,7 +198,7 @@ class _WholeUnits:
     """The stored tensors' values from a unit's pieces, in their order: a slice's overlap with
     each piece, or, for a unit with computed tensors, all of them once its pieces are gathered."""
 
-    def __init__(self, model: nn.Module, layout: ModelLayout, stored: dict[str, list[StoredTensor]]):
+    def __init__(self, model: nn.Module | None, layout: ModelLayout, stored: dict[str, list[StoredTensor]]):
         self.model, self.stored = model, stored
         self.units = {unit.name: unit for unit in layout.all_units}
         self.gathering: torch.Tensor | None = None
@@ -277,7 +277,7 @@ def export(
         if adapter and not merged:
             return export_adapter(masters, out_dir, source, record, dtype)
         layout, pieces = _merged(masters, source, record) if merged else (masters.layout, masters.pieces())
-        model = meta_model(source)
+        model = rules_model(source)
         buffers = stored_tensors(model, _recorded_buffers(source))
         plan = stored_plan(model, layout) + [
             StoredTensor(n, tuple(b.shape), BUFFERS_FILE, None, None if b.is_floating_point() else b.dtype)
@@ -343,6 +343,17 @@ def export_adapter(masters: Masters, out_dir: Path, source: Path, record: dict, 
         out_dir,
     )
     return sorted(p.name for p in out_dir.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+
+
+def rules_model(source: Path) -> nn.Module | None:
+    """The model whose conversion rules the export follows, on the meta device; ``None`` for a
+    config transformers does not know (a custom model), which has none: its names are stored as
+    the store holds them."""
+    try:
+        return meta_model(source)
+    except (ValueError, KeyError) as err:
+        logger.info("no conversion rules for %s (%s): tensors keep the store's names", source / "config.json", err)
+        return None
 
 
 def _recorded_buffers(source: Path) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from engine.config import Config
 from engine.engine import Engine
 from engine.run.models.gpt import GPT, GPTConfig
 from engine.runtime.rss import peak_rss_bytes
-from engine.zero.update import spills_gradients
+from engine.config import spills_gradients
 
 
 def main(n_layer: int, tier: str, budget_mb: int, store: str) -> dict:
