@@ -13,11 +13,10 @@ from pathlib import Path
 import psutil
 import torch
 
-from engine.config import Config
+from engine.config import Config, spills_gradients
 from engine.engine import Engine
 from engine.run.models.gpt import GPT, GPTConfig
 from engine.runtime.rss import peak_rss_bytes
-from engine.config import spills_gradients
 
 
 def main(n_layer: int, tier: str, budget_mb: int, store: str) -> dict:
