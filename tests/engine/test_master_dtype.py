@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from engine.config import Config
@@ -128,16 +129,25 @@ def test_shared_bf16_masters_resume_bit_identically(tmp_path, mode: str) -> None
 
 
 def stop_and_resume_on_ranks(root: str, stop: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Entry point for ``run_ranks``: train ``steps`` steps, closing and resuming after ``stop``."""
-    eng = Engine(tiny_gpt(), shared(Path(root), "generations"), total_steps=steps)
-    losses = run(eng, stop)
-    if stop < steps:
+    """Entry point for ``run_ranks``: train ``steps`` steps, closing and resuming after ``stop``.
+
+    Both engines join one process group made first (as ``tests.engine.test_reshard.run_tasks``
+    does): each engine making its own group in turn re-runs the ``env://`` rendezvous on the
+    same port in the same processes, where gloo's connection of the second group now and then
+    waited forever (here about one run in two hung in ``ProcessGroupGloo``'s constructor)."""
+    dist.init_process_group("gloo")
+    try:
+        eng = Engine(tiny_gpt(), shared(Path(root), "generations"), total_steps=steps)
+        losses = run(eng, stop)
+        if stop < steps:
+            eng.close()
+            eng = Engine.resume(tiny_gpt(), shared(Path(root), "generations"), total_steps=steps)
+            losses += run(eng, steps - stop)
+        got = params(eng)
         eng.close()
-        eng = Engine.resume(tiny_gpt(), shared(Path(root), "generations"), total_steps=steps)
-        losses += run(eng, steps - stop)
-    got = params(eng)
-    eng.close()
-    return losses, got
+        return losses, got
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two processes computing in bf16 on a CPU: about 25 s
