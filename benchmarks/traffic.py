@@ -26,6 +26,7 @@ that makes every write durable. Its time is what the step's I/O costs alone:
 from __future__ import annotations
 
 import functools
+import itertools
 import resource
 import shutil
 import statistics
@@ -175,14 +176,17 @@ class StoreTraffic:
         start, cpu_start = time.perf_counter(), process_cpu_s()
         load = functools.partial(self._move, self._read_generation, False)
         save = functools.partial(self._move, self._written(), True)
-        for transfer, buf in self.pipeline.read_ahead(
-            self.transfers, nbytes=lambda t: t.nbytes, load=load, describe=Transfer.describe
-        ):
-            if transfer.writes:
-                self.pipeline.write_back(transfer, buf, save, describe=Transfer.describe)
-            else:
-                self.pipeline.release(buf)
-        self.pipeline.drain()
+        # A phase's writes land before the next phase reads (the spilled gradients backward
+        # writes are what the update reads), as the engine drains its spill before reading it.
+        for _, phase in itertools.groupby(self.transfers, key=lambda t: t.phase):
+            for transfer, buf in self.pipeline.read_ahead(
+                list(phase), nbytes=lambda t: t.nbytes, load=load, describe=Transfer.describe
+            ):
+                if transfer.writes:
+                    self.pipeline.write_back(transfer, buf, save, describe=Transfer.describe)
+                else:
+                    self.pipeline.release(buf)
+            self.pipeline.drain()
         self.store.sync()
         self._read_generation = self._written()
         return time.perf_counter() - start, process_cpu_s() - cpu_start

@@ -7,17 +7,21 @@ something was measured. One torch thread, so that a busy machine does not slow t
 
 import math
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from benchmarks import scale, step
+from benchmarks import scale, step, traffic
 from benchmarks.optimizer import synthetic_layout
 from benchmarks.plans import PLANS
 from benchmarks.plots import line_panels
-from benchmarks.traffic import step_transfers
+from benchmarks.traffic import StoreTraffic, step_transfers
+from engine.config import OffloadConfig
+from offload import read_shard, write_shard
 from tests.benchmarks.test_benchmarks_quick import load_record
 
 ONE_THREAD = ["--threads", "1"]
@@ -77,6 +81,35 @@ def test_step_traffic_moves_what_the_plan_offloads() -> None:
         spilled = step_transfers(layout, PLANS[key], torch.bfloat16, spill=True)
         assert sum(s.nbytes for t in spilled for s in t.reads) == (read + 4) * numel, key
         assert sum(s.nbytes for t in spilled for s in t.writes) == (written + 4) * numel, key
+
+
+def test_step_traffic_reads_nothing_while_its_write_is_pending(tmp_path: Path, monkeypatch) -> None:
+    """The update reads the gradients backward spilled: the replay lets those writes land first,
+    as the engine does (a read racing its write fails the chunk's CRC on a many-core machine)."""
+    writing: set[tuple[str, str]] = set()
+    lock = threading.Lock()
+
+    def slow_write(store, prefix, unit, rank, views) -> None:
+        with lock:
+            writing.update((unit.name, kind) for kind, _ in views)
+        time.sleep(0.05)
+        write_shard(store, prefix, unit, rank, views)
+        with lock:
+            writing.difference_update((unit.name, kind) for kind, _ in views)
+
+    def checked_read(store, prefix, unit, rank, views) -> None:
+        with lock:
+            racing = writing & {(unit.name, kind) for kind, _ in views}
+        assert not racing, f"read {racing} while its write was pending"
+        read_shard(store, prefix, unit, rank, views)
+
+    monkeypatch.setattr(traffic, "write_shard", slow_write)
+    monkeypatch.setattr(traffic, "read_shard", checked_read)
+    layout = synthetic_layout([4096] * 4, chunk_mb=1)
+    transfers = step_transfers(layout, PLANS["s3-nvme-nvme"], torch.bfloat16, spill=True)
+    offload = OffloadConfig(io_threads=4, buffer_mb=64, direct_io=False)
+    with StoreTraffic(tmp_path / "store", transfers, offload, in_place=True) as replay:
+        replay.step()
 
 
 @pytest.mark.slow  # benchmarks.scale end to end over its sizes: about 45 s
