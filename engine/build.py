@@ -20,6 +20,7 @@ from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
 from engine.runtime.host_worker import HostWorker, uses_host_worker
+from engine.runtime.staging import StagingRing
 from engine.state.forms import HostAllocator, StateForm
 from engine.state.partition import (
     ROOT_UNIT,
@@ -39,6 +40,7 @@ from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
 from engine.tiers.sizing import (
+    master_upload_bytes,
     optimizer_buffer_bytes,
     param_window_bytes,
     pinned_bytes,
@@ -251,8 +253,9 @@ def parameters(
     frozen units' values from ``optimizer_state``'s store, and bf16 masters from it where they
     are the parameters, ``shares_master``)."""
     zero, offload = config.zero, config.offload
+    uploads = master_uploads(config, layout, device, dtype)
     if zero.stage < 3:
-        return ReplicatedParams(layout, comm, budget, device)
+        return ReplicatedParams(layout, comm, budget, device, uploads)
     tier: ParamTier
     if offload.param == "nvme":
         buffer_bytes = param_window_bytes(zero, comm.world_size)
@@ -269,7 +272,7 @@ def parameters(
             pin=device.pin_memory,
         )
     else:
-        tier = MemoryParamTier(offload.param == "device", device, dtype, budget)
+        tier = MemoryParamTier(offload.param == "device", device, dtype, budget, uploads)
     return ShardedParams(
         layout,
         comm,
@@ -279,7 +282,17 @@ def parameters(
         prefetch_bytes=prefetch_bytes(zero),
         persistence_threshold=zero.persistence_threshold,
         reserve_bytes=required_headroom(layout, dtype),
+        uploads=uploads,
     )
+
+
+def master_uploads(config: Config, layout: ModelLayout, device: Device, dtype: torch.dtype) -> StagingRing | None:
+    """Where host masters are rounded to the compute dtype on their way to the device (its
+    size is ``engine.tiers.sizing.pinned_bytes``' "master uploads"); None where the masters are
+    on the device, or the device is the host."""
+    if device.pinned is None or config.offload.optimizer_on_device:
+        return None
+    return StagingRing(device, master_upload_bytes(layout, dtype), "the masters' uploads to the device")
 
 
 def required_headroom(layout: ModelLayout, dtype: torch.dtype) -> int:

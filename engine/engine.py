@@ -467,6 +467,7 @@ class Engine:
             self.grads.close()
             self.params.close()
             self.io.close()  # after every tier: the writes still in flight land before the lock goes
+            self.device.close()  # the buffers still out with copies come back
             if self._store_lock is not None:
                 self._store_lock.release()
             self.comm.close()

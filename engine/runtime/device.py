@@ -2,10 +2,12 @@
 simulated asynchronous device.
 
 The engine's algorithm is written once against this class. Every copy between host and
-device goes through ``copy``, queued on a copy stream behind the work already queued on the
-compute stream, and returns an event; whoever reads the destination or reuses the source
-waits for that event first, the compute stream with ``wait_for``, the host with the event's
-``synchronize``. On an accelerator that is what lets copies overlap compute; on CPU copies
+device goes through ``copy``, queued on the copy stream of its direction (parameters going to
+the device, gradients coming back: one stream each, so that both directions of the bus are
+used at once) behind the work already queued on the compute stream, and returns an event;
+whoever reads the destination waits for that event first, the compute stream with
+``wait_for``, and a host buffer the copy reads is handed back with ``after`` (the training
+thread never waits for a copy to reuse a buffer). On an accelerator that is what lets copies overlap compute; on CPU copies
 are synchronous and the events are already complete, so a missing wait is invisible there:
 ``engine.runtime.sim_device`` runs copies later, on worker threads, to make it visible in tests.
 ``engine.runtime.detect`` picks the one a rank computes on.
@@ -13,10 +15,13 @@ are synchronous and the events are already complete, so a missing wait is invisi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Protocol
 
 import torch
 
+from engine.runtime.completions import Completions
 from engine.runtime.pinned import PinnedPool
 
 
@@ -47,8 +52,10 @@ class Device:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._copy_stream = None
+        self._copy_streams: dict[bool, torch.Stream] = {}
+        """By direction (True: to the device), made at the first copy each way."""
         self._copied = 0
+        self._completions = Completions(self.bind_thread)
         self.pinned: PinnedPool | None = None
         """The bounded pool of host tensors that copies read or fill (``bound_pinned``); None
         where the device is the host."""
@@ -76,26 +83,48 @@ class Device:
     def module(self):  # torch.cuda, torch.cpu, ...
         return torch.get_device_module(self.device.type)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        """``dst.copy_(src)`` between host and device, queued on the copy stream after the work
-        already queued on the compute stream (which may be producing ``src``). Until the
-        returned event completes neither tensor may be touched: the compute stream waits for
-        it (``wait_for``) before reading ``dst``, the host (``event.synchronize()``) before
-        reusing a host buffer or letting a device tensor go."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool | None = None) -> Event:
+        """``dst.copy_(src)``, queued on the copy stream of its direction (``to_device``: towards
+        the compute, as parameters go; else back, as gradients go; by default from where
+        ``src`` is) after the work already queued on the compute stream (which may be
+        producing ``src``). Until the returned event completes neither tensor may be touched:
+        the compute stream waits for it (``wait_for``) before reading ``dst``, and a host
+        buffer is handed back with ``after``."""
         self._copied += src.nbytes
-        return self._queue_copy(dst, src)
+        return self._queue_copy(dst, src, src.device.type == "cpu" if to_device is None else to_device)
 
-    def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+    def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> Event:
         if not self.is_accelerator:
             dst.copy_(src)
             return DoneEvent()
-        stream = self._copy_stream = self._copy_stream or self.module.Stream()
+        stream = self._copy_streams.get(to_device)
+        if stream is None:
+            stream = self._copy_streams[to_device] = self.module.Stream()
         stream.wait_stream(self.module.current_stream())
         with self.module.stream(stream):
             dst.copy_(src, non_blocking=True)
         event = self.module.Event()
         event.record(stream)
         return event
+
+    def after(self, event: Event, release: Callable[[], None]) -> Future:
+        """Run ``release`` (give back a buffer a copy reads, or use what it filled) once
+        ``event`` has completed, without holding this thread (``engine.runtime.completions``);
+        a future of when it has run."""
+        return self._completions.after(event, release)
+
+    def raise_errors(self) -> None:
+        """Raise here what a release run after its copy met."""
+        self._completions.raise_errors()
+
+    def bind_thread(self) -> None:
+        """Make this thread's device calls go to this device (a new thread's go to device 0)."""
+        if self.is_accelerator and self.device.index is not None:
+            self.module.set_device(self.device)
+
+    def close(self) -> None:
+        """Run the releases still waiting for their copies, and stop their thread."""
+        self._completions.close()
 
     def take_copied_bytes(self) -> int:
         """Bytes copied by ``copy`` since the last call."""

@@ -9,8 +9,16 @@ stream's own worker thread, in order, after a seeded random delay (or at a set b
 When a copy is queued its destination is poisoned (NaN), so a read before the event gives
 NaN, and its source is kept aside: a copy whose source changed before it ran (a buffer
 released and reused too early) is recorded and raised as ``CopyRaceError`` at the next wait
-on any of its events. Waiting for an event (``wait_for``, ``synchronize``) blocks the host,
-which is what the compute stream waiting for it means when the host is that stream.
+on any of its events. The queue holds only weak references to the copy's storages, as a GPU
+holds none: a tensor dropped before its copy ran (on CUDA, memory the caching allocator may
+hand to the next tensor while the copy still reads it) is a race too.
+
+It also counts what a GPU would make costly (``take_counts``): each host synchronization by
+the code that asked for it (the thread that created the device, which launches the
+kernels: a wait on the host optimizer worker or the completion thread does not hold it),
+each stream wait apart from them, and the bytes of every copy by direction and dtypes. A
+stream wait (``wait_for``) blocks the host here, because the host thread is the compute
+stream; it is counted as a stream wait, which on CUDA costs the host nothing.
 
 Selected with the environment variable ``OFFLOAD_SIM_DEVICE`` (``seed=S,delay_ms=D,gbps=B``,
 each optional) by ``engine.runtime.detect``: for tests and benchmarks only.
@@ -18,10 +26,15 @@ each optional) by ``engine.runtime.detect``: for tests and benchmarks only.
 
 from __future__ import annotations
 
+import collections
 import queue
 import random
+import sys
 import threading
 import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -32,6 +45,34 @@ class CopyRaceError(RuntimeError):
     """A copy's source changed between the copy being queued and it running."""
 
 
+@dataclass
+class SimCounts:
+    """What the simulated device saw since the last ``take_counts``."""
+
+    host_syncs: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Waits that held the launching thread, by the function that asked (``module:qualname``)."""
+    stream_waits: collections.Counter[str] = field(default_factory=collections.Counter)
+    """``wait_for`` calls, by the function that asked: free for the host on a GPU."""
+    copied: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
+    """Bytes moved, by (direction, source dtype, destination dtype); the direction is
+    ``to device`` or ``to host``."""
+
+    def bytes_to_device(self) -> int:
+        return sum(n for (direction, *_), n in self.copied.items() if direction == "to device")
+
+
+_OWN_FILES = {str(Path(__file__)), str(Path(__file__).with_name("device.py"))}
+
+
+def _caller() -> str:
+    """The function outside the device's own code that asked for a wait."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename in _OWN_FILES:
+        frame = frame.f_back
+    module = frame.f_globals.get("__name__", "?")
+    return f"{module}:{frame.f_code.co_qualname}"
+
+
 class SimEvent:
     """The completion of one simulated copy (or of everything queued before a marker)."""
 
@@ -40,6 +81,7 @@ class SimEvent:
         self._done = threading.Event()
 
     def synchronize(self) -> None:
+        self._device.count_host_sync()
         self._done.wait()
         self._device.raise_race()
 
@@ -47,10 +89,40 @@ class SimEvent:
         return self._done.is_set()
 
 
-def _alive(t: torch.Tensor) -> bool:
-    """Whether the tensor's memory is still there (a released stage-3 unit resizes its storage
-    to nothing; a copy landing there would write into freed memory)."""
-    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+@dataclass
+class _Held:
+    """A copy's tensor by weak reference to its storage, and where in it the tensor lies."""
+
+    storage: weakref.ref
+    dtype: torch.dtype
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Held:
+        return cls(weakref.ref(t.untyped_storage()), t.dtype, int(t.storage_offset()), t.size(), t.stride())
+
+    def tensor(self) -> torch.Tensor | str:
+        """The tensor again, or what became of its memory: dropped, or freed (a released stage-3
+        unit resizes its storage to nothing; a copy landing there would write into freed memory)."""
+        storage = self.storage()
+        if storage is None:
+            return "the copy's source or destination was dropped before the copy ran (its memory could be reused)"
+        extent = self.offset + sum((n - 1) * st for n, st in zip(self.size, self.stride, strict=True)) + 1
+        if storage.nbytes() < extent * self.dtype.itemsize:  # ``set_`` would grow it back
+            return "the copy's source or destination was freed before the copy's event completed"
+        return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses a contiguous tensor's bytes lie between."""
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -68,6 +140,10 @@ class SimDevice(Device):
         self._copies: queue.SimpleQueue = queue.SimpleQueue()
         self._races: list[str] = []
         self._lock = threading.Lock()
+        self._counts = SimCounts()
+        self._pending: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        """The byte spans each copy queued and not yet run reads and writes."""
+        self._launcher = threading.get_ident()
         threading.Thread(target=self._run, name="sim-copy-stream", daemon=True).start()
 
     @classmethod
@@ -95,28 +171,60 @@ class SimDevice(Device):
     def backend(self) -> str:
         return "gloo"
 
-    def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor) -> SimEvent:
+    def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> SimEvent:
         """Queue the copy; the delay is drawn here, in queue order, so a seed fixes it."""
         duration = self._rng.uniform(0.0, 2 * self._delay_s)
         if self._bytes_per_s:
             duration += src.nbytes / self._bytes_per_s
-        kept = src.detach().clone()
-        if dst.is_floating_point():
+        with self._lock:
+            key = ("to device" if to_device else "to host", str(src.dtype), str(dst.dtype))
+            self._counts.copied[key] += src.nbytes
+        source, target = _span(src), _span(dst)
+        with self._lock:
+            # The copy stream runs copies in order: a destination that an earlier copy still
+            # reads is poisoned only when this copy runs, and a source that an earlier copy
+            # still fills is not compared with what it holds now.
+            poison_now = dst.is_floating_point() and not any(_overlap(target, s) for s, _ in self._pending)
+            filled_first = any(_overlap(source, t) for _, t in self._pending)
+            self._pending.append((source, target))
+        kept = None if filled_first else src.detach().clone()
+        if poison_now:
             dst.fill_(float("nan"))
         event = SimEvent(self)
-        self._copies.put((dst, src, kept, duration, event))
-        if self._sync:
-            event.synchronize()
+        queued_by = _caller()
+        self._copies.put(
+            (_Held.of(dst), _Held.of(src), kept, duration, event, (source, target), not poison_now, queued_by)
+        )
+        if self._sync:  # the synchronous engine: not a wait the engine asked for
+            event._done.wait()
         return event
 
     def wait_for(self, event: SimEvent) -> None:  # type: ignore[override]
-        event.synchronize()
+        """The compute stream (here the host thread) waits for ``event``: counted as a stream wait."""
+        with self._lock:
+            self._counts.stream_waits[_caller()] += 1
+        event._done.wait()
+        self.raise_race()
 
     def synchronize(self) -> None:
         """Wait for every copy queued so far."""
+        self.count_host_sync()
         marker = SimEvent(self)
-        self._copies.put((None, None, None, 0.0, marker))
-        marker.synchronize()
+        self._copies.put((None, None, None, 0.0, marker, None, False, ""))
+        marker._done.wait()
+        self.raise_race()
+
+    def count_host_sync(self) -> None:
+        """Count a wait that holds the host, if it holds the launching thread."""
+        if threading.get_ident() == self._launcher:
+            with self._lock:
+                self._counts.host_syncs[_caller()] += 1
+
+    def take_counts(self) -> SimCounts:
+        """What was counted since the last call."""
+        with self._lock:
+            counts, self._counts = self._counts, SimCounts()
+        return counts
 
     def raise_race(self) -> None:
         with self._lock:
@@ -126,23 +234,32 @@ class SimDevice(Device):
 
     def _run(self) -> None:
         while True:
-            dst, src, kept, duration, event = self._copies.get()
-            if dst is not None:
+            held_dst, held_src, kept, duration, event, spans, poison, queued_by = self._copies.get()
+            if held_dst is not None:
+                if poison and isinstance(poisoned := held_dst.tensor(), torch.Tensor):
+                    poisoned.fill_(float("nan"))
+                    del poisoned
                 time.sleep(duration)
+                dst, src = held_dst.tensor(), held_src.tensor()
                 race = self._race(dst, src, kept)
                 if race:
                     with self._lock:
-                        self._races.append(race)
+                        self._races.append(f"{race} (a copy queued by {queued_by})")
                 else:
-                    dst.copy_(src)
+                    dst.copy_(src)  # type: ignore[union-attr]
+                del dst, src
+                with self._lock:  # only now is the copy's destination written
+                    self._pending.remove(spans)
             event._done.set()
 
     @staticmethod
-    def _race(dst: torch.Tensor, src: torch.Tensor, kept: torch.Tensor) -> str | None:
+    def _race(dst: torch.Tensor | str, src: torch.Tensor | str, kept: torch.Tensor | None) -> str | None:
         """What went wrong with a copy's tensors between its queueing and now, if anything."""
-        if not (_alive(dst) and _alive(src)):
-            return "the copy's source or destination was freed before the copy's event completed"
-        if not _same_bytes(src, kept):
+        for held in (dst, src):
+            if isinstance(held, str):
+                return held
+        assert isinstance(src, torch.Tensor)
+        if kept is not None and not _same_bytes(src, kept):
             return (
                 f"{src.numel()} {src.dtype} elements were changed after the copy was queued: a buffer was reused, or "
                 f"a tensor written, before the copy's event completed"

@@ -21,6 +21,7 @@ the optimizer tier (``OptimizerState.read_master_async``), which writes it each 
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.device import Device
+from engine.runtime.staging import StagingRing
 from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.sizing import param_pool_bytes
 from engine.tiers.store_io import StoreIO
@@ -118,32 +120,49 @@ class MemoryParamTier:
     """Shards held in memory for the whole run: on the device (``device``, charged to the
     device budget) or in host memory (``cpu``, pinned where an accelerator exists)."""
 
-    def __init__(self, on_device: bool, device: Device, dtype: torch.dtype, budget: DeviceBudget):
+    def __init__(
+        self, on_device: bool, device: Device, dtype: torch.dtype, budget: DeviceBudget, uploads: StagingRing | None
+    ):
+        """``uploads``: where host masters are rounded to the compute dtype on their way to a
+        shard on the device (None: the masters are there already, or the device is the host)."""
         self._on_device, self._budget, self._copier = on_device, budget, device
-        self._device, self._dtype = device.device, dtype
+        self._device, self._dtype, self._uploads = device.device, dtype, uploads
         self._shards: dict[str, torch.Tensor] = {}
+        self._unread: dict[str, threading.Event] = {}
+        """Per host shard: set while no copy to the device reads it (``read`` to ``Fetch.release``)."""
 
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
         if self._on_device:
             held = torch.empty(unit.shard_numel, dtype=self._dtype, device=self._device)
         else:  # from the pinned pool: copied to the device asynchronously
             held = self._copier.empty_host(unit.shard_numel, self._dtype, f"the parameter shard of unit {unit.name!r}")
+            self._unread[unit.name] = threading.Event()
+            self._unread[unit.name].set()
         if self._on_device:
             self._budget.charge(held.nbytes, f"the parameter shard of unit {unit.name!r}")
         self._shards[unit.name] = held.copy_(shard)
 
     def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
         held = self._shards[unit.name]
-        if self._on_device:  # from a host master: on the copy stream, behind the gathers reading it
-            self._copier.copy(held, master).synchronize()
-        else:
+        if not self._on_device:
+            self._unread[unit.name].wait()  # a copy to the device still reading the old values
             held.copy_(master)
+        elif (
+            self._uploads is None
+        ):  # the master is on the device: cast on the copy stream, behind the gathers reading ``held``
+            self._copier.copy(held, master, to_device=True)
+        else:  # a host master, rounded on the host and copied up behind those gathers
+            self._uploads.upload(held, master)
 
     def flush(self) -> None:
         return None
 
     def read(self, unit: UnitLayout) -> Fetch:
-        return Fetch(self._shards[unit.name])
+        unread = self._unread.get(unit.name)
+        if unread is None:
+            return Fetch(self._shards[unit.name])
+        unread.clear()
+        return Fetch(self._shards[unit.name], free=unread.set)
 
     def host_bytes(self) -> int:
         return 0 if self._on_device else sum(t.nbytes for t in self._shards.values())

@@ -14,6 +14,7 @@ import torch
 from engine.config import Config, OffloadConfig, ZeroConfig
 from engine.runtime.pinned import aligned
 from engine.runtime.sizes import MIB
+from engine.runtime.staging import ring_bytes
 from engine.state.forms import FP32_STATE, STATE_KINDS, StateForm
 from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.store_checks import IN_PLACE, store_bytes
@@ -97,7 +98,10 @@ def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype, form: 
         terms["optimizer staging"] = optimizer_buffer_bytes(offload, layout.units, form)
     if not offload.optimizer_on_device and trained:
         grads = [aligned(shard_bytes(u, torch.float32)) for u in trained]
-        terms["gradient shards"] = sum(grads) + (max(grads) if zero.grad_accum_steps > 1 else 0)  # one being added
+        terms["gradient shards"] = sum(grads)
+        if zero.grad_accum_steps > 1:  # later micro-batches' shards land in a ring before they are added
+            terms["gradient additions"] = ring_bytes(max(grads))
+        terms["master uploads"] = master_upload_bytes(layout, dtype)
     if zero.stage == 3 and offload.params_in_host_memory:
         terms["parameter shards"] = sum(aligned(shard_bytes(u, dtype)) for u in layout.all_units)
     elif zero.stage == 3 and offload.params_in_store:
@@ -105,6 +109,12 @@ def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype, form: 
             layout.all_units, dtype, param_window_bytes(zero, layout.world_size)
         )
     return terms
+
+
+def master_upload_bytes(layout: ModelLayout, dtype: torch.dtype) -> int:
+    """The ring host masters are rounded to ``dtype`` in on their way to the device
+    (``engine.runtime.staging``): two of the largest trained shard."""
+    return ring_bytes(max((shard_bytes(u, dtype) for u in layout.all_units if u.trainable), default=0))
 
 
 def pinned_limit_bytes(offload: OffloadConfig, need: dict[str, int]) -> int:

@@ -20,7 +20,9 @@ whole model ever exists at once. Buckets on the device are charged to the device
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,7 @@ from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm, Work
 from engine.runtime.device import Device, Event
 from engine.runtime.sizes import FP32
+from engine.runtime.staging import StagingRing, ring_bytes
 from engine.state.partition import ModelLayout, ParamSlot, UnitLayout
 from engine.zero.order import TracedOrder
 
@@ -48,6 +51,12 @@ def grad_shard_bytes(unit: UnitLayout) -> int:
     return unit.shard_numel * FP32
 
 
+def _add(target: torch.Tensor, staged: torch.Tensor, reduced: torch.Tensor) -> None:
+    """Add a staged shard into the accumulated one; ``reduced``, the device shard the copy
+    read, is held until then (so that its memory is not reused under the copy)."""
+    target.add_(staged)
+
+
 @dataclass
 class PendingShard:
     """A unit's accumulated gradient shard with the copy that may still be filling it: read it
@@ -58,12 +67,17 @@ class PendingShard:
     copied: Event | None = None
     reduced: torch.Tensor | None = None
     """The reduced shard on the device that the copy reads, kept alive until it is done."""
+    added: Future | None = None
+    """The later micro-batches' additions into the shard, run after their copies."""
 
     def wait(self) -> torch.Tensor:
-        """The shard, once the copy filling it is done."""
+        """The shard, once the copy filling it (and any addition into it) is done."""
         if self.copied is not None:
             self.copied.synchronize()
             self.copied = self.reduced = None
+        if self.added is not None:
+            self.added.result()
+            self.added = None
         return self.shard
 
 
@@ -108,10 +122,15 @@ class GradientShards:
         self._after_reduce = after_reduce
         self._buckets = [_Bucket(u, len(params[u.name])) for u in layout.units]
         self.shards: dict[str, torch.Tensor] = {}
-        self._staged: torch.Tensor | None = None
+        self._adding: StagingRing | None = None
+        """Where later micro-batches' reduced shards land before they are added (made at the first)."""
         self._copies: dict[str, tuple[Event, torch.Tensor | None]] = {}
         """Each unit's copy to its shard not yet waited for, with the reduced shard it reads
         until it is done (then dropped, so the device memory returns at once)."""
+        self._adds: dict[str, Future] = {}
+        """Each unit's latest addition into its shard, run after its copy (``_fold``)."""
+        self._newest_copy: Event | None = None
+        """The last copy queued to a shard: once it is done, all are (one stream, in order)."""
         self.on_ready: Callable[[str], None] | None = None
         """Called with a unit's name once its shard is final for the step (last micro-batch, stage >= 2)."""
         self.order = TracedOrder("the order gradient shards complete in")
@@ -196,6 +215,10 @@ class GradientShards:
                     bucket.flat = self._new_bucket(bucket.unit)
                 self._reduce(bucket)
             self._collect()
+        if self._newest_copy is not None:  # one wait for every copy to the shards, not one per unit
+            self._newest_copy.synchronize()
+            self._newest_copy = None
+            self._copies.clear()
         return [self.ready(b.unit.name) for b in self._buckets if b.unit.name in self.shards]
 
     def _collect(self, keep: int = 0) -> None:
@@ -231,22 +254,34 @@ class GradientShards:
 
     def _fold(self, unit: UnitLayout, reduced: torch.Tensor) -> None:
         """Keep (``_keeps``) or copy the first micro-batch's reduced shard as the unit's
-        accumulated one, or add a later one into it. A copy is left in flight for ``ready``; an
-        addition on another device needs the bytes here first, so it waits for its copy into a
-        staging shard."""
+        accumulated one, or add a later one into it: on the device behind the copy that made
+        the shard, or on the host once its copy into the staging ring lands, run after the
+        copy's event (``Device.after``) so that no thread launching kernels waits for it."""
         if (self._first_micro_batch or not self._early) and self._keeps(unit, reduced):
             self._charge_shard(unit)
             self.shards[unit.name] = reduced
             return
         target = self._shard(unit)
         if self._first_micro_batch or not self._early:
-            copied = self._device.copy(target, reduced)  # ``reduced`` is held only while the copy reads it
+            copied = self._device.copy(
+                target, reduced, to_device=False
+            )  # ``reduced`` is held only while the copy reads it
             self._copies[unit.name] = (copied, None if copied.query() else reduced)
+            self._newest_copy = copied
             return
-        self.ready(unit.name)
-        staged = self._staging(unit)
-        self._device.copy(staged, reduced).synchronize()
-        target.add_(staged)
+        if self._shards_on_device:
+            first = self.take(unit.name)
+            if first.copied is not None:
+                self._device.wait_for(first.copied)
+            target.add_(reduced)
+            return
+        ring = self._adding_ring()
+        staged = ring.take(unit.shard_numel, torch.float32)
+        copied = self._device.copy(staged, reduced, to_device=False)
+        self._newest_copy = copied
+        self._adds[unit.name] = ring.give_back_after(
+            copied, staged, then=functools.partial(_add, target, staged, reduced)
+        )
 
     def ready(self, unit_name: str) -> torch.Tensor:
         """The unit's accumulated shard, once the copy filling it is done."""
@@ -256,7 +291,7 @@ class GradientShards:
         """The unit's accumulated shard with the copy still filling it, if any, for another
         thread to wait on: from here the copy is the caller's to wait for before reading."""
         event, reduced = self._copies.pop(unit_name, (None, None))
-        return PendingShard(self.shards[unit_name], event, reduced)
+        return PendingShard(self.shards[unit_name], event, reduced, self._adds.pop(unit_name, None))
 
     def _shard(self, unit: UnitLayout) -> torch.Tensor:
         """The unit's accumulated shard, made at its first gradient of the window."""
@@ -299,13 +334,13 @@ class GradientShards:
             self._budget.credit(shard.nbytes)
         self._free_shard(shard)
 
-    def _staging(self, unit: UnitLayout) -> torch.Tensor:
-        """Where a later micro-batch's reduced shard lands before it is added: one buffer of the
-        largest shard, made at the first such addition and kept for the run."""
-        if self._staged is None:
-            largest = max(self._buckets, key=lambda b: b.unit.shard_numel).unit
-            self._staged = self._empty_shard(largest, "the gradient shard being added")
-        return self._staged[: unit.shard_numel]
+    def _adding_ring(self) -> StagingRing:
+        """The ring later micro-batches' shards land in: two of the largest shard, made at the
+        first addition and kept for the run."""
+        if self._adding is None:
+            largest = max(b.unit.shard_numel for b in self._buckets) * FP32
+            self._adding = StagingRing(self._device, ring_bytes(largest), "the gradient shards being added")
+        return self._adding
 
     def _empty_shard(self, unit: UnitLayout, what: str) -> torch.Tensor:
         """A gradient shard's memory: on the device with the optimizer, else from the host's

@@ -30,6 +30,7 @@ from engine.runtime.budget import DeviceBudget, DeviceMemoryError
 from engine.runtime.comm import Comm, Work
 from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
+from engine.runtime.staging import StagingRing
 from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout
 from engine.tiers.parameters import ParamTier
 from engine.zero.order import TracedOrder
@@ -108,8 +109,13 @@ class ReplicatedParams:
 
     order = None  # every unit stays gathered: there is no order of gathers to predict
 
-    def __init__(self, layout: ModelLayout, comm: Comm, budget: DeviceBudget, device: Device):
+    def __init__(
+        self, layout: ModelLayout, comm: Comm, budget: DeviceBudget, device: Device, uploads: StagingRing | None
+    ):
+        """``uploads``: where host masters are rounded to the compute dtype on their way up
+        (None: the masters are on the device, or the device is the host)."""
         self._layout, self._comm, self._budget, self._device = layout, comm, budget, device
+        self._uploads = uploads
         self._flats: dict[str, torch.Tensor] = {}
         self._gathers: list[Work] = []
 
@@ -121,7 +127,9 @@ class ReplicatedParams:
     def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """The unit's master shard holds new values: share them with every rank (asynchronously).
         ``master`` may be reused once this returns."""
-        self._gathers.append(copy_and_gather(self._device, self._comm, self._flats[unit.name], unit, master))
+        self._gathers.append(
+            copy_and_gather(self._device, self._comm, self._flats[unit.name], unit, master, self._uploads)
+        )
 
     def flush(self) -> None:
         """Wait for the gathers of the written-back shards: the parameters hold the new values."""
@@ -166,16 +174,20 @@ class ReplicatedParams:
         return None
 
 
-def copy_and_gather(device: Device, comm: Comm, flat: torch.Tensor, unit: UnitLayout, master: torch.Tensor) -> Work:
-    """Copy the rank's new master into its shard of ``flat`` (cast to the compute dtype, on the
-    copy stream), then all-gather ``flat`` once the copy is done. Returns with ``master`` read,
-    so that the optimizer tier may reuse its buffer; the gather goes on."""
+def copy_and_gather(
+    device: Device, comm: Comm, flat: torch.Tensor, unit: UnitLayout, master: torch.Tensor, uploads: StagingRing | None
+) -> Work:
+    """Put the rank's new master into its shard of ``flat`` (in the compute dtype), then
+    all-gather ``flat`` once it is there. A host master is rounded in ``uploads`` and copied
+    from there on the copy stream, so that its buffer may be reused when this returns and
+    nothing here waits for the copy; a master on the device (or where the device is the host,
+    ``uploads`` None) is cast in place on the compute stream."""
     own = flat[unit.shard_slice(comm.rank)]
-    copied = device.copy(own, master)
-    device.wait_for(copied)  # the all-gather reads ``own``
-    work = comm.all_gather(flat, own)
-    copied.synchronize()
-    return work
+    if uploads is None:
+        own.copy_(master)
+    else:
+        device.wait_for(uploads.upload(own, master))  # the all-gather reads ``own``
+    return comm.all_gather(flat, own)
 
 
 class ShardedParams:
@@ -196,9 +208,10 @@ class ShardedParams:
         prefetch_bytes: int,
         persistence_threshold: int,
         reserve_bytes: int,
+        uploads: StagingRing | None,
     ):
         self._layout, self._comm, self._tier, self._budget = layout, comm, tier, budget
-        self._device = device
+        self._device, self._uploads = device, uploads
         self._prefetch_bytes = prefetch_bytes
         self._persistence_threshold = persistence_threshold
         self._reserve = reserve_bytes
@@ -395,7 +408,7 @@ class ShardedParams:
         self._tier.write_back(unit, master)
         entry = self._units[unit.name]
         if entry.persistent:
-            entry.work = copy_and_gather(self._device, self._comm, entry.flat, unit, master)
+            entry.work = copy_and_gather(self._device, self._comm, entry.flat, unit, master, self._uploads)
 
     def flush(self) -> None:
         """The tier's writes complete and the persistent units' gathers done: the new values are in place."""

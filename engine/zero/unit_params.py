@@ -107,7 +107,7 @@ class UnitParams:
             self._budget.charge(self.nbytes, f"gathering unit {self.layout.name!r}")
             self.flat.untyped_storage().resize_(self.nbytes)
             assert self.fetch is not None  # FETCHING holds it
-            self.copied = self._device.copy(self.own(), self.fetch.wait())
+            self.copied = self._device.copy(self.own(), self.fetch.wait(), to_device=True)
 
     def start_gather(self) -> None:
         """All-gather the full buffer once the shard's copy is done (asynchronously)."""
@@ -121,13 +121,16 @@ class UnitParams:
         return self._comm.all_gather(self.flat, self.own())
 
     def release_fetch(self) -> None:
-        """Hand the fetched shard's buffer back, after the copy reading it is done."""
-        if self.copied is not None:
-            self.copied.synchronize()
-            self.copied = None
-        if self.fetch is not None:
-            self.fetch.release()
-            self.fetch = None
+        """Hand the fetched shard's buffer back once the copy reading it is done (on the
+        device's completion thread if it is not yet: this thread does not wait for it)."""
+        fetch, copied = self.fetch, self.copied
+        self.fetch = self.copied = None
+        if fetch is None:
+            return
+        if copied is None:
+            fetch.release()
+        else:
+            self._device.after(copied, fetch.release)
 
     def complete(self) -> None:
         """Take the unit through what is left of its cycle until it is gathered, and wait for that."""
@@ -149,6 +152,8 @@ class UnitParams:
             if self.work is not None:  # an all-gather nobody waited for: it must land before its buffer goes
                 self.work.wait()
                 self.work = None
+            if self.copied is not None:  # a prefetch dropped with its copy in flight: it must land first too
+                self.copied.synchronize()
             self.release_fetch()
             if self.state is not UnitState.FETCHING:
                 self.flat.untyped_storage().resize_(0)

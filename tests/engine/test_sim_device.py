@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from benchmarks.optimizer import synthetic_layout
 from engine.engine import Engine
+from engine.runtime.budget import DeviceBudget
 from engine.runtime.detect import detect_device
 from engine.runtime.device import SIM_ENV
 from engine.runtime.sim_device import CopyRaceError, SimDevice
+from engine.runtime.sizes import MIB
+from engine.runtime.staging import StagingRing
 from engine.tiers.parameters import MemoryParamTier
 from engine.zero import params as params_module
 from engine.zero.divergence import DivergedError
@@ -65,10 +70,62 @@ def test_a_copy_lands_later_and_a_reused_source_is_caught() -> None:
         event.synchronize()
 
 
+def test_a_source_dropped_before_its_copy_ran_is_caught() -> None:
+    """A GPU keeps no reference to what a queued copy reads: the caching allocator may hand a
+    dropped tensor's memory to the next one while the copy still reads it."""
+    device = SimDevice(seed=0, delay_ms=20)
+    dst = torch.zeros(1000)
+    event = device.copy(dst, torch.arange(1000.0))  # the source's last reference is the call's
+    with pytest.raises(CopyRaceError, match="dropped before the copy ran"):
+        event.synchronize()
+
+
+def test_it_counts_host_waits_by_caller_stream_waits_apart_and_bytes_by_direction() -> None:
+    device = SimDevice(seed=0, delay_ms=1)
+    host, on_device = torch.ones(256, dtype=torch.bfloat16), torch.zeros(256)
+    up = device.copy(on_device, host, to_device=True)
+    device.wait_for(up)
+    down = device.copy(host, on_device, to_device=False)
+    down.synchronize()
+    device.synchronize()
+    counts = device.take_counts()
+    caller = f"{__name__}:test_it_counts_host_waits_by_caller_stream_waits_apart_and_bytes_by_direction"
+    assert counts.host_syncs == {caller: 2} and counts.stream_waits == {caller: 1}
+    assert counts.copied == {
+        ("to device", "torch.bfloat16", "torch.float32"): 512,
+        ("to host", "torch.float32", "torch.bfloat16"): 1024,
+    }
+    assert counts.bytes_to_device() == 512
+    assert device.take_counts().host_syncs == {}, "taken: counting starts again"
+    waited = threading.Thread(target=device.copy(on_device, host).synchronize)
+    waited.start()
+    waited.join()
+    assert device.take_counts().host_syncs == {}, "another thread's wait does not hold the launching thread"
+
+
+def test_a_master_may_be_reused_as_soon_as_it_is_written_back() -> None:
+    """The optimizer tier hands a master's buffer to the next unit when ``write_back`` returns:
+    the shard on the device is filled from a staged copy of it, in the compute dtype."""
+    device = SimDevice(seed=0, delay_ms=20)
+    device.bound_pinned(64 * MIB)
+    uploads = StagingRing(device, 16 * MIB, "uploads")
+    tier = MemoryParamTier(True, device, torch.bfloat16, DeviceBudget(), uploads)
+    unit = synthetic_layout([1000], chunk_mb=1).units[0]
+    tier.add(unit, torch.zeros(unit.shard_numel))
+    master = torch.randn(unit.shard_numel)
+    expected = master.to(torch.bfloat16)
+    tier.write_back(unit, master)
+    master.fill_(7.0)  # the buffer's next unit
+    device.synchronize()
+    assert torch.equal(tier.read(unit).wait(), expected)
+    assert device.take_counts().copied == {("to device", "torch.bfloat16", "torch.bfloat16"): 2 * unit.shard_numel}
+
+
 def test_the_delays_follow_the_seed_and_the_bandwidth() -> None:
     def timed(device: SimDevice) -> float:
+        dst, src = torch.empty(2**20), torch.ones(2**20)
         start = time.perf_counter()
-        device.copy(torch.empty(2**20), torch.ones(2**20)).synchronize()
+        device.copy(dst, src).synchronize()
         return time.perf_counter() - start
 
     assert timed(SimDevice(seed=0, delay_ms=0, gbps=0.1)) >= 4 * 2**20 / 0.1e9
@@ -110,13 +167,23 @@ def test_two_ranks_with_late_copies(tmp_path, monkeypatch) -> None:
     assert all(rel_diff(result["params"], ref["params"]) <= 1e-6 for result in ranks)
 
 
-def release_before_the_copy(self: UnitParams) -> None:
-    """``UnitParams.release_fetch`` without waiting for the copy's event: the fetched buffer goes
-    back to its pool (and the next fetch) while the copy may still be reading it."""
-    self.copied = None
-    if self.fetch is not None:
-        self.fetch.release()
-        self.fetch = None
+def freed_before_the_copy(self: UnitParams) -> None:
+    """``UnitParams.free`` of a prefetch dropped with its copy in flight, without waiting for the
+    copy: the fetched buffer goes back to its pool (and the next fetch), and the full buffer's
+    memory is freed, while the copy may still read the one and write the other."""
+    if self.state is UnitState.SHARDED:
+        return
+    with self.becoming(UnitState.SHARDED):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.copied = None
+        if self.fetch is not None:
+            self.fetch.release()
+            self.fetch = None
+        if self.state is not UnitState.FETCHING:
+            self.flat.untyped_storage().resize_(0)
+            self._budget.credit(self.nbytes)
 
 
 def gather_before_the_copy(self: UnitParams) -> None:
@@ -125,14 +192,12 @@ def gather_before_the_copy(self: UnitParams) -> None:
         self.work = self.all_gather()
 
 
-def gather_before_the_master_copy(device, comm, flat: torch.Tensor, unit, master: torch.Tensor):
+def gather_before_the_master_copy(device, comm, flat: torch.Tensor, unit, master: torch.Tensor, uploads):
     """``copy_and_gather`` without the compute stream waiting for the new master's copy before
     the all-gather reads it."""
     own = flat[unit.shard_slice(comm.rank)]
-    copied = device.copy(own, master)
-    work = comm.all_gather(flat, own)
-    copied.synchronize()
-    return work
+    uploads.upload(own, master)
+    return comm.all_gather(flat, own)
 
 
 def gradient_not_waited_for(self: PendingShard) -> torch.Tensor:
@@ -142,32 +207,29 @@ def gradient_not_waited_for(self: PendingShard) -> torch.Tensor:
 
 
 def added_before_the_staging_copy(self: GradientShards, unit, reduced: torch.Tensor) -> None:
-    """``_fold`` adding a later micro-batch's reduced shard before its copy into the staging
-    shard has landed."""
+    """``_fold`` adding a later micro-batch's reduced shard as soon as its copy into the
+    staging ring is queued, not once it has landed."""
     if (self._first_micro_batch or not self._early) and self._keeps(unit, reduced):
         self._charge_shard(unit)
         self.shards[unit.name] = reduced
         return
     target = self._shard(unit)
     if self._first_micro_batch or not self._early:
-        copied = self._device.copy(target, reduced)
+        copied = self._device.copy(target, reduced, to_device=False)
         self._copies[unit.name] = (copied, None if copied.query() else reduced)
+        self._newest_copy = copied
         return
     self.ready(unit.name)
-    staged = self._staging(unit)
-    self._device.copy(staged, reduced)
+    ring = self._adding_ring()
+    staged = ring.take(unit.shard_numel, torch.float32)
+    copied = self._device.copy(staged, reduced, to_device=False)
     target.add_(staged)
+    ring.give_back_after(copied, staged, then=lambda: reduced)
 
 
 EVALUATING = (("prefetch_mb", 0.8),)
 """A window of four of the tiny GPT's five units: an evaluation forward ends with one unit's
 copy queued for the backward that never comes (``test_evaluations_between_steps_...``)."""
-
-
-def master_reused_before_its_copy(self: MemoryParamTier, unit, master: torch.Tensor) -> None:
-    """``MemoryParamTier.write_back`` on the device without waiting for the copy from the host
-    master, whose buffer the optimizer tier hands to the next unit."""
-    self._copier.copy(self._shards[unit.name], master)
 
 
 @dataclass(frozen=True)
@@ -188,17 +250,12 @@ class Guard:
 
 
 GUARDS = {
-    "buffer released before its copy's event": Guard(
-        UnitParams, "release_fetch", release_before_the_copy, (3, "nvme", "nvme"), zero=EVALUATING, evaluate=True
+    "buffers freed before their copy's event": Guard(
+        UnitParams, "free", freed_before_the_copy, (3, "nvme", "nvme"), zero=EVALUATING, evaluate=True
     ),
-    "gather before the shard's copy": Guard(
-        UnitParams, "start_gather", gather_before_the_copy, (3, "nvme", "nvme"), 2
-    ),
+    "gather before the shard's copy": Guard(UnitParams, "start_gather", gather_before_the_copy, (3, "nvme", "nvme"), 2),
     "gather before the new master's copy": Guard(
         params_module, "copy_and_gather", gather_before_the_master_copy, (2, "nvme", "device"), 2
-    ),
-    "master reused before its copy to the device": Guard(
-        MemoryParamTier, "write_back", master_reused_before_its_copy, (3, "nvme", "device")
     ),
     "update before the gradient copy": Guard(PendingShard, "wait", gradient_not_waited_for, (2, "nvme", "device")),
     "addition before the staging copy": Guard(

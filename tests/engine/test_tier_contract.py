@@ -344,7 +344,7 @@ def new_param_tier(kind: str, path: Path, layout: ModelLayout, io: StoreIO) -> P
     device = detect_device()
     if kind == "nvme":
         return StoreParamTier(path / "params", layout, 0, DTYPE, io, buffer_bytes=MIB, read_frozen=no_frozen)
-    return MemoryParamTier(kind == "device", device, DTYPE, DeviceBudget())
+    return MemoryParamTier(kind == "device", device, DTYPE, DeviceBudget(), uploads=None)
 
 
 def read_all(tier: ParamTier, layout: ModelLayout) -> dict[str, torch.Tensor]:
