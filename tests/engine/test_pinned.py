@@ -4,10 +4,14 @@ Nothing can be pinned on a CPU build, so the pool's bound and accounting are pro
 simulated device, which cuts the same slab from plain memory: the engine's own tensors come
 from it and stay within ``offload.pinned_mb`` (``auto``: the plan's need, which ``estimate``
 reports too), a bound below the need is refused at start with the size that fits, and a
-freed tensor's bytes are reused.
+freed tensor's bytes are reused. What a CUDA build would pin is recorded instead
+(``tests.pins``): the slab at its size.
 """
 
 from __future__ import annotations
+
+import gc
+import mmap
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from engine.state.forms import StateForm
 from engine.tiers.sizing import pinned_bytes
 from engine.tools.estimate.memory import estimate
 from engine.tools.estimate.shape import Plan, run_shape
+from tests.pins import record_pins
 from tests.training import batches, config, tiny_gpt
 
 PLANS = [(2, "cpu", "device"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "device", "cpu")]
@@ -46,6 +51,22 @@ def test_the_pool_cuts_reuses_and_refuses() -> None:
     with pytest.raises(PinnedMemoryError, match=r"a big shard needs .* over offload.pinned_mb = .*: set offload"):
         pool.empty(1000, torch.float32, "a big shard")
     assert pool.peak_bytes == pool.used_bytes
+
+
+def test_the_slab_is_pinned_once_at_its_size(monkeypatch) -> None:
+    calls = record_pins(monkeypatch)
+    pool = PinnedPool(3 * MIB + 100, pin=True)
+    pool.reserve(MIB, "a staging pool")
+    shard = pool.empty(100, torch.float32, "a shard")
+    pool.empty(1000, torch.float32, "another")
+    # The bound less the reservation, rounded up to the page (torch's pinned allocator: 4 MiB).
+    assert calls == [("register", shard.data_ptr(), 2 * MIB + mmap.PAGESIZE)]
+    del pool
+    gc.collect()
+    assert len(calls) == 1, "a tensor cut from the slab keeps it pinned"
+    del shard
+    gc.collect()
+    assert calls[1][0] == "unregister" and calls[1][1] == calls[0][1]
 
 
 def test_the_need_is_refused_before_anything_is_cut() -> None:
