@@ -358,7 +358,7 @@ def step_control(
 ) -> StepControl:
     """Each step's control path, with the host optimizer worker where AdamW runs beside the
     training thread (``uses_host_worker``)."""
-    worker = HostWorker() if uses_host_worker(config, not device.copies_are_synchronous) else None
+    worker = HostWorker(device.device) if uses_host_worker(config, not device.copies_are_synchronous) else None
     return StepControl(config, layout, comm, grads, params, model, optimizer_state, opt_device, spill, worker)
 
 

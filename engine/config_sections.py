@@ -114,8 +114,11 @@ class OffloadConfig:
     pinned_mb: float | Literal["auto"] = "auto"
     """Host MiB that copies between host and device go through; ``auto``: what the plan needs.
 
-    One bounded pool (pinned on an accelerator) of the host tensors a copy reads or fills and of the
-    nvme tiers' staging. ``python -m engine estimate`` prints what a plan needs (its ``pinned``
+    One bounded pool (pinned on CUDA) of the host tensors a copy reads or fills (on the ``cpu``
+    optimizer tier its masters, not its moments) and of the nvme tiers' staging. Pinned memory is
+    mapped at its exact size (rounded up to the page) and registered with CUDA, never taken from
+    torch's pinned allocator, which rounds to a power of two and caches what is freed: this bound
+    is what is pinned. ``python -m engine estimate`` prints what a plan needs (its ``pinned``
     column); a number below that is refused at start with the size that fits. Nothing is pinned on
     a CPU-only machine."""
     host_worker: bool | Literal["auto"] = "auto"
@@ -123,8 +126,10 @@ class OffloadConfig:
 
     Applies with the optimizer on ``cpu`` or ``nvme``; bit-identical either way. ``auto``: on where
     the device is not the host (an accelerator, or the simulated one), off on a CPU-only machine,
-    where the worker would take the cores backward computes on. ``true`` with ``optimizer =
-    "device"`` is refused."""
+    where the worker would take the cores backward computes on. Beside an accelerator the worker's
+    thread binds the rank's device, and while it runs torch's intra-op threads are capped at the
+    rank's share of the cores less one, left to the thread that launches kernels. ``true`` with
+    ``optimizer = "device"`` is refused."""
 
     @property
     def optimizer_on_device(self) -> bool:

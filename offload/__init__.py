@@ -6,6 +6,7 @@ from offload.buffers import DIRECT_ALIGN, BufferPool, HostBuffer
 from offload.chunks import ChecksumError, FileOps
 from offload.costs import STAGES, CostAccount, per_gb
 from offload.generations import CHECKPOINTS, KEEP, CheckpointExistsError, Generations, generation_prefix
+from offload.host_memory import PinningError, host_bytes, pinning_device
 from offload.io import IORunner, OffloadIOError
 from offload.lock import StoreLock, StoreLockedError, describe_holder, read_holder
 from offload.manifest import ManifestError, commit, read_committed
@@ -52,6 +53,7 @@ __all__ = [
     "IOSettings",
     "ManifestError",
     "OffloadIOError",
+    "PinningError",
     "Pipeline",
     "PipelineStats",
     "ReadAhead",
@@ -68,7 +70,9 @@ __all__ = [
     "describe_holder",
     "generation_prefix",
     "group_attrs",
+    "host_bytes",
     "per_gb",
+    "pinning_device",
     "profile_path",
     "read_committed",
     "read_holder",

@@ -5,16 +5,15 @@ so peak host memory is set by one number (the budget) and can be reported.
 Buffers are kept and reused rather than freed: first touch of fresh memory runs
 near 0.9 GB/s here, several times slower than copying into memory already
 mapped. Buffers are aligned (4 KiB by default) because ``O_DIRECT`` I/O needs
-aligned memory and plain torch allocations are not page-aligned. Where an
-accelerator exists the memory is pinned so host-device copies can run
-asynchronously; on a CPU-only build pinning raises, so it is skipped there.
+aligned memory and plain torch allocations are not page-aligned. Where a CUDA
+accelerator exists the memory is pinned, at its exact size (``offload.host_memory``),
+so host-device copies can run asynchronously; a CPU-only build has nothing to pin.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import mmap
 import operator
 import threading
 import time
@@ -22,11 +21,11 @@ from types import TracebackType
 
 import torch
 
+from offload.host_memory import PAGE, host_bytes, pinning_device
+
 DIRECT_ALIGN = 4096
 """O_DIRECT wants buffer address, length and file offset aligned to the logical block size;
 4096 covers every common device."""
-HUGE_PAGE = 2 << 20
-"""The size of a transparent huge page on x86-64 and arm64 (4 KiB base pages)."""
 
 logger = logging.getLogger(__name__)
 
@@ -38,28 +37,12 @@ def _round_up(nbytes: int, alignment: int) -> int:
     return -(-nbytes // alignment) * alignment
 
 
-def _anonymous(nbytes: int, huge_pages: bool) -> mmap.mmap:
-    """Private anonymous memory, page-aligned, its pages only made when first written; in huge
-    pages where asked and the kernel allows.
-
-    Huge pages make an O_DIRECT transfer cheap for the CPU: the kernel pins and maps a 16 MiB
-    chunk as 8 pages instead of 4096 (`python -m benchmarks.tiers`: the read and write system
-    calls cost about a sixth as much), and the checksum misses the TLB less. Private, not
-    shared: the kernel backs only private anonymous memory with them on request."""
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    return memory
-
-
-def _allocate(nbytes: int, alignment: int, pin: bool, huge_pages: bool) -> torch.Tensor:
-    """Return an uninitialised uint8 tensor of ``nbytes`` whose first byte is aligned."""
-    if pin:
-        # The pinned host allocator promises no particular alignment: over-allocate and slice.
-        raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=True)
-    else:
-        extra = 0 if alignment <= mmap.PAGESIZE else alignment
-        raw = torch.frombuffer(_anonymous(nbytes + extra, huge_pages), dtype=torch.uint8)
+def _allocate(nbytes: int, alignment: int, pin_on: int | None, huge_pages: bool) -> torch.Tensor:
+    """Return an uninitialised uint8 tensor of ``nbytes`` whose first byte is aligned: page-aligned
+    memory of that size (pinned on CUDA device ``pin_on`` unless None), one ``alignment`` more
+    only where the alignment is beyond a page."""
+    extra = 0 if alignment <= PAGE else alignment
+    raw = host_bytes(nbytes + extra, pin_on=pin_on, huge_pages=huge_pages)
     start = -raw.data_ptr() % alignment
     return raw[start : start + nbytes]
 
@@ -135,8 +118,9 @@ class BufferPool:
     A released buffer is cached and handed to the next request it can hold
     (best fit); a request that no cached buffer fits gets fresh memory, freeing
     cached buffers first when they stand between it and the budget.
-    Unpinned memory is in huge pages unless ``huge_pages`` is False (base pages: what
-    ``benchmarks.tiers`` measures as the path before them).
+    Memory is in huge pages unless ``huge_pages`` is False (base pages: what
+    ``benchmarks.tiers`` measures as the path before them). Pinned memory is registered under
+    the CUDA device current where the pool is made (``host_memory.pinning_device``).
     """
 
     def __init__(
@@ -146,13 +130,14 @@ class BufferPool:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a positive power of two, got {alignment}")
-        accelerator = torch.accelerator.is_available()
+        cuda = torch.cuda.is_available()
         if pin is None:
-            pin = accelerator
-        elif pin and not accelerator:
-            raise ValueError("pin=True needs an accelerator, and none is available; pass pin=None or pin=False")
+            pin = cuda
+        elif pin and not cuda:
+            raise ValueError("pin=True needs an accelerator (CUDA), and none is available; pass pin=None or pin=False")
         self.budget_bytes = budget_bytes
         self.pin = pin
+        self._pin_on = pinning_device() if pin else None
         self.huge_pages = huge_pages
         self.alignment = alignment
         self._cond = threading.Condition()
@@ -213,7 +198,7 @@ class BufferPool:
                     )
                 self._cond.wait(remaining)
         try:
-            memory = _allocate(size, self.alignment, self.pin, self.huge_pages)
+            memory = _allocate(size, self.alignment, self._pin_on, self.huge_pages)
         except BaseException:
             with self._cond:
                 self._allocated -= size

@@ -76,8 +76,10 @@ class Device:
 
     @property
     def pin_memory(self) -> bool:
-        """Pin host buffers only where an accelerator copies from them asynchronously."""
-        return self.is_accelerator
+        """Pin host buffers only where CUDA copies from them asynchronously: pinning registers
+        memory with CUDA at its exact size (``offload.host_memory``); another accelerator's
+        copies read plain memory."""
+        return self.device.type == "cuda"
 
     @property
     def module(self):  # torch.cuda, torch.cpu, ...
@@ -141,7 +143,7 @@ class Device:
 
     def bound_pinned(self, limit_bytes: int) -> PinnedPool | None:
         """Give the device its one pool of ``limit_bytes`` for host tensors that copies read or
-        fill, where it is apart from the host (pinned on an accelerator; plain memory on the
+        fill, where it is apart from the host (pinned on CUDA; plain memory on the
         simulated device, bounded and counted the same); None where copies are synchronous."""
         if self.copies_are_synchronous:
             return None

@@ -10,6 +10,11 @@ every host tensor a copy reads or fills is cut (``empty``) and to which it retur
 (``reserve``) and pin their own blocks within them. Whatever does not fit is refused with the
 key and the size that fits. On a CPU build nothing can be pinned: the simulated device uses
 the same pool over plain memory, so its bound and accounting are tested there.
+
+The slab, and the staging pools' blocks, are pinned at their exact size (rounded up to the
+page) by registering mapped memory with CUDA (``offload.host_memory``), never through torch's
+pinned allocator, which rounds each allocation up to a power of two (a 104 GiB slab would pin
+128 GiB) and caches what is freed: so ``offload.pinned_mb`` bounds what is pinned.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import collections
 import torch
 
 from engine.runtime.sizes import MIB
+from offload import host_bytes, pinning_device
 
 ALIGN = 64
 """Bytes each tensor cut from the slab is aligned to (a cache line; any dtype's size divides it)."""
@@ -41,7 +47,8 @@ class PinnedPool:
 
     def __init__(self, limit_bytes: int, *, pin: bool) -> None:
         self.limit_bytes = limit_bytes
-        self._pin = pin
+        self._pin_on = pinning_device() if pin else None
+        """The CUDA device the slab is registered under (the rank's), None unpinned."""
         self._slab: torch.Tensor | None = None
         self._top = 0
         """Bytes of the slab cut so far (the end of the last tensor cut)."""
@@ -97,10 +104,11 @@ class PinnedPool:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     def _slab_bytes(self) -> torch.Tensor:
-        """The slab: the bound less what is reserved, allocated (pinned once, whole) at the first
-        tensor cut; a reservation after it would not fit."""
+        """The slab: the bound less what is reserved, allocated (pinned once, whole, at its size)
+        at the first tensor cut; a reservation after it would not fit. The tensors cut from it
+        keep it, and so its pinning, alive."""
         if self._slab is None:
-            self._slab = torch.empty(self.limit_bytes - self._reserved, dtype=torch.uint8, pin_memory=self._pin)
+            self._slab = host_bytes(self.limit_bytes - self._reserved, pin_on=self._pin_on)
         return self._slab
 
     def check_fits(self, need: dict[str, int]) -> None:

@@ -129,16 +129,23 @@ class StateForm:
         sizes = [shard_bytes(g, d) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)]
         return [sum(sizes[:i]) for i in range(len(sizes))]
 
-    def empty(self, unit: ShardedUnit, allocate: HostAllocator | None = None, **where: Any) -> list[torch.Tensor]:
-        """One rank's uninitialised shard of each kind, from ``allocate`` (the pinned pool) if
-        given, else as ``torch.empty`` allocates (``where``)."""
-        if allocate is not None:
-            what = f"the optimizer state of unit {unit.name!r}"
-            return [allocate(g.shard_numel, d, what) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)]
-        return [
-            torch.empty(g.shard_numel, dtype=d, **where)
-            for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)
+    def empty(
+        self, unit: ShardedUnit, allocate_master: HostAllocator | None = None, **where: Any
+    ) -> list[torch.Tensor]:
+        """One rank's uninitialised shard of each kind, as ``torch.empty`` allocates (``where``),
+        the master from ``allocate_master`` if given: the pinned pool, on the ``cpu`` tier beside
+        a device apart from the host. The device copies the master alone; the moments are read
+        and written by the host's AdamW only, so pinning them would take pinned memory for no copy."""
+        master_dtype, *moment_dtypes = self.dtypes()
+        if allocate_master is None:
+            master = torch.empty(unit.shard_numel, dtype=master_dtype, **where)
+        else:
+            master = allocate_master(unit.shard_numel, master_dtype, f"the master of unit {unit.name!r}")
+        moment_geometries = self.geometries(unit)[1:]
+        moments = [
+            torch.empty(g.shard_numel, dtype=d, **where) for g, d in zip(moment_geometries, moment_dtypes, strict=True)
         ]
+        return [master, *moments]
 
     def check_stored(self, attrs: dict, path: Path | str) -> None:
         """Refuse resuming a store whose state is in another form: its arrays hold other dtypes."""

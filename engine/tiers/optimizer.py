@@ -135,8 +135,9 @@ class MemoryOptimizerState:
         self._device, self._allocate, self._form = device, allocate, form
         self._on_device = on_device
         """Whether this is the ``device`` tier, whose bytes the device budget counts."""
-        """``allocate``: the pinned pool the host state comes from (tier ``cpu`` with the device
-        apart from the host: the masters are copied to it), else None."""
+        """``allocate``: the pinned pool the masters come from (tier ``cpu`` with the device
+        apart from the host, which the masters are copied to; the moments stay in plain
+        memory), else None."""
         self._checkpoints = checkpoints
         """Opens the store of checkpoints (creating it if asked), on first use."""
         self._store_frozen = store_frozen

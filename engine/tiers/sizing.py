@@ -82,18 +82,16 @@ def checkpoint_bytes(layout: ModelLayout, form: StateForm = FP32_STATE) -> int:
 def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype, form: StateForm) -> dict[str, int]:
     """What a rank's host<->device copies go through, by term, on a device apart from the host
     (``engine.runtime.pinned``): the host state a copy reads or fills (masters on the ``cpu``
-    optimizer tier, gradient shards beside any host optimizer, parameter shards on the ``cpu``
-    tier), each tensor aligned as the pool cuts it, and the staging pools of the ``nvme`` tiers,
-    whose masters and shards are copied from their buffers."""
+    optimizer tier, not its moments, which no copy touches; gradient shards beside any host
+    optimizer; parameter shards on the ``cpu`` tier), each tensor aligned as the pool cuts it,
+    and the staging pools of the ``nvme`` tiers, whose masters and shards are copied from their
+    buffers."""
     offload, zero = config.offload, config.zero
     trained = [u for u in layout.all_units if u.trainable]
     terms: dict[str, int] = {}
     if offload.optimizer_in_host_memory:
-        terms["optimizer state"] = sum(
-            aligned(g.shard_numel * d.itemsize)
-            for u in trained
-            for g, d in zip(form.geometries(u), form.dtypes(), strict=True)
-        )
+        master_dtype = form.dtypes()[0]
+        terms["masters"] = sum(aligned(shard_bytes(u, master_dtype)) for u in trained)
     elif offload.optimizer_in_store:
         terms["optimizer staging"] = optimizer_buffer_bytes(offload, layout.units, form)
     if not offload.optimizer_on_device and trained:

@@ -4,10 +4,15 @@ Nothing can be pinned on a CPU build, so the pool's bound and accounting are pro
 simulated device, which cuts the same slab from plain memory: the engine's own tensors come
 from it and stay within ``offload.pinned_mb`` (``auto``: the plan's need, which ``estimate``
 reports too), a bound below the need is refused at start with the size that fits, and a
-freed tensor's bytes are reused.
+freed tensor's bytes are reused. What a CUDA build would pin is recorded instead
+(``tests.pins``): the slab at its size, and of the ``cpu`` optimizer tier's state the masters
+alone, which the device copies (4 B/param fp32, not the 12 of masters and moments).
 """
 
 from __future__ import annotations
+
+import gc
+import mmap
 
 import pytest
 import torch
@@ -21,6 +26,7 @@ from engine.state.forms import StateForm
 from engine.tiers.sizing import pinned_bytes
 from engine.tools.estimate.memory import estimate
 from engine.tools.estimate.shape import Plan, run_shape
+from tests.pins import record_pins
 from tests.training import batches, config, tiny_gpt
 
 PLANS = [(2, "cpu", "device"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "device", "cpu")]
@@ -48,10 +54,47 @@ def test_the_pool_cuts_reuses_and_refuses() -> None:
     assert pool.peak_bytes == pool.used_bytes
 
 
+def test_the_slab_is_pinned_once_at_its_size(monkeypatch) -> None:
+    calls = record_pins(monkeypatch)
+    pool = PinnedPool(3 * MIB + 100, pin=True)
+    pool.reserve(MIB, "a staging pool")
+    shard = pool.empty(100, torch.float32, "a shard")
+    pool.empty(1000, torch.float32, "another")
+    # The bound less the reservation, rounded up to the page (torch's pinned allocator: 4 MiB).
+    assert calls == [("register", shard.data_ptr(), 2 * MIB + mmap.PAGESIZE)]
+    del pool
+    gc.collect()
+    assert len(calls) == 1, "a tensor cut from the slab keeps it pinned"
+    del shard
+    gc.collect()
+    assert calls[1][0] == "unregister" and calls[1][1] == calls[0][1]
+
+
+def test_the_cpu_tier_pins_its_masters_not_its_moments(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=0.2")
+    cfg = plan_config(2, "cpu", "device", str(tmp_path / "store"))
+    eng = Engine(tiny_gpt(), cfg, total_steps=1)
+    pool = eng.device.pinned
+    assert pool is not None
+    masters = sum(aligned(4 * u.shard_numel) for u in eng.layout.all_units if u.trainable)
+    assert pinned_bytes(cfg, eng.layout, eng.dtype, StateForm("fp32"))["masters"] == masters, "4 B/param"
+    assert pool.used_bytes == masters, "built: the masters alone are cut from the pool"
+    slab = pool._slab_bytes()
+    inside = range(slab.data_ptr(), slab.data_ptr() + slab.numel())
+    for _, state in eng.optimizer_state.read(eng.layout.units):
+        assert state.master.data_ptr() in inside
+        assert state.exp_avg.data_ptr() not in inside and state.exp_avg_sq.data_ptr() not in inside
+    eng.backward(eng(*batches(4).next()))
+    eng.step()
+    need = pinned_bytes(cfg, eng.layout, eng.dtype, StateForm("fp32"))
+    assert masters < pool.peak_bytes <= need["masters"] + need["gradient shards"], "and the gradient shards"
+    eng.close()
+
+
 def test_the_need_is_refused_before_anything_is_cut() -> None:
     pool = PinnedPool(MIB, pin=False)
     with pytest.raises(PinnedMemoryError, match=r"offload.pinned_mb = 1 is below the 2.00 MiB .* at least 2 "):
-        pool.check_fits({"optimizer state": MIB, "gradient shards": MIB})
+        pool.check_fits({"masters": MIB, "gradient shards": MIB})
 
 
 @pytest.mark.parametrize(("stage", "optimizer", "param"), PLANS)

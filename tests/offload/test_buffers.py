@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.buffers import HUGE_PAGE, BufferPool
+from offload.buffers import BufferPool
+from offload.host_memory import HUGE_PAGE
 
 KIB = 1024
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
