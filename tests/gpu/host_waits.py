@@ -4,10 +4,12 @@ A training step on CUDA keeps the GPU busy only while the host runs ahead of it:
 that blocks the host until queued device work is done (an event's or a stream's
 ``synchronize``, a device-wide ``synchronize``, reading a device tensor's value on the host)
 drains the queue and leaves the GPU idle while the host issues the next work. ``HostWaits``
-replaces each such call with one that counts and calls through, and tells the thread that
-made it: the training thread (the one that made the counter), whose waits stall the step,
-apart from the engine's helper threads (the host optimizer worker, the store's I/O), which
-wait for their own copies without holding the step up.
+replaces each such call with one that counts and calls through, and tells where it was made:
+on the step's own path, whose waits stall the step (the training thread, which made the
+counter, and autograd's thread while it runs backward, where the engine's hooks reduce and
+copy the gradients: on CUDA backward runs on a thread of its own), or on the engine's helper
+threads (the host optimizer worker, the store's I/O), which wait for their own copies without
+holding the step up.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ engine's copies return ``torch.cuda.Event``.)"""
 
 
 class HostWaits:
-    """Counts of the host's waits by kind, on the training thread and on every other thread."""
+    """Counts of the host's waits by kind, on the step's path (``training``) and on the helper threads."""
 
     def __init__(self) -> None:
         self.training: collections.Counter[str] = collections.Counter()
@@ -54,9 +56,10 @@ class HostWaits:
         @functools.wraps(call)
         def counted(*args: Any, **kwargs: Any) -> Any:
             if not tensor_only or args[0].is_cuda:
-                on_training = threading.get_ident() == self._training_thread
+                in_backward = torch._C._current_graph_task_id() != -1
+                on_step = in_backward or threading.get_ident() == self._training_thread
                 with self._lock:
-                    (self.training if on_training else self.helpers)[kind] += 1
+                    (self.training if on_step else self.helpers)[kind] += 1
             return call(*args, **kwargs)
 
         return counted
@@ -70,5 +73,5 @@ class HostWaits:
             yield self
 
     def describe(self) -> str:
-        """Both threads' counts, for an assertion message."""
-        return f"training thread {dict(self.training)}, helper threads {dict(self.helpers)}"
+        """Both counts, for an assertion message."""
+        return f"on the step's path {dict(self.training)}, on helper threads {dict(self.helpers)}"

@@ -4,8 +4,9 @@
   compute stream busy in ``torch.cuda._sleep``, the call and ``wait_for`` return in a fraction
   of the sleep, the event is not done yet, and after it the bytes are right. A blocking copy
   or a blocking ``wait_for`` would take the whole sleep.
-- A training step does not stall the training thread once per unit: its host waits
-  (``tests.gpu.host_waits``) per step are the same for a model of 2 blocks as for one of 8.
+- A training step does not stall the host once per unit: the host waits on the step's path
+  (``tests.gpu.host_waits``: the training thread, and autograd's in backward) per step are as
+  many for a model of 2 blocks as for one of 8.
 - Host-to-device copies cross PCIe in the compute dtype: their source already has the
   destination's dtype. A copy that casts (an fp32 master into a bf16 parameter) moves twice
   the bytes and, being ``non_blocking``, makes an fp32 temporary on the device first.
@@ -44,10 +45,10 @@ NUMEL = 1 << 20
 
 @pytest.fixture(scope="module")
 def sleep_cycles() -> int:
-    """``torch.cuda._sleep``'s cycles for ``SLEEP_S`` on this GPU, from a timed sleep of 10M cycles."""
-    torch.cuda._sleep(1000)  # loads the kernel: the timed sleep below is the sleep alone
-    torch.cuda.synchronize()
-    probe = 10_000_000
+    """``torch.cuda._sleep``'s cycles for ``SLEEP_S`` on this GPU, from a timed sleep of 20M cycles
+    after an untimed one (which loads the kernel and lets the clock rise from idle)."""
+    probe = 20_000_000
+    torch.cuda._sleep(probe)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(probe)
@@ -92,7 +93,8 @@ def test_a_copy_queues_behind_the_compute_stream_without_holding_the_host(sleep_
     )
     assert pending, "the copy's event was done while the compute stream still slept: it did not queue behind it"
     assert waited_s < PROMPT_S, f"Device.wait_for held the host {waited_s * 1e3:.1f} ms: it must only queue a wait"
-    assert done_s > SLEEP_S / 2, f"the copy was done {done_s * 1e3:.1f} ms after a {SLEEP_S * 1e3:.0f} ms sleep"
+    # A quarter: the sleep counts cycles, and the clock may run faster than when it was calibrated.
+    assert done_s > SLEEP_S / 4, f"the copy was done {done_s * 1e3:.1f} ms after a {SLEEP_S * 1e3:.0f} ms sleep"
     assert torch.equal(dst.cpu(), expected), "the copy's bytes after its event"
 
 
@@ -139,9 +141,7 @@ def waits_per_step(cfg: Config, blocks: int) -> HostWaits:
 
 
 @pytest.mark.parametrize(("stage", "optimizer", "param"), PLANS)
-def test_a_step_stalls_the_training_thread_no_more_for_more_units(
-    stage: int, optimizer: str, param: str, tmp_path: Path
-) -> None:
+def test_a_step_stalls_the_host_no_more_for_more_units(stage: int, optimizer: str, param: str, tmp_path: Path) -> None:
     waits = {}
     for blocks in (2, 8):
         offload = {"optimizer": optimizer, "param": param, "nvme_path": str(tmp_path / f"store-{blocks}")}
@@ -155,7 +155,7 @@ def test_a_step_stalls_the_training_thread_no_more_for_more_units(
 def test_the_counter_sees_every_kind_of_host_wait() -> None:
     device = detect_device()
     on_device = torch.ones(4, device=device.device)
-    event = device.copy(torch.empty(4, device=device.device), on_device)
+    event = device.copy(torch.empty(4, pin_memory=True), on_device)
     assert isinstance(event, torch.cuda.Event), f"Device.copy returns {type(event)}: count its synchronize too"
     with HostWaits().counting() as waits:
         event.synchronize()
