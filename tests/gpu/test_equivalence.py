@@ -62,7 +62,9 @@ def test_the_engine_computes_on_cuda_with_its_host_state_pinned() -> None:
         assert not any(s.exp_avg.is_pinned() or s.exp_avg_sq.is_pinned() for s in states), "no copy reads moments"
         pool = eng.device.pinned
         assert pool is not None and 0 < pool.used_bytes <= pool.limit_bytes, "cut from the one bounded pool"
-        assert eng.step_control.worker is not None, "AdamW on the host worker (offload.host_worker = auto on an accelerator)"
+        assert eng.step_control.worker is not None, (
+            "AdamW on the host worker (offload.host_worker = auto on an accelerator)"
+        )
     finally:
         eng.close()
 
