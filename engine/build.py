@@ -21,7 +21,7 @@ from engine.runtime.comm import Comm
 from engine.runtime.device import Device
 from engine.runtime.host_worker import HostWorker, uses_host_worker
 from engine.runtime.staging import StagingRing
-from engine.state.forms import HostAllocator, StateForm
+from engine.state.forms import StateForm
 from engine.state.partition import (
     ROOT_UNIT,
     ModelLayout,
@@ -184,8 +184,6 @@ def optimizer_state(
     *,
     device: torch.device,
     budget: DeviceBudget,
-    allocate: HostAllocator | None,
-    pin: bool,
     resume: bool,
     checkpoint: str | None,
     overwrite: bool = False,
@@ -196,10 +194,7 @@ def optimizer_state(
     offload, form = config.offload, StateForm.of(config.optim)
     if offload.optimizer != "nvme":
         on_device, frozen_on_disk = offload.optimizer == "device", config.zero.stage == 3 and offload.param == "nvme"
-        host = None if on_device else allocate  # the device tier's state is no host's
-        state = MemoryOptimizerState(
-            device, checkpoints, allocate=host, store_frozen=frozen_on_disk, form=form, on_device=on_device
-        )
+        state = MemoryOptimizerState(device, checkpoints, store_frozen=frozen_on_disk, form=form, on_device=on_device)
         if resume:
             assert checkpoint is not None  # the engine refuses resuming a memory tier without one
             state.restore(checkpoint)
@@ -220,7 +215,6 @@ def optimizer_state(
         mode=config.store.mode,
         scratch_bytes=scratch_disk_bytes(config, layout.units),
         form=form,
-        pin=pin,
         overwrite=overwrite,
     )
 
@@ -229,14 +223,13 @@ def bound_pinned(config: Config, layout: ModelLayout, device: Device, dtype: tor
     """Give the device its pinned pool (``engine.runtime.pinned``) before any tier allocates: sized
     by ``offload.pinned_mb``, refused if below what the plan copies through, with the nvme
     tiers' staging reserved in it. Nothing where the device is the host."""
-    need = pinned_bytes(config, layout, dtype, StateForm.of(config.optim))
+    need = pinned_bytes(config, layout, dtype)
     pool = device.bound_pinned(pinned_limit_bytes(config.offload, need))
     if pool is None:
         return
     pool.check_fits(need)
-    for term in ("optimizer staging", "parameter staging"):
-        if term in need:
-            pool.reserve(need[term], f"the {term}")
+    if "parameter staging" in need:
+        pool.reserve(need["parameter staging"], "the parameter staging")
 
 
 def parameters(

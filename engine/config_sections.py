@@ -114,8 +114,10 @@ class OffloadConfig:
     pinned_mb: float | Literal["auto"] = "auto"
     """Host MiB that copies between host and device go through; ``auto``: what the plan needs.
 
-    One bounded pool (pinned on CUDA) of the host tensors a copy reads or fills (on the ``cpu``
-    optimizer tier its masters, not its moments) and of the nvme tiers' staging. Pinned memory is
+    One bounded pool (pinned on CUDA) of the host tensors a copy reads or fills: gradient shards
+    beside a host optimizer, parameter shards on the ``cpu`` tier, the rings that stage the
+    masters' uploads (rounded to the compute dtype) and the gradients being added, and the nvme
+    parameter tier's staging; no optimizer state is pinned. Pinned memory is
     mapped at its exact size (rounded up to the page) and registered with CUDA, never taken from
     torch's pinned allocator, which rounds to a power of two and caches what is freed: this bound
     is what is pinned. ``python -m engine estimate`` prints what a plan needs (its ``pinned``

@@ -127,8 +127,6 @@ class Engine:
             checkpoints,
             device=opt_device,
             budget=self.budget,
-            allocate=self.device.empty_host,
-            pin=self.device.pin_memory,
             resume=resume,
             checkpoint=checkpoint,
             overwrite=overwrite,

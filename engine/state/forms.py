@@ -15,7 +15,7 @@ step on the ``nvme`` tier); ``int8`` in 8-bit blocks (about 6 B/param, half;
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,6 @@ from engine.state.dtypes import DTYPES
 from engine.state.partition import UnitLayout
 from engine.state.quantize import BLOCK, PACKED, packed_bytes
 from offload import ShardedUnit, ShardStore, array_bytes, create_arrays, shard_bytes
-
-HostAllocator = Callable[[int, torch.dtype, str], torch.Tensor]
-"""``Device.empty_host``: ``numel`` elements of ``dtype`` for what the string names."""
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 """Each ``optim.state_dtype``'s moment dtype as stored (int8: packed blocks, ``engine.state.quantize``)."""
@@ -129,23 +126,14 @@ class StateForm:
         sizes = [shard_bytes(g, d) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)]
         return [sum(sizes[:i]) for i in range(len(sizes))]
 
-    def empty(
-        self, unit: ShardedUnit, allocate_master: HostAllocator | None = None, **where: Any
-    ) -> list[torch.Tensor]:
-        """One rank's uninitialised shard of each kind, as ``torch.empty`` allocates (``where``),
-        the master from ``allocate_master`` if given: the pinned pool, on the ``cpu`` tier beside
-        a device apart from the host. The device copies the master alone; the moments are read
-        and written by the host's AdamW only, so pinning them would take pinned memory for no copy."""
-        master_dtype, *moment_dtypes = self.dtypes()
-        if allocate_master is None:
-            master = torch.empty(unit.shard_numel, dtype=master_dtype, **where)
-        else:
-            master = allocate_master(unit.shard_numel, master_dtype, f"the master of unit {unit.name!r}")
-        moment_geometries = self.geometries(unit)[1:]
-        moments = [
-            torch.empty(g.shard_numel, dtype=d, **where) for g, d in zip(moment_geometries, moment_dtypes, strict=True)
+    def empty(self, unit: ShardedUnit, **where: Any) -> list[torch.Tensor]:
+        """One rank's uninitialised shard of each kind, as ``torch.empty`` allocates (``where``).
+        None is pinned: the host's AdamW alone reads and writes them, and a master reaches the
+        device rounded to the compute dtype through ``engine.runtime.staging``."""
+        return [
+            torch.empty(g.shard_numel, dtype=d, **where)
+            for g, d in zip(self.geometries(unit), self.dtypes(), strict=True)
         ]
-        return [master, *moments]
 
     def check_stored(self, attrs: dict, path: Path | str) -> None:
         """Refuse resuming a store whose state is in another form: its arrays hold other dtypes."""

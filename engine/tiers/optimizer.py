@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.state.forms import FP32_STATE, HostAllocator, ShardState, StateForm
+from engine.state.forms import FP32_STATE, ShardState, StateForm
 from engine.state.partition import UnitLayout
 from offload import ShardStore
 
@@ -127,17 +127,13 @@ class MemoryOptimizerState:
         self,
         device: torch.device,
         checkpoints: Callable[[bool], MemoryCheckpoints],
-        allocate: HostAllocator | None = None,
         store_frozen: bool = False,
         form: StateForm = FP32_STATE,
         on_device: bool = False,
     ):
-        self._device, self._allocate, self._form = device, allocate, form
+        self._device, self._form = device, form
         self._on_device = on_device
         """Whether this is the ``device`` tier, whose bytes the device budget counts."""
-        """``allocate``: the pinned pool the masters come from (tier ``cpu`` with the device
-        apart from the host, which the masters are copied to; the moments stay in plain
-        memory), else None."""
         self._checkpoints = checkpoints
         """Opens the store of checkpoints (creating it if asked), on first use."""
         self._store_frozen = store_frozen
@@ -151,7 +147,7 @@ class MemoryOptimizerState:
 
     def _new_state(self, unit: UnitLayout) -> ShardState:
         """A unit's zeroed state, held on this tier."""
-        state = ShardState(*self._form.empty(unit, self._allocate, device=self._device))
+        state = ShardState(*self._form.empty(unit, device=self._device))
         for tensor in state.tensors():
             tensor.zero_()
         self._units.append(unit)

@@ -85,13 +85,12 @@ class StoreOptimizerState:
         mode: str = GENERATIONS,
         scratch_bytes: int = 0,
         form: StateForm = FP32_STATE,
-        pin: bool = False,
         overwrite: bool = False,
     ):
         """``scratch_bytes``: the disk the run's spilled gradients take beside the store, all ranks
         (``engine.tiers.grad_spill``), checked with the store's own before a new store is made;
-        ``form``: the optimizer state's; ``pin``: pin the staging (masters are copied from it);
-        ``overwrite``: a new run replaces whatever store is at ``path`` (else only one that never
+        ``form``: the optimizer state's (its staging is not pinned: a master reaches the device
+        rounded, through ``engine.runtime.staging``); ``overwrite``: a new run replaces whatever store is at ``path`` (else only one that never
         held a trained step: ``check_new``)."""
         if io.hosts > 1 and mode != GENERATIONS:
             raise ValueError(
@@ -104,7 +103,7 @@ class StoreOptimizerState:
         check_buffer(layout, buffer_bytes, form)
         self.layout, self.rank = layout, rank
         self.barrier, self.leader, self.runner = io.barrier, io.leader, io.runner
-        self.pool = BufferPool(buffer_bytes, pin=pin)
+        self.pool = BufferPool(buffer_bytes, pin=False)
         window = read_ahead_bytes(buffer_bytes)
         self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, window_bytes=window)
         self.last_stats = PipelineStats()

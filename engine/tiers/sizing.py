@@ -79,21 +79,17 @@ def checkpoint_bytes(layout: ModelLayout, form: StateForm = FP32_STATE) -> int:
     return store_bytes(layout, IN_PLACE, form)
 
 
-def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype, form: StateForm) -> dict[str, int]:
+def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype) -> dict[str, int]:
     """What a rank's host<->device copies go through, by term, on a device apart from the host
-    (``engine.runtime.pinned``): the host state a copy reads or fills (masters on the ``cpu``
-    optimizer tier, not its moments, which no copy touches; gradient shards beside any host
-    optimizer; parameter shards on the ``cpu`` tier), each tensor aligned as the pool cuts it,
-    and the staging pools of the ``nvme`` tiers, whose masters and shards are copied from their
-    buffers."""
+    (``engine.runtime.pinned``): the host memory a copy reads or fills (gradient shards beside a
+    host optimizer, parameter shards on the ``cpu`` tier), each tensor aligned as the pool cuts
+    it; the rings that stage the masters' uploads and the gradients being added
+    (``engine.runtime.staging``); and the staging pool of the ``nvme`` parameter tier, whose
+    shards are copied from its buffers. No optimizer state is pinned: a master reaches the
+    device rounded to the compute dtype, through its ring."""
     offload, zero = config.offload, config.zero
     trained = [u for u in layout.all_units if u.trainable]
     terms: dict[str, int] = {}
-    if offload.optimizer_in_host_memory:
-        master_dtype = form.dtypes()[0]
-        terms["masters"] = sum(aligned(shard_bytes(u, master_dtype)) for u in trained)
-    elif offload.optimizer_in_store:
-        terms["optimizer staging"] = optimizer_buffer_bytes(offload, layout.units, form)
     if not offload.optimizer_on_device and trained:
         grads = [aligned(shard_bytes(u, torch.float32)) for u in trained]
         terms["gradient shards"] = sum(grads)

@@ -22,7 +22,6 @@ from engine.engine import Engine
 from engine.runtime.device import SIM_ENV
 from engine.runtime.pinned import PinnedMemoryError, PinnedPool, aligned
 from engine.runtime.sizes import MIB
-from engine.state.forms import StateForm
 from engine.tiers.sizing import pinned_bytes
 from engine.tools.estimate.memory import estimate
 from engine.tools.estimate.shape import Plan, run_shape
@@ -70,31 +69,31 @@ def test_the_slab_is_pinned_once_at_its_size(monkeypatch) -> None:
     assert calls[1][0] == "unregister" and calls[1][1] == calls[0][1]
 
 
-def test_the_cpu_tier_pins_its_masters_not_its_moments(tmp_path, monkeypatch) -> None:
+def test_no_optimizer_state_is_pinned(tmp_path, monkeypatch) -> None:
+    """A master reaches the device rounded to the compute dtype through the upload ring, so the
+    cpu tier pins none of its state: the pool holds the ring, then the gradient shards too."""
     monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=0.2")
     cfg = plan_config(2, "cpu", "device", str(tmp_path / "store"))
     eng = Engine(tiny_gpt(), cfg, total_steps=1)
     pool = eng.device.pinned
     assert pool is not None
-    masters = sum(aligned(4 * u.shard_numel) for u in eng.layout.all_units if u.trainable)
-    assert pinned_bytes(cfg, eng.layout, eng.dtype, StateForm("fp32"))["masters"] == masters, "4 B/param"
-    assert pool.used_bytes == masters, "built: the masters alone are cut from the pool"
+    need = pinned_bytes(cfg, eng.layout, eng.dtype)
+    assert set(need) == {"gradient shards", "master uploads"}
+    assert pool.used_bytes == need["master uploads"], "built: the upload ring alone is cut from the pool"
     slab = pool._slab_bytes()
     inside = range(slab.data_ptr(), slab.data_ptr() + slab.numel())
     for _, state in eng.optimizer_state.read(eng.layout.units):
-        assert state.master.data_ptr() in inside
-        assert state.exp_avg.data_ptr() not in inside and state.exp_avg_sq.data_ptr() not in inside
+        assert all(t.data_ptr() not in inside for t in state.tensors())
     eng.backward(eng(*batches(4).next()))
     eng.step()
-    need = pinned_bytes(cfg, eng.layout, eng.dtype, StateForm("fp32"))
-    assert masters < pool.peak_bytes <= need["masters"] + need["gradient shards"], "and the gradient shards"
+    assert need["master uploads"] < pool.peak_bytes <= sum(need.values()), "and the gradient shards"
     eng.close()
 
 
 def test_the_need_is_refused_before_anything_is_cut() -> None:
     pool = PinnedPool(MIB, pin=False)
     with pytest.raises(PinnedMemoryError, match=r"offload.pinned_mb = 1 is below the 2.00 MiB .* at least 2 "):
-        pool.check_fits({"masters": MIB, "gradient shards": MIB})
+        pool.check_fits({"master uploads": MIB, "gradient shards": MIB})
 
 
 @pytest.mark.parametrize(("stage", "optimizer", "param"), PLANS)
@@ -104,7 +103,7 @@ def test_the_engine_stays_within_the_plans_need(stage, optimizer, param, tmp_pat
     eng = Engine(tiny_gpt(), cfg, total_steps=2)
     pool = eng.device.pinned
     assert pool is not None, "the simulated device has a pool"
-    need = pinned_bytes(cfg, eng.layout, eng.dtype, StateForm("fp32"))
+    need = pinned_bytes(cfg, eng.layout, eng.dtype)
     assert pool.limit_bytes == sum(need.values()), "auto: what the plan needs"
     data = batches(4)
     for _ in range(2):

@@ -249,7 +249,7 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
         host_bytes=max(f.host for f in phases.values()),
         peak_rss_bytes=baseline_bytes + size(phases[peak]),
         disk_bytes=store_bytes(run, plan),
-        pinned_bytes=0 if device_is_host else sum(pinned_need(run.config, run.layout, run.dtype, run.form).values()),
+        pinned_bytes=0 if device_is_host else sum(pinned_need(run.config, run.layout, run.dtype).values()),
         step_io_bytes=step_io_bytes(run, plan),
         peak_phase=peak,
         phase_rss_bytes={name: size(footprint) for name, footprint in phases.items()},
