@@ -33,6 +33,7 @@ from engine.zero.grads import GradientShards, PendingShard
 from engine.zero.optim import clip_coefficient, clip_grads_
 from engine.zero.params import Params
 from engine.zero.precision import LossScaler
+from engine.zero.spilling import Spilling
 from engine.zero.step_math import GradNorms, UnitAdamW
 from engine.zero.update import Update, update_order
 
@@ -118,14 +119,10 @@ class StepControl:
         self.last_grad_norm: float | None = None
         """The last step's global gradient norm before clipping (None with loss scaling and no
         clipping: nothing takes it there)."""
-        self.found_inf: torch.Tensor | None = None
-        """Whether a spilled gradient held inf/nan (loss scaling), for ``LossScaler.unscale_and_check``."""
         self._update: Update | None = None
         """The step's update, from ``begin`` until the next one (its counters are the step's)."""
-        self._scaler: LossScaler | None = None
-        """The loss scaler of the step being spilled, which unscales each shard as it is made."""
-        self._piece_norms: dict[str, torch.Tensor] = {}
-        """The norms of the spilled gradients' pieces, by parameter or unit."""
+        self._spilling: Spilling | None = None
+        """The step's spill of its gradients, when it spills them."""
         self._waited = 0.0
         """Seconds this step was blocked on spilling gradients and on its commit."""
 
@@ -141,27 +138,23 @@ class StepControl:
         in memory)."""
         self._update = Update(self.update_order(), self._state, self.unit_work, self.worker)
         self.unit_work.begin(lr)
-        self._piece_norms, self._waited = {}, 0.0
+        self._spilling, self._waited = None, 0.0
         if self.overlap:
             return self._update.ready
         if self.spill is None:
             return None
-        self._scaler = scaler
-        self.found_inf = torch.zeros(1) if scaler.enabled else None
-        self.spill.begin()
-        return self._spill_unit
+        norms = self._norms if self._takes_norm else None
+        self._spilling = Spilling(self.spill, self._grads, self._layout, norms, scaler, self.worker)
+        return self._spilling
 
-    def _spill_unit(self, unit_name: str) -> None:
-        """Unscale the unit's final shard and take its pieces' norms (what the step needs of it),
-        then spill it to disk and free it."""
-        assert self.spill is not None  # ``begin`` hands this out only then
-        unit, grad = self._layout.unit(unit_name), self._grads.ready(unit_name)
-        if self.found_inf is not None and self._scaler is not None:
-            self._scaler.unscale_([grad], self.found_inf)
-        if self._takes_norm:
-            self._piece_norms.update(self._norms.piece_norms(unit, grad))
-        self._waited += self.spill.write(unit, grad)
-        self._grads.release_shard(unit_name)
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """Whether a spilled gradient held inf/nan (loss scaling), for
+        ``LossScaler.unscale_and_check``: taken once every shard is spilled."""
+        if self._spilling is None:
+            return None
+        self._spilling.finish()
+        return self._spilling.found_inf
 
     def _opened(self) -> Update:
         assert self._update is not None, "the step's last backward opens its update"
@@ -189,8 +182,9 @@ class StepControl:
         neither: its overflow check has passed."""
         clip = self._config.optim.grad_clip
         if self._takes_norm:
-            if self.spill is not None:
-                norm = self._norms.of_piece_norms(self._piece_norms)
+            if self._spilling is not None:
+                self._spilling.finish()
+                norm = self._norms.of_piece_norms(self._spilling.piece_norms)
             else:
                 norm = self._norms.in_memory(grads, self._grads.ready)
             self.last_grad_norm = float(norm)
@@ -221,7 +215,8 @@ class StepControl:
     def wait_s(self) -> float:
         """Seconds the last step's training thread was blocked on the optimizer: its tier's reads
         not ready, writes backed up, the worker's update not done, spilling, its commit."""
-        return self._waited + (self._update.wait_s if self._update is not None else 0.0)
+        spilled = self._spilling.waited_s if self._spilling is not None else 0.0
+        return self._waited + spilled + (self._update.wait_s if self._update is not None else 0.0)
 
     @property
     def compute_s(self) -> float:
