@@ -23,6 +23,7 @@ about 1.7 ns per parameter (``RECOMPUTE``; 8-bit moments and a bf16 master, 2 th
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,17 +52,21 @@ def _widen(held: MomentHeld, signed: bool) -> torch.Tensor:
     return held.float()
 
 
-def _store(held: MomentHeld, value: torch.Tensor, noise: torch.Tensor, signed: bool) -> None:
-    """Write fp32 ``value`` back into ``held``'s form, rounding stochastically with ``noise``."""
+def _store(held: MomentHeld, value: torch.Tensor, noise: torch.Tensor, signed: bool, skip: torch.Tensor) -> None:
+    """Write fp32 ``value`` back into ``held``'s form, rounding stochastically with ``noise``;
+    where ``skip`` (bool) is true, leave ``held`` as it was: its stored bytes are kept, since
+    decoding int8 blocks and encoding them again need not give the same blocks back."""
     if isinstance(held, tuple):
         codes, scales = held
         code, absmax = encode(value.view(-1, BLOCK), noise.view(-1, BLOCK), signed)
-        codes.copy_(code)
-        scales.copy_(absmax.view(torch.uint8))
+        # A select by arithmetic (bytes wrap around): a ``where`` over bytes is not vectorized by
+        # Inductor's C++ backend, which made the whole update twice as slow (measured here).
+        codes.copy_(code + (codes - code) * skip.to(torch.uint8))
+        scales.copy_(torch.where(skip, scales, absmax.view(torch.uint8)))
     elif held.dtype == torch.bfloat16:
-        held.copy_(round_bits(value, noise))
+        held.copy_(torch.where(skip, held, round_bits(value, noise)))
     else:
-        held.copy_(value)
+        held.copy_(torch.where(skip, held, value))
 
 
 def compact_adamw_(
@@ -72,6 +77,7 @@ def compact_adamw_(
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     hyper: torch.Tensor,
     grad_scale: torch.Tensor,
+    skip: torch.Tensor,
     decays: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step, in place, with torch's arithmetic (decoupled weight decay, bias
@@ -79,9 +85,11 @@ def compact_adamw_(
     weight decay and the two bias corrections (a tensor: new values never recompile), and
     ``tables`` the noise of exp_avg, exp_avg_sq and the master (``noise_table``). The gradient
     (fp32, or a spilled one in bf16) is widened and multiplied by ``grad_scale`` (clipping's
-    coefficient, or 1) in the same pass. ``decays`` (bool per element), if given, limits the
-    weight decay to the elements it marks: per element, since a shard's runs of decayed
-    parameters need not fall on the int8 moments' blocks, which cannot be cut."""
+    coefficient, or 1) in the same pass. ``skip`` (one fp32 value, as torch's fused kernels
+    take theirs) nonzero leaves the shard as it was: a gradient found not finite on the device
+    is skipped without the host reading the finding. ``decays`` (bool per element), if given,
+    limits the weight decay to the elements it marks: per element, since a shard's runs of
+    decayed parameters need not fall on the int8 moments' blocks, which cannot be cut."""
     lr, beta1, beta2, eps, weight_decay, correction1, correction2_sqrt = hyper.unbind()
     numel = master.numel()
     shrink = 1 - lr * weight_decay
@@ -92,9 +100,10 @@ def compact_adamw_(
     m = m + (g - m) * (1 - beta1)
     v = v * beta2 + g * g * (1 - beta2)
     param = param - (lr / correction1) * m / (v.sqrt() / correction2_sqrt + eps)
-    _store(exp_avg, m, periodic(tables[0], numel), signed=True)
-    _store(exp_avg_sq, v, periodic(tables[1], numel), signed=False)
-    _store(master, param, periodic(tables[2], numel), signed=True)
+    skipped = skip != 0
+    _store(exp_avg, m, periodic(tables[0], numel), True, skipped)
+    _store(exp_avg_sq, v, periodic(tables[1], numel), False, skipped)
+    _store(master, param, periodic(tables[2], numel), True, skipped)
 
 
 RECOMPUTE = {
@@ -133,23 +142,34 @@ def compact_step(
     seeds: tuple[int, int, int],
     grad_scale: torch.Tensor | None = None,
     decay: ShardDecay | None = None,
+    skip: torch.Tensor | None = None,
 ) -> None:
     """AdamW's ``step``-th update (1-based) of one shard whose master or moments are compact;
     ``seeds`` draw the rounding noise of exp_avg, exp_avg_sq and the master (unused by one in
-    fp32); ``grad_scale`` multiplies the gradient first, and ``decay`` says which elements take
-    weight decay (None: all; ``ShardAdamW.update``). Only a shard holding both kinds pays for
-    a mask, a byte per element written and read."""
+    fp32); ``grad_scale`` multiplies the gradient first, ``decay`` says which elements take
+    weight decay (None: all; ``ShardAdamW.update``), and ``skip`` (one fp32 value, on the
+    shard's device) nonzero leaves the shard as it was. Only a shard holding both kinds of
+    decay pays for a mask, a byte per element written and read."""
     beta1, beta2 = config.betas
     device = master.device
     uniform = True if decay is None else decay.uniform
     weight_decay = config.weight_decay if uniform is not False else 0.0
-    values = [lr, beta1, beta2, config.eps, weight_decay, 1 - beta1**step, math.sqrt(1 - beta2**step)]
-    hyper = torch.tensor(values, dtype=torch.float32, device=device)
+    values = (lr, beta1, beta2, config.eps, weight_decay, 1 - beta1**step, math.sqrt(1 - beta2**step))
     kinds = (moments[0].dtype == torch.uint8, moments[1].dtype == torch.uint8, False)
     tables = tuple(noise_table(seed, not floats, device) for seed, floats in zip(seeds, kinds, strict=True))
-    scale = torch.ones((), device=device) if grad_scale is None else grad_scale
+    scale = constant((1.0,), device) if grad_scale is None else grad_scale
+    skip = constant((0.0,), device) if skip is None else skip
     mask = None if decay is None or uniform is not None or weight_decay == 0 else decay.mask(device)
-    ADAMW(master, grad, held(moments[0]), held(moments[1]), tables, hyper, scale, mask)
+    ADAMW(master, grad, held(moments[0]), held(moments[1]), tables, constant(values, device), scale, skip, mask)
+
+
+@functools.lru_cache(maxsize=16)
+def constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as fp32 on ``device`` (one value: a 0-d tensor), made once and shared, read
+    only: every unit of a step takes the same hyper-parameters, and making them anew for each
+    would copy them from pageable host memory each time, which on an accelerator waits for
+    the copy."""
+    return torch.tensor(values if len(values) > 1 else values[0], dtype=torch.float32, device=device)
 
 
 class CompactAdamW(ShardAdamW):
@@ -168,11 +188,18 @@ class CompactAdamW(ShardAdamW):
         lr: float,
         grad_scale: torch.Tensor | None = None,
         decay: ShardDecay | None = None,
+        skip: torch.Tensor | None = None,
+        count: int | None = None,
     ) -> None:
+        """``ShardAdamW.update``; ``count`` is the step's number after it (what ``step`` then
+        holds), where the caller knows it on the host: else it is read from ``step``, which on
+        an accelerator waits for the device."""
         if master.dtype == exp_avg.dtype == torch.float32:
-            super().update(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale, decay)
+            super().update(master, grad, exp_avg, exp_avg_sq, step, lr, grad_scale, decay, skip)
             return
-        step.add_(1)  # as torch's kernels count it
-        count = int(step.item())
+        step.add_(1)  # as torch's kernels count it (a skipped shard's step diverged: nothing steps after it)
+        if count is None:
+            count = int(step.item())
         seeds = (2 * count, 2 * count + 1, MASTER_SEED + count)  # a distinct stream per step and per tensor
-        compact_step(self.config, master, grad, (exp_avg, exp_avg_sq), count, lr, seeds, grad_scale, decay)
+        moments = (exp_avg, exp_avg_sq)
+        compact_step(self.config, master, grad, moments, count, lr, seeds, grad_scale, decay, skip)

@@ -223,16 +223,20 @@ class GradientShards:
 
     def _collect(self, keep: int = 0) -> None:
         """Fold finished reductions into the accumulated shards, oldest first, leaving ``keep`` in
-        flight. A reduction already complete is folded at once, whatever ``keep``: its copy
-        then goes on behind the next unit's backward rather than after it. That is this rank's
-        own decision, so nothing that depends on it is collective: the budget's credit and the
-        unit's announcement (``on_ready``, whose update gathers) wait for the fixed point."""
+        flight. With the shards on the host a reduction already complete is folded at once,
+        whatever ``keep``: its copy then goes on behind the next unit's backward rather than
+        after it. That is this rank's own decision, so nothing that depends on it is collective:
+        the budget's credit and the unit's announcement (``on_ready``, whose update gathers)
+        wait for the fixed point. With the shards on the device folding charges the budget for
+        the shard, and the budget's room decides which parameters are gathered next (stage 3):
+        there the fold waits for the fixed point too, so every rank gathers in the same order."""
         for name, (event, reduced) in self._copies.items():
             if reduced is not None and event.query():
                 self._copies[name] = (event, None)
-        for reduction in self._in_flight:
-            if not reduction.folded and reduction.work.is_completed():
-                self._finish_reduction(reduction)
+        if not self._shards_on_device:
+            for reduction in self._in_flight:
+                if not reduction.folded and reduction.work.is_completed():
+                    self._finish_reduction(reduction)
         while len(self._in_flight) > keep:
             reduction = self._in_flight.popleft()
             if not reduction.folded:

@@ -73,28 +73,37 @@ class ShardAdamW:
         lr: float,
         grad_scale: torch.Tensor | None = None,
         decay: ShardDecay | None = None,
+        skip: torch.Tensor | None = None,
     ) -> None:
         """One AdamW step on one shard, in place. A ``grad`` spilled in bf16 is widened first,
         and multiplied by ``grad_scale`` (clipping's coefficient, ``clip_coefficient``) if given:
         the gradient is scratch, overwritten. ``decay`` says which elements take weight decay
         (None: all); a shard holding both kinds is updated as torch's ``AdamW`` updates two
         parameter groups: the kernel once over the runs that decay, once, at no decay, over
-        the others (views, no copy), each run with its own copy of the step count."""
+        the others (views, no copy), each run with its own copy of the step count. ``skip``
+        (one fp32 value on the shard's device, torch's ``found_inf``) nonzero leaves the shard
+        and its count as they were, without the host reading it: the fused kernel takes it;
+        the foreach kernel cannot, so there it is read."""
+        if skip is not None and not self._fused:
+            if skip.item():
+                return
+            skip = None
         grad = grad.float()
         if grad_scale is not None:
             torch._foreach_mul_([grad], grad_scale)
         uniform = True if decay is None else decay.uniform
         if uniform is not None or self.config.weight_decay == 0:
             weight_decay = self.config.weight_decay if uniform is not False else 0.0
-            self._adamw([master], [grad], [exp_avg], [exp_avg_sq], [step], lr, weight_decay)
+            self._adamw([master], [grad], [exp_avg], [exp_avg_sq], [step], lr, weight_decay, skip)
             return
         assert decay is not None  # a uniform shard returned above
         for decays in (True, False):
             parts = decay.slices(decays)
             params, grads, exp_avgs, exp_avg_sqs = ([t[p] for p in parts] for t in (master, grad, exp_avg, exp_avg_sq))
             steps = [step.clone() for _ in parts]  # the kernels add 1 to each: the shard's step counts once
-            self._adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lr, self.config.weight_decay if decays else 0.0)
-        step.add_(1)
+            wd = self.config.weight_decay if decays else 0.0
+            self._adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lr, wd, skip)
+        step.add_(1 if skip is None else 1 - skip)
 
     def _adamw(
         self,
@@ -105,9 +114,10 @@ class ShardAdamW:
         steps: list[torch.Tensor],
         lr: float,
         weight_decay: float,
+        skip: torch.Tensor | None = None,
     ) -> None:
         """torch's AdamW kernel (fused or foreach) on one group of tensors, as ``torch.optim.AdamW``
-        calls it on one parameter group."""
+        calls it on one parameter group; the fused one skipped where ``skip`` is nonzero."""
         beta1, beta2 = self.config.betas
         adamw(
             params,
@@ -125,6 +135,7 @@ class ShardAdamW:
             weight_decay=weight_decay,
             eps=self.config.eps,
             maximize=False,
+            found_inf=skip,
         )
 
 

@@ -47,8 +47,9 @@ class UnitWork:
         self._adamw, self._grads, self._params, self._overlap = adamw, grads, params, overlap
         self._lr = 0.0
         self._clip_scale: torch.Tensor | None = None
-        self.unit_norms: dict[str, float] = {}
-        """This step's gradient norm of each unit updated inside backward, taken before its update."""
+        self.unit_norms: dict[str, torch.Tensor] = {}
+        """This step's gradient norm of each unit updated inside backward, taken before its update
+        and left on the optimizer's device, for the step to read all at once."""
 
     def begin(self, lr: float) -> None:
         """A step starts, at learning rate ``lr``, nothing clipped yet."""
@@ -71,12 +72,13 @@ class UnitWork:
         Inside backward (overlap) nothing has seen every gradient, so the unit's own gradient
         norm is taken first, and a unit whose norm is not finite is left as it was (the step
         then stops on every rank, see ``StepControl.apply``; raising here, in an autograd hook,
-        would leave the other ranks waiting in their collectives)."""
+        would leave the other ranks waiting in their collectives). The kernel is told so on
+        the device: the host reading each unit's norm would wait for the device once per unit."""
+        skip = None
         if self._overlap:
-            norm = self.unit_norms[unit.name] = float(torch.linalg.vector_norm(grad))
-            if not math.isfinite(norm):
-                return
-        self._adamw.update(unit, state, grad, self._lr, self._clip_scale if spilled else None)
+            norm = self.unit_norms[unit.name] = torch.linalg.vector_norm(grad)
+            skip = norm.isfinite().logical_not().float()
+        self._adamw.update(unit, state, grad, self._lr, self._clip_scale if spilled else None, skip)
 
     def hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None:
         """On the training thread, after ``compute``: hand the new master to the parameters (its

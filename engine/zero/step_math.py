@@ -28,28 +28,45 @@ from engine.zero.optim import global_norm, grad_norm, norm_of_norms, piece_norms
 
 class UnitAdamW:
     """AdamW on each unit's shard: the unit's own step count (the bias correction's) and which
-    of its elements take weight decay (``optim.no_decay``), with the kernel its state's form takes."""
+    of its elements take weight decay (``optim.no_decay``), with the kernel its state's form takes.
+
+    Each unit's count is a tensor beside the state, as torch's kernels take it, mirrored by a
+    number on the host: the compact kernel's seeds and the step's record read that one, since
+    reading the tensor on an accelerator waits for the device, once per unit."""
 
     def __init__(self, optim: OptimConfig, layout: ModelLayout, rank: int, model: nn.Module, device: torch.device):
         self._adam = CompactAdamW(optim)
         self._counters = {u.name: self._adam.new_step_counter(device) for u in layout.units}
+        self._counts = dict.fromkeys(self._counters, 0)
+        """Each counter's value, kept on the host (a unit skipped for a gradient not finite counts
+        here, though torch's fused kernel leaves its tensor: its step diverged, nothing steps after)."""
         self._decay = shard_decays(layout, rank, no_decay_names(model, optim.no_decay))
 
     def update(
-        self, unit: UnitLayout, state: ShardState, grad: torch.Tensor, lr: float, scale: torch.Tensor | None
+        self,
+        unit: UnitLayout,
+        state: ShardState,
+        grad: torch.Tensor,
+        lr: float,
+        scale: torch.Tensor | None,
+        skip: torch.Tensor | None = None,
     ) -> None:
         """One AdamW step on the unit's shard, in place; ``scale`` multiplies the gradient first
-        (clipping's coefficient, for a gradient read back from disk)."""
+        (clipping's coefficient, for a gradient read back from disk); ``skip`` (one fp32 value on
+        the shard's device) nonzero leaves the shard as it was."""
         counter, decay = self._counters[unit.name], self._decay[unit.name]
-        self._adam.update(state.master, grad, state.exp_avg, state.exp_avg_sq, counter, lr, scale, decay)
+        count = self._counts[unit.name] = self._counts[unit.name] + 1
+        moments = (state.exp_avg, state.exp_avg_sq)
+        self._adam.update(state.master, grad, *moments, counter, lr, scale, decay, skip, count)
 
     def steps_taken(self) -> int:
         """AdamW steps taken (the bias correction's count), for the step's record."""
-        return int(next(iter(self._counters.values())).item())
+        return next(iter(self._counts.values()))
 
     def restore(self, steps: int) -> None:
         for counter in self._counters.values():
             counter.fill_(steps)
+        self._counts = dict.fromkeys(self._counters, steps)
 
 
 class GradNorms:
@@ -87,10 +104,13 @@ class GradNorms:
         order = self._param_order if self._comm.world_size == 1 else [u.name for u in self._layout.units]
         return global_norm(norm_of_norms([norms[name] for name in order]), self._comm)
 
-    def of_unit_norms(self, unit_norms: dict[str, float]) -> tuple[float, str | None]:
-        """The global norm from each unit's own, and what is not finite on any rank (None if
-        nothing): one all-reduce of the squared norms agrees on it on every rank (nan and inf
-        survive the sum)."""
+    def of_unit_norms(self, norms: dict[str, torch.Tensor]) -> tuple[float, str | None]:
+        """The global norm from each unit's own (each a tensor on the optimizer's device, read
+        here at once, one copy to the host for the step), and what is not finite on any rank
+        (None if nothing): one all-reduce of the squared norms agrees on it on every rank (nan
+        and inf survive the sum)."""
+        read = torch.stack(list(norms.values())).tolist() if norms else []
+        unit_norms = dict(zip(norms, read, strict=True))
         squares = sum(norm * norm for norm in unit_norms.values())
         norm = math.sqrt(self._comm.all_reduce_value(squares, op="sum"))
         if math.isfinite(norm):

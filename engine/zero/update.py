@@ -16,7 +16,11 @@ before reading it. Everything else stays on the training thread, in a schedule t
 only on the calls every rank makes (never on which thread finished first): the optimizer
 state's reads and writes, and handing the new master on (its copy to the device and its
 gathers). An update started at one ``ready`` is handed on at the next ``ready`` (or at
-``apply_remaining``), so the parameters' collectives keep one order on every rank.
+``apply_remaining``), so the parameters' collectives keep one order on every rank. After
+clipping, ``apply_remaining`` keeps ``IN_FLIGHT`` units started: the next unit's state is
+taken and its AdamW queued on the worker before the one before it is handed on, so the
+worker's update of one unit runs beside the hand-on of the unit before it and the reads of
+the unit after it, in the same order of hand-ons as one at a time.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ from engine.state.forms import ShardState
 from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout
 from engine.tiers.optimizer import OptimizerState
 from engine.zero.grads import PendingShard
+
+IN_FLIGHT = 2
+"""Units started but not yet handed on at most, after clipping: one updated on the worker while
+the one before it is handed on. The worker updates one unit at a time, so more would only hold
+more optimizer state out of the tier's read-ahead window (whose pool then has room for the
+next read only once a write lands) for no more overlap."""
 
 
 def update_order(recorded: Sequence[str], layout: ModelLayout) -> list[UnitLayout]:
@@ -106,7 +116,7 @@ class Update:
         here (or at the ``ready`` after it), as the worker raised it."""
         while self._pending:
             self._start_next()
-            self._hand_on_running()
+            self._hand_on_running(keep=IN_FLIGHT - 1)
         self._hand_on_running()
         self._close(self._grads)
 
@@ -136,6 +146,7 @@ class Update:
         assert arrived is unit, f"the optimizer state read {arrived.name!r} where {unit.name!r} was due"
         spilled = self._grads is not None
         if self._grads is not None:
+            self._await(*(future for *_, future in self._running))  # the next read frees the shard before
             arrived, grad = next(self._grads)
             assert arrived is unit, f"the spilled gradient read {arrived.name!r} where {unit.name!r} was due"
             pending = PendingShard(grad)
@@ -156,14 +167,21 @@ class Update:
         self._unit.compute(unit, state, grad, spilled)
         self.compute_s += time.perf_counter() - start
 
-    def _hand_on_running(self) -> None:
-        """Wait for the worker's updates handed over so far, in order, and hand each on."""
-        while self._running:
+    def _hand_on_running(self, keep: int = 0) -> None:
+        """Wait for the worker's updates handed over so far, in order, and hand each on, leaving
+        the last ``keep`` to go on."""
+        while len(self._running) > keep:
             unit, state, spilled, future = self._running.popleft()
-            start = time.perf_counter()
-            future.result()  # the worker's exception, if it raised, with its own message
-            self.wait_s += time.perf_counter() - start
+            self._await(future)
             self._hand_on(unit, state, spilled)
+
+    def _await(self, *futures: Future) -> None:
+        """Wait for the worker's updates ``futures``, raising the worker's exception, if it
+        raised, with its own message."""
+        start = time.perf_counter()
+        for future in futures:
+            future.result()
+        self.wait_s += time.perf_counter() - start
 
     def _hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None:
         self._unit.hand_on(unit, state, spilled)
