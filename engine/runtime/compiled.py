@@ -49,9 +49,9 @@ class LazyCompiled:
         if self.kernel is None:
             first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
             host = first is not None and first.device.type == "cpu"
-            options = {**(self.options or {}), **(HOST_CALLER if host else {})}
-            self.kernel = torch.compile(self.fn, dynamic=True, options=options)
+            options = known_options({**(self.options or {}), **(HOST_CALLER if host else {})})
             try:
+                self.kernel = torch.compile(self.fn, dynamic=True, options=options)
                 return self.kernel(*args)
             except Exception as err:  # compiling: the compiler's failures have no common type of their own
                 return self._uncompiled(err, args)
@@ -67,6 +67,18 @@ class LazyCompiled:
         logger.warning("%s runs uncompiled, several times slower: %s", self.what, err)
         self.kernel = self.fn
         return self.fn(*args)
+
+
+def known_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The settings this torch's Inductor has (``torch.compile`` refuses any other: they come
+    and go between releases, and each is a tuning, not a meaning), the others logged and left out."""
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        logger.debug("Inductor %s has no setting %s: compiling without it", torch.__version__, ", ".join(unknown))
+    return {name: value for name, value in options.items() if name in known}
 
 
 def _compiling_failed(err: Exception) -> bool:

@@ -64,3 +64,18 @@ def test_a_recompile_that_fails_runs_uncompiled(monkeypatch) -> None:
     lazy(torch.ones(3))
     assert torch.equal(lazy(torch.ones(3, dtype=torch.bfloat16)), torch.full((3,), 2.0, dtype=torch.bfloat16))
     assert lazy.kernel is double
+
+
+def test_a_setting_this_torch_lacks_is_left_out(monkeypatch) -> None:
+    """Inductor's settings come and go between torch releases (torch 2.11 has no
+    ``realize_cpu_opcount_threshold``): one this torch lacks is dropped, not a refused compile."""
+    seen = {}
+
+    def compile(fn, dynamic, options):
+        seen.update(options)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile)
+    double = LazyCompiled(lambda x: 2 * x, "doubling", {"realize_opcount_threshold": 64, "no_such_setting": 1})
+    assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
+    assert "no_such_setting" not in seen and seen["realize_opcount_threshold"] == 64

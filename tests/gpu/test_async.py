@@ -184,9 +184,9 @@ def recorded_copies(cfg: Config, steps: int, patch: pytest.MonkeyPatch) -> list[
     copies: list[Copy] = []
     copy = Device.copy
 
-    def recording(self: Device, dst: torch.Tensor, src: torch.Tensor):
+    def recording(self: Device, dst: torch.Tensor, src: torch.Tensor, **direction: bool):
         copies.append(Copy(src.dtype, dst.dtype, dst.is_cuda and not src.is_cuda, src.nbytes))
-        return copy(self, dst, src)
+        return copy(self, dst, src, **direction)
 
     patch.setattr(Device, "copy", recording)
     with stepping(cfg, 4, steps) as step:
