@@ -62,7 +62,9 @@ def _store(held: MomentHeld, value: torch.Tensor, noise: torch.Tensor, signed: b
         # A select by arithmetic (bytes wrap around): a ``where`` over bytes is not vectorized by
         # Inductor's C++ backend, which made the whole update twice as slow (measured here).
         codes.copy_(code + (codes - code) * skip.to(torch.uint8))
-        scales.copy_(torch.where(skip, scales, absmax.view(torch.uint8)))
+        # Flat first: Inductor may lay the blocks x 1 reduction out with a last stride other than
+        # 1, which a view as bytes refuses (on CUDA with dynamic shapes: the update ran uncompiled).
+        scales.copy_(torch.where(skip, scales, absmax.reshape(-1).view(torch.uint8).view_as(scales)))
     elif held.dtype == torch.bfloat16:
         held.copy_(torch.where(skip, held, round_bits(value, noise)))
     else:
