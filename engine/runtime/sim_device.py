@@ -4,8 +4,9 @@ On CPU every copy is synchronous, so a missing event wait, a host buffer reused 
 copy ran, or a destination read before it was filled cannot go wrong there, and nothing
 tests the engine's streams and events. This device makes each of them go wrong, in CPU
 tests. Its "device" tensors are host tensors and compute runs on the calling thread, as the
-default stream would; but every copy queued through ``Device.copy`` runs later, on the copy
-stream's own worker thread, in order, after a seeded random delay (or at a set bandwidth).
+default stream would; but every copy queued through ``Device.copy`` runs later, on the worker
+thread of its direction's copy stream, in order, after a seeded random delay (or at a set
+bandwidth each way, as a bus that moves both ways at once).
 When a copy is queued its destination is poisoned (NaN), so a read before the event gives
 NaN, and its source is kept aside: a copy whose source changed before it ran (a buffer
 released and reused too early) is recorded and raised as ``CopyRaceError`` at the next wait
@@ -130,21 +131,25 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class SimDevice(Device):
-    """The CPU, with copies that complete later, on one worker thread (the copy stream)."""
+    """The CPU, with copies that complete later, on a worker thread per direction (the copy streams)."""
 
     def __init__(self, seed: int = 0, delay_ms: float = 1.0, gbps: float = 0.0, sync: bool = False):
         super().__init__(torch.device("cpu"))
         self._sync = sync
         self._rng = random.Random(seed)
         self._delay_s, self._bytes_per_s = delay_ms / 1000, gbps * 1e9
-        self._copies: queue.SimpleQueue = queue.SimpleQueue()
         self._races: list[str] = []
         self._lock = threading.Lock()
         self._counts = SimCounts()
-        self._pending: list[tuple[tuple[int, int], tuple[int, int]]] = []
-        """The byte spans each copy queued and not yet run reads and writes."""
         self._launcher = threading.get_ident()
-        threading.Thread(target=self._run, name="sim-copy-stream", daemon=True).start()
+        self._copies: dict[bool, queue.SimpleQueue] = {}
+        """Each copy stream's queue, by direction (True: to the device)."""
+        self._pending: dict[bool, list[tuple[tuple[int, int], tuple[int, int]]]] = {}
+        """The byte spans each copy queued on a stream and not yet run reads and writes."""
+        for to_device in (True, False):
+            self._copies[to_device], self._pending[to_device] = queue.SimpleQueue(), []
+            name = f"sim-copy-stream-{'up' if to_device else 'down'}"
+            threading.Thread(target=self._run, args=(to_device,), name=name, daemon=True).start()
 
     @classmethod
     def from_spec(cls, spec: str) -> SimDevice:
@@ -180,19 +185,21 @@ class SimDevice(Device):
             key = ("to device" if to_device else "to host", str(src.dtype), str(dst.dtype))
             self._counts.copied[key] += src.nbytes
         source, target = _span(src), _span(dst)
+        pending = self._pending[to_device]
         with self._lock:
-            # The copy stream runs copies in order: a destination that an earlier copy still
-            # reads is poisoned only when this copy runs, and a source that an earlier copy
-            # still fills is not compared with what it holds now.
-            poison_now = dst.is_floating_point() and not any(_overlap(target, s) for s, _ in self._pending)
-            filled_first = any(_overlap(source, t) for _, t in self._pending)
-            self._pending.append((source, target))
+            # A copy stream runs its copies in order: a destination that an earlier copy on the
+            # stream still reads is poisoned only when this copy runs, and a source that one
+            # still fills is not compared with what it holds now. (The other stream's copies
+            # are not ordered with these: an overlap with them is a race, as on a GPU.)
+            poison_now = dst.is_floating_point() and not any(_overlap(target, s) for s, _ in pending)
+            filled_first = any(_overlap(source, t) for _, t in pending)
+            pending.append((source, target))
         kept = None if filled_first else src.detach().clone()
         if poison_now:
             dst.fill_(float("nan"))
         event = SimEvent(self)
         queued_by = _caller()
-        self._copies.put(
+        self._copies[to_device].put(
             (_Held.of(dst), _Held.of(src), kept, duration, event, (source, target), not poison_now, queued_by)
         )
         if self._sync:  # the synchronous engine: not a wait the engine asked for
@@ -207,11 +214,12 @@ class SimDevice(Device):
         self.raise_race()
 
     def synchronize(self) -> None:
-        """Wait for every copy queued so far."""
+        """Wait for every copy queued so far, on both streams."""
         self.count_host_sync()
-        marker = SimEvent(self)
-        self._copies.put((None, None, None, 0.0, marker, None, False, ""))
-        marker._done.wait()
+        for copies in self._copies.values():
+            marker = SimEvent(self)
+            copies.put((None, None, None, 0.0, marker, None, False, ""))
+            marker._done.wait()
         self.raise_race()
 
     def count_host_sync(self) -> None:
@@ -232,9 +240,9 @@ class SimDevice(Device):
         if races:
             raise CopyRaceError(f"{len(races)} copy source(s) changed before their copy ran; the first: {races[0]}")
 
-    def _run(self) -> None:
+    def _run(self, to_device: bool) -> None:
         while True:
-            held_dst, held_src, kept, duration, event, spans, poison, queued_by = self._copies.get()
+            held_dst, held_src, kept, duration, event, spans, poison, queued_by = self._copies[to_device].get()
             if held_dst is not None:
                 if poison and isinstance(poisoned := held_dst.tensor(), torch.Tensor):
                     poisoned.fill_(float("nan"))
@@ -249,7 +257,7 @@ class SimDevice(Device):
                     dst.copy_(src)  # type: ignore[union-attr]
                 del dst, src
                 with self._lock:  # only now is the copy's destination written
-                    self._pending.remove(spans)
+                    self._pending[to_device].remove(spans)
             event._done.set()
 
     @staticmethod
