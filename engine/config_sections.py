@@ -42,7 +42,8 @@ class ZeroConfig:
     prefetch_mb: float = 64.0
     """Stage 3: MiB of the units next in the traced order gathered while the current one computes.
 
-    0 gathers each unit only when it is needed."""
+    The next unit is gathered ahead whatever its size (a window smaller than a unit would
+    otherwise gather none ahead); 0 gathers each unit only when it is needed."""
     persistence_threshold: int = 0
     """Stage 3: units with fewer parameters than this stay gathered for the whole run.
 

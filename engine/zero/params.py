@@ -350,8 +350,14 @@ class ShardedParams:
         copies are synchronous, as on the CPU, where it is gathered at once); a shard held in
         memory is copied in the pass that fetches it, queued from the step's first gather.
 
+        The next unit is moved on whatever its size: a window smaller than one unit (a 7B
+        model's layers are over 400 MB in bf16) would otherwise prefetch nothing at all, and
+        every gather would wait for its read.
+
         Every rank takes the same decisions from the same trace and the same byte counts,
         so the all-gathers are issued in the same order everywhere."""
+        if self._prefetch_bytes == 0:
+            return
         window = 0
         seen: set[str] = set()
         for name in self.order.upcoming():
@@ -360,7 +366,7 @@ class ShardedParams:
                 continue
             seen.add(name)
             window += entry.nbytes
-            if window > self._prefetch_bytes:
+            if window > self._prefetch_bytes and len(seen) > 1:
                 return
             if entry.state is UnitState.COPYING:
                 entry.start_gather()

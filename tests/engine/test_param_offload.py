@@ -90,6 +90,21 @@ def test_prefetch_hits_after_the_first_step_and_changes_nothing(param: str, tmp_
     assert all(torch.equal(without[k], with_prefetch[k]) for k in without)
 
 
+def test_a_window_smaller_than_a_unit_still_prefetches_the_next_one(tmp_path) -> None:
+    """The tiny GPT's blocks are 0.2 MB in fp32: a 0.01 MiB window holds none of them, and would
+    gather nothing ahead if it were not allowed the next unit whatever its size."""
+    cfg = config(**stage3(tmp_path, "nvme", "cpu", prefetch_mb=0.01))
+    eng = Engine(tiny(), cfg, total_steps=STEPS)
+    data = batches(4)
+    rates = []
+    for _ in range(STEPS):
+        eng.backward(eng(*data.next()))
+        eng.step()
+        rates.append(eng.last_step_stats.prefetch_hit_rate)
+    eng.close()
+    assert min(rates[1:]) >= 0.5, f"the next unit is gathered ahead: {rates}"
+
+
 @pytest.mark.parametrize("saved", [True, False])
 def test_a_resumed_run_prefetches_its_first_step_from_the_saved_order(saved: bool, tmp_path) -> None:
     """The committed step keeps the traced orders; a store whose record lacks them (an older
