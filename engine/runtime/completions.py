@@ -67,7 +67,7 @@ class Completions:
         """Wait until every release handed over has run (``close`` and tests)."""
         marker: Future = Future()
         if self._thread is not None:
-            self._queue.put((_Done(), _nothing, marker))
+            self._queue.put((DoneEvent(), _nothing, marker))
             marker.result()
         self.raise_errors()
 
@@ -101,8 +101,8 @@ def _nothing() -> None:
     return None
 
 
-class _Done:
-    """An event that has completed: the drain's marker."""
+class DoneEvent:
+    """An event of work that ran synchronously (or of none): always complete."""
 
     def synchronize(self) -> None:
         return None

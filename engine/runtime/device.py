@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from engine.runtime.completions import Completions
+from engine.runtime.completions import Completions, DoneEvent
 from engine.runtime.pinned import PinnedPool
 
 
@@ -35,16 +35,6 @@ class Event(Protocol):
     def query(self) -> bool:
         """Whether it is done."""
         ...
-
-
-class DoneEvent:
-    """An event of work that ran synchronously: always complete."""
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
 
 
 class Device:
