@@ -142,14 +142,17 @@ class SimDevice(Device):
         self._lock = threading.Lock()
         self._counts = SimCounts()
         self._launcher = threading.get_ident()
+        self._closed = False
         self._copies: dict[bool, queue.SimpleQueue] = {}
         """Each copy stream's queue, by direction (True: to the device)."""
         self._pending: dict[bool, list[tuple[tuple[int, int], tuple[int, int]]]] = {}
         """The byte spans each copy queued on a stream and not yet run reads and writes."""
+        self._threads: list[threading.Thread] = []
         for to_device in (True, False):
             self._copies[to_device], self._pending[to_device] = queue.SimpleQueue(), []
             name = f"sim-copy-stream-{'up' if to_device else 'down'}"
-            threading.Thread(target=self._run, args=(to_device,), name=name, daemon=True).start()
+            self._threads.append(threading.Thread(target=self._run, args=(to_device,), name=name, daemon=True))
+            self._threads[-1].start()
 
     @classmethod
     def from_spec(cls, spec: str) -> SimDevice:
@@ -178,6 +181,8 @@ class SimDevice(Device):
 
     def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> SimEvent:
         """Queue the copy; the delay is drawn here, in queue order, so a seed fixes it."""
+        if self._closed:
+            raise RuntimeError("a copy on a closed simulated device: its engine was closed")
         duration = self._rng.uniform(0.0, 2 * self._delay_s)
         if self._bytes_per_s:
             duration += src.nbytes / self._bytes_per_s
@@ -206,6 +211,18 @@ class SimDevice(Device):
             event._done.wait()
         return event
 
+    def close(self) -> None:
+        """Run the releases still waiting, let the copies queued land, and stop the copy
+        streams' threads: a copy queued after this is refused."""
+        super().close()
+        if self._closed:
+            return
+        self._closed = True
+        for copies in self._copies.values():
+            copies.put(None)
+        for thread in self._threads:
+            thread.join()
+
     def wait_for(self, event: SimEvent) -> None:  # type: ignore[override]
         """The compute stream (here the host thread) waits for ``event``: counted as a stream wait."""
         with self._lock:
@@ -214,8 +231,11 @@ class SimDevice(Device):
         self.raise_race()
 
     def synchronize(self) -> None:
-        """Wait for every copy queued so far, on both streams."""
+        """Wait for every copy queued so far, on both streams (all have landed once closed)."""
         self.count_host_sync()
+        if self._closed:
+            self.raise_race()
+            return
         for copies in self._copies.values():
             marker = SimEvent(self)
             copies.put((None, None, None, 0.0, marker, None, False, ""))
@@ -242,7 +262,10 @@ class SimDevice(Device):
 
     def _run(self, to_device: bool) -> None:
         while True:
-            held_dst, held_src, kept, duration, event, spans, poison, queued_by = self._copies[to_device].get()
+            item = self._copies[to_device].get()
+            if item is None:
+                return
+            held_dst, held_src, kept, duration, event, spans, poison, queued_by = item
             if held_dst is not None:
                 if poison and isinstance(poisoned := held_dst.tensor(), torch.Tensor):
                     poisoned.fill_(float("nan"))

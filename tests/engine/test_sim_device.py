@@ -121,6 +121,18 @@ def test_a_master_may_be_reused_as_soon_as_it_is_written_back() -> None:
     assert device.take_counts().copied == {("to device", "torch.bfloat16", "torch.bfloat16"): 2 * unit.shard_numel}
 
 
+def test_closing_lands_the_copies_and_stops_the_streams() -> None:
+    """An engine's close closes its device: a test session makes thousands of engines."""
+    device = SimDevice(seed=0, delay_ms=5)
+    src, dst = torch.arange(10.0), torch.zeros(10)
+    device.copy(dst, src)
+    device.close()
+    assert torch.equal(dst, src)
+    assert not any(thread.is_alive() for thread in device._threads)
+    with pytest.raises(RuntimeError, match="closed simulated device"):
+        device.copy(dst, src)
+
+
 def test_the_delays_follow_the_seed_and_the_bandwidth() -> None:
     def timed(device: SimDevice) -> float:
         dst, src = torch.empty(2**20), torch.ones(2**20)
