@@ -148,8 +148,8 @@ FAULTS = [
     fault(
         "a dropped prefetch freed before its copy's event",
         "engine/zero/unit_params.py",
-        "                self.copied.synchronize()\n",
-        "                pass\n",
+        "            if self.copied is not None and not self.copied.query():\n                self.copied.synchronize()\n",
+        "            if False:\n                self.copied.synchronize()\n",
         "tests/engine/test_sim_device.py::test_evaluations_between_steps_change_nothing_with_late_copies",
     ),
     fault(

@@ -123,14 +123,13 @@ class UnitParams:
     def release_fetch(self) -> None:
         """Hand the fetched shard's buffer back once the copy reading it is done (on the
         device's completion thread if it is not yet: this thread does not wait for it)."""
-        fetch, copied = self.fetch, self.copied
-        self.fetch = self.copied = None
+        fetch, self.fetch = self.fetch, None
         if fetch is None:
             return
-        if copied is None:
+        if self.copied is None:
             fetch.release()
         else:
-            self._device.after(copied, fetch.release)
+            self._device.after(self.copied, fetch.release)
 
     def complete(self) -> None:
         """Take the unit through what is left of its cycle until it is gathered, and wait for that."""
@@ -152,9 +151,13 @@ class UnitParams:
             if self.work is not None:  # an all-gather nobody waited for: it must land before its buffer goes
                 self.work.wait()
                 self.work = None
-            if self.copied is not None:  # a prefetch dropped with its copy in flight: it must land first too
+            # The copy into the buffer must land before the buffer goes. After a gather the
+            # compute stream has waited for it, so it has (a query, no wait); a prefetch dropped
+            # with its copy in flight waits here.
+            if self.copied is not None and not self.copied.query():
                 self.copied.synchronize()
             self.release_fetch()
+            self.copied = None
             if self.state is not UnitState.FETCHING:
                 self.flat.untyped_storage().resize_(0)
                 self._budget.credit(self.nbytes)
