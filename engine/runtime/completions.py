@@ -9,7 +9,7 @@ they were handed over. The thread binds its rank's device first, so that its CUD
 not make a context on device 0.
 
 An error raised by a release (or by the simulated device's race check in a wait) is kept and
-raised on the training thread at the next ``after`` or ``raise_errors``.
+raised on the training thread at the next ``after`` or at ``close``.
 """
 
 from __future__ import annotations

@@ -105,10 +105,6 @@ class Device:
         a future of when it has run."""
         return self._completions.after(event, release)
 
-    def raise_errors(self) -> None:
-        """Raise here what a release run after its copy met."""
-        self._completions.raise_errors()
-
     def bind_thread(self) -> None:
         """Make this thread's device calls go to this device (a new thread's go to device 0)."""
         if self.is_accelerator and self.device.index is not None:

@@ -7,7 +7,7 @@ later micro-batch's gradient coming down lands here before it is added. Each pie
 back once its copy's event completes (``Device.after``), never by the thread that launches
 kernels waiting for it; pieces complete in the order their stream ran them, so they are cut
 from one ring of fixed size, cut once from the pinned pool. Taking waits only while more than
-the whole ring is in flight (the bus behind the host): ``waits`` counts those times.
+the whole ring is in flight (the bus behind the host).
 """
 
 from __future__ import annotations
@@ -51,8 +51,6 @@ class StagingRing:
         self._pieces: dict[int, _Piece] = {}
         """The pieces taken and not yet handed back, by their tensor's address."""
         self._cond = threading.Condition()
-        self.waits = 0
-        """Times a take waited for a copy to give its piece back."""
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +64,6 @@ class StagingRing:
         with self._cond:
             start = self._place(size)
             if start is None:
-                self.waits += 1
                 self._cond.wait_for(lambda: self._place(size) is not None)
                 start = self._place(size)
             assert start is not None
