@@ -96,12 +96,11 @@ def step_costs(config: Config, n_layer: int, steps: int = 2) -> StepCosts:
 
 
 def costs_per_step(counts: SimCounts, steps: int, params: int) -> StepCosts:
-    uploads = {key: n for key, n in counts.copied.items() if key[0] == "to device"}
     return StepCosts(
         host_syncs={cause: n / steps for cause, n in counts.host_syncs.items()},
-        h2d_bytes=sum(uploads.values()) / steps,
+        h2d_bytes=counts.bytes_to_device() / steps,
         params=params,
-        casts_in_copies=sum(1 for _, src, dst in uploads if src != dst),
+        casts_in_copies=sum(1 for direction, src, dst in counts.copied if direction == "to device" and src != dst),
     )
 
 
