@@ -38,7 +38,10 @@ class ZeroConfig:
 
     Empty: every entry of every ``nn.ModuleList`` (transformer blocks), plus a root unit for the rest.
     Named classes nest: ``["MixtralDecoderLayer", "MixtralExperts"]`` makes each layer's experts a
-    unit of their own inside the unit of the rest of the layer."""
+    unit of their own inside the unit of the rest of the layer; ``["LlamaDecoderLayer", "Linear"]``
+    makes each projection a unit inside its layer's, which shrinks every buffer sized by the
+    largest unit (the peak RSS of a 7.9B Llama from 8.1 to 3.1 GiB by ``estimate``). A
+    transformers model's output head stays in the root unit whatever its class."""
     prefetch_mb: float = 64.0
     """Stage 3: MiB of the units next in the traced order gathered while the current one computes.
 

@@ -115,16 +115,19 @@ def find_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[
     every ``nn.ModuleList`` does (the outermost ones). Named classes nest: a mixture-of-experts
     layer whose experts' class is named too is two units, the experts' and the rest of the
     layer's, listed inner first so that each parameter belongs to the innermost unit. A name no
-    module of the model has is refused (``check_unit_classes``).
+    module of the model has is refused (``check_unit_classes``). A transformers causal LM's
+    output head (``get_output_embeddings``) stays in the root whatever its class: the chunked
+    loss reads its weight outside the head's forward, where a unit of its own is released.
     """
     check_unit_classes(model, unit_classes or [])
     units: list[tuple[str, nn.Module]] = []
+    output_head = getattr(model, "get_output_embeddings", lambda: None)()
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
             is_unit = (
-                type(child).__name__ in unit_classes
+                type(child).__name__ in unit_classes and child is not output_head
                 if unit_classes
                 else isinstance(module, nn.ModuleList) and any(True for _ in child.parameters())
             )

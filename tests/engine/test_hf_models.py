@@ -46,10 +46,29 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("build", [llama, gpt2_tied], ids=["llama", "gpt2-tied"])
-def test_stage3_on_nvme_is_bit_identical_to_torch_adamw(build, tmp_path) -> None:
+PROJECTIONS = ["LlamaDecoderLayer", "Linear"]
+"""Units below a layer: each projection a unit of its own inside its layer's."""
+
+
+def test_projection_units_leave_the_output_head_in_the_root() -> None:
+    """The chunked loss reads the head's weight outside its forward, so the head is never a
+    unit of its own, whatever ``zero.unit_classes`` names."""
+    from engine.state.partition import ROOT_UNIT, find_units
+
+    names = [name for name, _ in find_units(llama(), PROJECTIONS)]
+    layer = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+    per_layer = [[*(f"model.layers.{i}.{part}" for part in layer), f"model.layers.{i}"] for i in range(3)]
+    assert names == [name for names_of_layer in per_layer for name in names_of_layer] + [ROOT_UNIT]
+
+
+@pytest.mark.parametrize(
+    ("build", "unit_classes"),
+    [(llama, []), (llama, PROJECTIONS), (gpt2_tied, [])],
+    ids=["llama", "llama-projection-units", "gpt2-tied"],
+)
+def test_stage3_on_nvme_is_bit_identical_to_torch_adamw(build, unit_classes, tmp_path) -> None:
     cfg = config(
-        zero={"stage": 3, "prefetch_mb": 1},
+        zero={"stage": 3, "prefetch_mb": 1, "unit_classes": unit_classes},
         offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path / "store")},
     )
     model = build()
