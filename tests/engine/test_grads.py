@@ -149,3 +149,34 @@ def test_close_removes_the_hooks() -> None:
     model(torch.randn(5, 8)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
     assert grads.shards == {}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_parameter_backward_did_not_use_and_the_padding_reduce_as_zeros(stage: int, count: int, monkeypatch) -> None:
+    """A bucket is made without zeroing what gradients overwrite; what none writes (an unused
+    parameter, the padding) must still be zero, whatever the memory held before."""
+    model, owned = two_units()
+    unused = nn.Parameter(torch.ones(3))
+    owned["first"].append(("unused", unused))
+    layout = build_layout(owned, world_size=1, max_chunk_numel=2048)
+    assert layout.units[0].padded_numel > layout.units[0].numel, "the case needs padding"
+    empty = torch.empty
+
+    def dirty_empty(*args, **kwargs) -> torch.Tensor:
+        made = empty(*args, **kwargs)
+        return made.fill_(float("nan")) if made.is_floating_point() else made
+
+    monkeypatch.setattr(torch, "empty", dirty_empty)
+    grads = GradientShards(
+        layout, owned, Comm(), detect_device(), torch.device("cpu"), reduce_per_micro_batch=stage >= 2,
+        budget=DeviceBudget(), shards_on_device=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    micro_batches(grads, model, [torch.randn(5, 8) for _ in range(count)])
+    first = grads.final_shards()[0]
+    slot = next(s for s in layout.units[0].params if s.name == "unused")
+    assert torch.equal(first[slot.offset : slot.offset + slot.numel], torch.zeros(3))
+    assert torch.equal(first[layout.units[0].numel :], torch.zeros(layout.units[0].shard_numel - layout.units[0].numel))
+    assert torch.isfinite(first).all()
+    grads.close()
