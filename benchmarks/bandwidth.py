@@ -212,3 +212,57 @@ def raw_disk_gbps(
             kind: statistics.median(c[i] for c in cpu) / (nbytes / 1e9) for i, kind in enumerate(("write", "read"))
         },
     }
+
+
+def mixed_disk_gbps(
+    directory: str | os.PathLike[str], nbytes: int, read_share: float, threads: int, *, reps: int = 3
+) -> dict[str, float | bool]:
+    """Bytes moved per second (GB/s) while the disk reads and durably writes at once,
+    ``read_share`` of ``nbytes`` read: the limit of a training step, whose reads and
+    write-backs overlap, where adding the pure read and write times over-states it (a disk
+    serves both at once) or under-states it (they contend).
+
+    A file of the read part is written and the page cache dropped (untimed); then `threads`
+    threads read it while as many write the other part over a preallocated file, O_DIRECT as in
+    `raw_disk_gbps`, the time running until both are done and the write is fsynced. Returns the
+    median GB/s (read and written bytes together), and `direct` and `cold` as there."""
+    page = mmap.PAGESIZE
+    read_n = max(page, round(nbytes * read_share / page) * page)
+    write_n = max(page, nbytes - read_n)
+    read_buf, write_buf = page_aligned(read_n), page_aligned(write_n)
+    write_buf.fill_(0xA5)  # first touch outside the timed region
+    paths = [tempfile.mkstemp(prefix=f"mixed-{kind}-", suffix=".bin", dir=directory) for kind in ("read", "write")]
+    for fd, _ in paths:
+        os.close(fd)
+    (_, read_path), (_, write_path) = paths
+    rates, used_direct, cold = [], True, True
+    try:
+        for _ in range(reps):
+            *_, is_direct = _timed_write(read_path, read_buf, threads, direct=True)
+            cold &= drop_page_cache()
+            read_fd, read_direct = _open(read_path, os.O_RDONLY, True)
+            write_fd, write_direct = _open(write_path, os.O_WRONLY, True)
+            try:
+                os.posix_fallocate(write_fd, 0, write_n)
+                os.fsync(write_fd)
+                start = time.perf_counter()
+                with ThreadPoolExecutor(2) as pool:
+                    reading = pool.submit(_parallel_io, read_fd, read_buf, threads, False)
+                    _parallel_io(write_fd, write_buf, threads, True)
+                    os.fsync(write_fd)
+                    reading.result()
+                rates.append((read_n + write_n) / (time.perf_counter() - start) / 1e9)
+            finally:
+                os.close(read_fd)
+                os.close(write_fd)
+            used_direct &= is_direct and read_direct and write_direct
+            os.truncate(write_path, 0)
+    finally:
+        for _, path in paths:
+            Path(path).unlink(missing_ok=True)
+    return {
+        "gbps": statistics.median(rates),
+        "read_share": read_n / (read_n + write_n),
+        "direct": used_direct,
+        "cold": cold,
+    }

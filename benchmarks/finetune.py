@@ -57,7 +57,7 @@ import torch
 
 from benchmarks.bandwidth import drop_page_cache, raw_disk_gbps
 from benchmarks.chat import save_chat_tokenizer, write_chat_jsonl
-from benchmarks.giant import POLL_S, TreeRSS, step_rows, steps_recorded
+from benchmarks.giant import POLL_S, TreeRSS, step_rows, steps_recorded, with_mixed_bound
 from benchmarks.pretrained import CHECKED, read_tensor, row
 from benchmarks.report import base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import REPO_ROOT, disk_usage
@@ -388,6 +388,8 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     rows.append(phase_row("initialise" if args.moe else "import", imported, raw))
     shutil.rmtree(folder)  # the store keeps the config and tokenizer: every later run reads them there
     tuned = fine_tune(work, args)
+    bound = {"read_gbps": raw["read"], "write_gbps": raw["write"], "compute_s": 0.0}
+    bound = with_mixed_bound(bound, tuned["records"], work, args.quick)
     rows += [phase_row("fine-tune (stopped)", tuned["first"], raw), phase_row("resumed", tuned["resumed"], raw)]
     store_bytes = disk_usage(work / "store")
     out, log = work / "exported", work / "export.log"
@@ -400,7 +402,7 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     rows.append(phase_row("generate", generated, raw))
     sizes = {"free": free, "planned_peak": max(p["on disk GB"] for p in plan) * GB, "measured_peak": disk.stop()}
     sizes |= {"store_after_fine_tune": store_bytes, "export": export_bytes}
-    result = {"rows": rows, "plan": plan, "disk": sizes, "raw": raw, "tuned": tuned, "check": check}
+    result = {"rows": rows, "plan": plan, "disk": sizes, "raw": raw, "bound": bound, "tuned": tuned, "check": check}
     return result | {"gen": generated, "params": count}
 
 
@@ -466,15 +468,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     raw = result["raw"]
     against = f"raw disk: write {raw['write']:.2f}, read {raw['read']:.2f} GB/s"
     print_table(f"phases ({against}; bytes: the kernel's count for the phase's process)", result["rows"])
-    bound = {"read_gbps": raw["read"], "write_gbps": raw["write"], "compute_s": 0.0}
     tuned = result["tuned"]
     runs = ["first"] * tuned["stopped_at"] + ["resumed"] * (len(tuned["records"]) - tuned["stopped_at"])
-    steps = step_rows(tuned["records"], runs, bound)
-    print_table("steps (bound: the step's bytes at raw disk speed; a validation before a step counts in it)", steps)
+    steps = step_rows(tuned["records"], runs, result["bound"])
+    title = "steps (bound: the step's bytes read and written at raw disk speed, one after the other; mixed bound: "
+    print_table(
+        title + "all of them at the disk's speed reading and writing at once; a validation counts in its step)", steps
+    )
     verdicts = summary(result, args)
     print_table("summary", [verdicts])
     payload = {"params": result["params"], "moe": args.moe, "rows": result["rows"], "steps": steps}
-    payload |= {"disk_plan": result["plan"], "disk": result["disk"], "summary": verdicts, "raw_disk_gbps": raw}
+    payload |= {
+        "disk_plan": result["plan"],
+        "disk": result["disk"],
+        "summary": verdicts,
+        "raw_disk_gbps": raw,
+        "bound": result["bound"],
+    }
     save_json(args.out, "finetune-moe" if args.moe else "finetune", payload)
     return payload
 

@@ -37,6 +37,7 @@ def check_run(result: dict[str, Any], tmp_path: Path) -> None:
     assert summary["generated"], "generate added text"
     assert 0 < summary["measured_peak_GB"] <= summary["planned_peak_GB"], "the work folder stayed within its plan"
     assert all(step["bound s"] > 0 and step["step/bound"] > 0 for step in result["steps"])
+    assert all(step["mixed bound s"] > 0 and step["step/mixed"] > 0 for step in result["steps"])
     assert [step["run"] for step in result["steps"]].count("resumed") == 3 - summary["committed_at_stop"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench-finetune-")], "the work folder is removed"
 
