@@ -35,11 +35,12 @@ from engine.state.partition import (
 )
 from engine.tiers.checkpoint import FrozenShards, MemoryCheckpoints
 from engine.tiers.frozen import read_frozen_async
-from engine.tiers.grad_spill import GradSpill, scratch_disk_bytes, spill_dtype
+from engine.tiers.grad_spill import GradSpill, scratch_disk_bytes
 from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
 from engine.tiers.sizing import (
+    gradient_dtype,
     master_upload_bytes,
     optimizer_buffer_bytes,
     param_window_bytes,
@@ -47,6 +48,7 @@ from engine.tiers.sizing import (
     pinned_limit_bytes,
     prefetch_bytes,
     spill_buffer_bytes,
+    spill_dtype,
 )
 from engine.tiers.store_checks import check_buffer_memory
 from engine.tiers.store_io import StoreIO
@@ -274,7 +276,7 @@ def parameters(
         device,
         prefetch_bytes=prefetch_bytes(zero),
         persistence_threshold=zero.persistence_threshold,
-        reserve_bytes=required_headroom(layout, dtype),
+        reserve_bytes=required_headroom(layout, dtype, gradient_dtype(config, comm.world_size)),
         uploads=uploads,
     )
 
@@ -288,14 +290,14 @@ def master_uploads(config: Config, layout: ModelLayout, device: Device, dtype: t
     return StagingRing(device, master_upload_bytes(layout, dtype), "the masters' uploads to the device")
 
 
-def required_headroom(layout: ModelLayout, dtype: torch.dtype) -> int:
+def required_headroom(layout: ModelLayout, dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
     """Device bytes that gathering ahead must leave free at stage 3: what a step may still
     have to allocate before anything optional is released (a unit gathered on demand, the
     root's gradient bucket, which lives through all of backward, and the buckets in flight)."""
     units = layout.units
     largest_unit = max(u.padded_numel for u in layout.all_units) * dtype.itemsize
-    largest_bucket = max(bucket_bytes(u) for u in units)
-    root_bucket = sum(bucket_bytes(u) for u in units if u.name == ROOT_UNIT)
+    largest_bucket = max(bucket_bytes(u, grad_dtype) for u in units)
+    root_bucket = sum(bucket_bytes(u, grad_dtype) for u in units if u.name == ROOT_UNIT)
     return largest_unit + root_bucket + MAX_IN_FLIGHT * largest_bucket
 
 
@@ -322,6 +324,7 @@ def gradients(
         budget=budget,
         shards_on_device=config.offload.optimizer == "device",
         after_reduce=params.release_after_backward,
+        dtype=gradient_dtype(config, comm.world_size),
     )
     return shards, grad_spill(config, layout, comm.rank, io)
 

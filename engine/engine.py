@@ -108,7 +108,8 @@ class Engine:
             config, self.layout, owned, self.comm, self.device, self.budget, self.params, opt_device, self.io
         )
         self.params.hook(dict(units), needs := unit_needs(model, units, owned))
-        self.params.check_fits({u.name: bucket_bytes(u) * u.trainable for u in self.layout.all_units}, MAX_IN_FLIGHT)
+        buckets = {u.name: bucket_bytes(u, self.grads.dtype) * u.trainable for u in self.layout.all_units}
+        self.params.check_fits(buckets, MAX_IN_FLIGHT)
         self.step_control = self._build_step_control(model, opt_device, spill)
         """Each optimizer step's control path: its update, spilled gradients, norms and clipping, its commit."""
         self.scaler = LossScaler(config.precision)

@@ -11,10 +11,11 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.config import Config, OffloadConfig, ZeroConfig
+from engine.config import Config, OffloadConfig, ZeroConfig, spills_gradients
 from engine.runtime.pinned import aligned
 from engine.runtime.sizes import MIB
 from engine.runtime.staging import ring_bytes
+from engine.state.dtypes import DTYPES
 from engine.state.forms import FP32_STATE, STATE_KINDS, StateForm
 from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.store_checks import IN_PLACE, store_bytes
@@ -62,6 +63,29 @@ def read_ahead_bytes(buffer_bytes: int) -> int:
     return buffer_bytes // 2
 
 
+def spill_dtype(offload: OffloadConfig) -> torch.dtype:
+    """The dtype ``offload.grad_spill_dtype`` stores spilled gradient shards in."""
+    return DTYPES[offload.grad_spill_dtype]
+
+
+def gradient_dtype(config: Config, world_size: int) -> torch.dtype:
+    """The dtype a rank buckets and shards its gradients in: fp32, or the compute dtype where
+    nothing is summed in them and they are spilled in that dtype anyway (one rank, one
+    micro-batch a step, no loss scaling, ``offload.grad_spill_dtype`` the compute dtype). There
+    widening each gradient to fp32 and narrowing it back for the spill are exact, and cost 12
+    bytes a parameter of memory traffic and an fp32 bucket of twice the memory (FSDP2's
+    ``reduce_dtype``, where no reduction needs the width)."""
+    compute = DTYPES[config.precision.compute_dtype]
+    narrow = (
+        world_size == 1
+        and config.zero.grad_accum_steps == 1
+        and config.precision.loss_scaling == "none"
+        and spills_gradients(config)
+        and spill_dtype(config.offload) == compute
+    )
+    return compute if narrow else torch.float32
+
+
 def spill_buffer_bytes(offload: OffloadConfig, units: Iterable[UnitLayout], dtype: torch.dtype = torch.float32) -> int:
     """The host pool of gradient shards spilled to the store (``engine.tiers.grad_spill``) as
     ``dtype``: a third of the optimizer tier's for fp32 (half that for bf16), as an fp32
@@ -91,7 +115,7 @@ def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype) -> dic
     trained = [u for u in layout.all_units if u.trainable]
     terms: dict[str, int] = {}
     if not offload.optimizer_on_device and trained:
-        grads = [aligned(shard_bytes(u, torch.float32)) for u in trained]
+        grads = [aligned(shard_bytes(u, gradient_dtype(config, layout.world_size))) for u in trained]
         terms["gradient shards"] = sum(grads)
         if zero.grad_accum_steps > 1:  # later micro-batches' shards land in a ring before they are added
             terms["gradient additions"] = ring_bytes(max(grads))

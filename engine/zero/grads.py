@@ -1,6 +1,7 @@
 """Gradients: from each parameter's ``.grad`` to this rank's fp32 shard of its unit.
 
-Autograd leaves a gradient on a parameter; a post-accumulate hook copies it (as fp32)
+Autograd leaves a gradient on a parameter; a post-accumulate hook copies it (as fp32, or in
+the compute dtype where nothing needs the width: ``engine.tiers.sizing.gradient_dtype``)
 into its unit's flat bucket and drops ``.grad``, so no parameter gradient outlives its
 hook. What happens to a full bucket is the stage's difference:
 
@@ -31,7 +32,6 @@ from torch import nn
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm, Work
 from engine.runtime.device import Device, Event
-from engine.runtime.sizes import FP32
 from engine.runtime.staging import StagingRing, ring_bytes
 from engine.state.partition import ModelLayout, ParamSlot, UnitLayout
 from engine.zero.order import TracedOrder
@@ -41,14 +41,14 @@ from engine.zero.order import TracedOrder
 MAX_IN_FLIGHT = 2
 
 
-def bucket_bytes(unit: UnitLayout) -> int:
-    """Device bytes of a unit's fp32 gradient bucket."""
-    return unit.padded_numel * FP32
+def bucket_bytes(unit: UnitLayout, dtype: torch.dtype = torch.float32) -> int:
+    """Device bytes of a unit's gradient bucket."""
+    return unit.padded_numel * dtype.itemsize
 
 
-def grad_shard_bytes(unit: UnitLayout) -> int:
-    """Bytes of this rank's fp32 gradient shard of a unit."""
-    return unit.shard_numel * FP32
+def grad_shard_bytes(unit: UnitLayout, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of this rank's gradient shard of a unit."""
+    return unit.shard_numel * dtype.itemsize
 
 
 def _add(target: torch.Tensor, staged: torch.Tensor, reduced: torch.Tensor) -> None:
@@ -115,7 +115,10 @@ class GradientShards:
         budget: DeviceBudget,
         shards_on_device: bool,
         after_reduce: Callable[[str], None] = lambda unit_name: None,
+        dtype: torch.dtype = torch.float32,
     ):
+        self.dtype = dtype
+        """The buckets' and shards' dtype (``gradient_dtype``)."""
         self._comm, self._device = comm, device
         self._shard_device = shard_device
         self._budget, self._shards_on_device = budget, shards_on_device
@@ -172,10 +175,10 @@ class GradientShards:
         the rest). Zeroing it whole would write 4 bytes per parameter that every gradient's copy
         overwrites (a tenth of the training thread's time at 3B on the CPU); stage 1 adds later
         micro-batches into it, so there it starts at zero."""
-        self._budget.charge(bucket_bytes(unit), f"the gradient bucket of unit {unit.name!r}")
+        self._budget.charge(bucket_bytes(unit, self.dtype), f"the gradient bucket of unit {unit.name!r}")
         if not self._early:
-            return torch.zeros(unit.padded_numel, dtype=torch.float32, device=self._device.device)
-        flat = torch.empty(unit.padded_numel, dtype=torch.float32, device=self._device.device)
+            return torch.zeros(unit.padded_numel, dtype=self.dtype, device=self._device.device)
+        flat = torch.empty(unit.padded_numel, dtype=self.dtype, device=self._device.device)
         flat[unit.numel :].zero_()
         return flat
 
@@ -254,7 +257,7 @@ class GradientShards:
             if not reduction.folded:
                 self._finish_reduction(reduction)
             unit = reduction.unit
-            self._budget.credit(bucket_bytes(unit))
+            self._budget.credit(bucket_bytes(unit, self.dtype))
             if self._last_micro_batch and self._early:
                 self.order.visit(unit.name)
                 if self.on_ready is not None:
@@ -292,7 +295,7 @@ class GradientShards:
             target.add_(reduced)
             return
         ring = self._adding_ring()
-        staged = ring.take(unit.shard_numel, torch.float32)
+        staged = ring.take(unit.shard_numel, self.dtype)
         copied = self._device.copy(staged, reduced, to_device=False)
         self._newest_copy = copied
         self._adds[unit.name] = ring.give_back_after(
@@ -320,7 +323,7 @@ class GradientShards:
 
     def _charge_shard(self, unit: UnitLayout) -> None:
         if self._shards_on_device:
-            self._budget.charge(grad_shard_bytes(unit), f"the gradient shard of unit {unit.name!r}")
+            self._budget.charge(grad_shard_bytes(unit, self.dtype), f"the gradient shard of unit {unit.name!r}")
 
     def _keeps(self, unit: UnitLayout, reduced: torch.Tensor) -> bool:
         """Whether the window's first reduced shard of the unit becomes its accumulated shard as
@@ -338,8 +341,8 @@ class GradientShards:
             return False
         return (
             reduced.device == home
-            and reduced.dtype == torch.float32
-            and reduced.untyped_storage().nbytes() <= grad_shard_bytes(unit)
+            and reduced.dtype == self.dtype
+            and reduced.untyped_storage().nbytes() <= grad_shard_bytes(unit, self.dtype)
         )
 
     def release_shard(self, unit_name: str) -> None:
@@ -354,7 +357,7 @@ class GradientShards:
         """The ring later micro-batches' shards land in: two of the largest shard, made at the
         first addition and kept for the run."""
         if self._adding is None:
-            largest = max(b.unit.shard_numel for b in self._buckets) * FP32
+            largest = max(b.unit.shard_numel for b in self._buckets) * self.dtype.itemsize
             self._adding = StagingRing(self._device, ring_bytes(largest), "the gradient shards being added")
         return self._adding
 
@@ -362,8 +365,8 @@ class GradientShards:
         """A gradient shard's memory: on the device with the optimizer, else from the host's
         pinned pool, which the shard's copy fills asynchronously."""
         if self._shards_on_device:
-            return torch.empty(unit.shard_numel, dtype=torch.float32, device=self._shard_device)
-        return self._device.empty_host(unit.shard_numel, torch.float32, what)
+            return torch.empty(unit.shard_numel, dtype=self.dtype, device=self._shard_device)
+        return self._device.empty_host(unit.shard_numel, self.dtype, what)
 
     def _free_shard(self, shard: torch.Tensor) -> None:
         if not self._shards_on_device:
@@ -374,7 +377,7 @@ class GradientShards:
         self._first_micro_batch = True
         for bucket in self._buckets:
             if bucket.flat is not None:
-                self._budget.credit(bucket_bytes(bucket.unit))
+                self._budget.credit(bucket_bytes(bucket.unit, self.dtype))
             bucket.flat = None
             bucket.written.clear()
         for name in list(self.shards):

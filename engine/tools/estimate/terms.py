@@ -5,20 +5,24 @@ the engine when it changes."""
 
 from __future__ import annotations
 
+import torch
+
 from engine.config import overlaps_backward, shares_master, spills_gradients
 from engine.run.loss import CHUNK_TOKENS
 from engine.runtime.heap import MMAP_THRESHOLD
 from engine.runtime.sizes import FP32
 from engine.state.forms import STATE_KINDS
 from engine.state.partition import FROZEN_SUFFIX, ROOT_UNIT
-from engine.tiers.grad_spill import grad_bytes, scratch_disk_bytes, spill_dtype
+from engine.tiers.grad_spill import grad_bytes, scratch_disk_bytes
 from engine.tiers.sizing import (
     checkpoint_bytes,
+    gradient_dtype,
     optimizer_buffer_bytes,
     param_pool_bytes,
     param_window_bytes,
     prefetch_bytes,
     spill_buffer_bytes,
+    spill_dtype,
 )
 from engine.tiers.store_checks import store_bytes as optimizer_store_bytes
 from engine.tools.estimate.shape import Plan, RunShape
@@ -110,14 +114,19 @@ def optimizer_staging_bytes(run: RunShape) -> int:
     return min(optimizer_buffer_bytes(run.config.offload, run.layout.units, run.form), optimizer_state_bytes(run))
 
 
+def grad_dtype(run: RunShape) -> torch.dtype:
+    """The dtype the run's gradient buckets and shards are in (``gradient_dtype``)."""
+    return gradient_dtype(run.config, run.layout.world_size)
+
+
 def grad_shard_bytes(run: RunShape) -> int:
-    """The rank's fp32 gradient shards at their peak, each made when its unit's gradient is first
+    """The rank's gradient shards at their peak, each made when its unit's gradient is first
     reduced and freed once the optimizer has used it, or once it is spilled to disk. With
     clipping, loss scaling or accumulation every one waits for the step in memory, unless it
     waits on disk (``offload.grad_spill``); when one micro-batch's update overlaps backward
     (``engine.zero.update``), or its shards are spilled, each leaves memory as it is reduced,
     so only those in flight are held."""
-    shards = [unit_grad_shard_bytes(u) for u in run.layout.units]
+    shards = [unit_grad_shard_bytes(u, grad_dtype(run)) for u in run.layout.units]
     leaves = overlaps_backward(run.config) or spills_gradients(run.config)
     if leaves and run.config.zero.grad_accum_steps == 1:
         return MAX_IN_FLIGHT * max(shards)
@@ -164,9 +173,9 @@ def param_io_bytes(run: RunShape, plan: Plan) -> int:
 
 
 def grad_bucket_bytes(run: RunShape) -> int:
-    """fp32 gradient buckets on the device: stage 1 keeps every unit's through the accumulation
+    """Gradient buckets on the device: stage 1 keeps every unit's through the accumulation
     window; stages 2 and 3 one being filled while ``MAX_IN_FLIGHT - 1`` are being reduced."""
-    buckets = [bucket_bytes(u) for u in run.layout.units]
+    buckets = [bucket_bytes(u, grad_dtype(run)) for u in run.layout.units]
     if run.config.zero.stage == 1:
         return sum(buckets)
     return MAX_IN_FLIGHT * max(buckets)
