@@ -113,8 +113,9 @@ class OffloadConfig:
     """Dtype of the spilled gradient shards on disk: ``fp32``, or ``bf16`` for half their disk and I/O.
 
     ``bf16`` rounds to nearest (a gradient is used once: no error piles up) and widens back to fp32
-    for the update; the norm and the overflow check are taken from the fp32 shard first. Refused
-    where no gradient is spilled."""
+    for the update; the norm and the overflow check are taken from the fp32 shard first. On one
+    rank computing in bf16 with one micro-batch a step, the gradients are bucketed in bf16
+    from the start: nothing is rounded at all. Refused where no gradient is spilled."""
     pinned_mb: float | Literal["auto"] = "auto"
     """Host MiB that copies between host and device go through; ``auto``: what the plan needs.
 
