@@ -56,7 +56,7 @@ from engine.zero.buffers import materialize_buffers_
 from engine.zero.decay import no_decay_names
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
 from engine.zero.params import Params, ReplicatedParams, ShardedParams
-from engine.zero.recompute import checkpoint_forward
+from engine.zero.recompute import checkpoint_forward, outermost
 from engine.zero.step import StepControl
 
 logger = logging.getLogger(__name__)
@@ -72,9 +72,8 @@ def model_units(
     no_decay_names(model, config.optim.no_decay)
     units = find_units(model, config.zero.unit_classes)
     if config.zero.activation_checkpointing:
-        for name, module in units:
-            if name != ROOT_UNIT:
-                checkpoint_forward(module)
+        for _, module in outermost(units, ROOT_UNIT):
+            checkpoint_forward(module)
     return units, *units_layout(model, units, config, world_size)
 
 

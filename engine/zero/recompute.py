@@ -1,9 +1,11 @@
 """Activation checkpointing per unit: keep a unit's inputs, recompute its insides in backward.
 
-The unit's ``forward`` is replaced by one that runs under non-reentrant
+Each outermost unit's ``forward`` is replaced by one that runs under non-reentrant
 ``torch.utils.checkpoint``. Module hooks fire from ``Module.__call__``, not from
-``forward``, so the recomputation runs none of the engine's unit hooks: at stage 3 the
-unit was gathered for its backward already and is not released in the middle of it.
+``forward``, so the recomputation runs none of the unit's own hooks: at stage 3 the unit
+was gathered for its backward already and is not released in the middle of it. A unit nested
+inside it (a projection in its layer) is called through ``Module.__call__`` as the
+recomputation runs, and its hooks gather it as in forward.
 """
 
 from __future__ import annotations
@@ -12,6 +14,20 @@ import functools
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+
+def outermost(units: list[tuple[str, nn.Module]], root: str) -> list[tuple[str, nn.Module]]:
+    """The units inside no other unit, ``root`` (the model itself) aside: a nested unit is
+    recomputed within its outer unit's recomputation already, and checkpointed itself it would
+    run its forward a third time (a projection's matmul, for nothing: what it saves for
+    backward is its input anyway)."""
+    outer = {name for name, _ in units if name != root}
+    return [(name, module) for name, module in units if name in outer and not _inside(name, outer)]
+
+
+def _inside(name: str, units: set[str]) -> bool:
+    parts = name.split(".")
+    return any(".".join(parts[:end]) in units for end in range(1, len(parts)))
 
 
 def checkpoint_forward(module: nn.Module) -> None:

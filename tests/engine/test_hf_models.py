@@ -61,14 +61,41 @@ def test_projection_units_leave_the_output_head_in_the_root() -> None:
     assert names == [name for names_of_layer in per_layer for name in names_of_layer] + [ROOT_UNIT]
 
 
-@pytest.mark.parametrize(
-    ("build", "unit_classes"),
-    [(llama, []), (llama, PROJECTIONS), (gpt2_tied, [])],
-    ids=["llama", "llama-projection-units", "gpt2-tied"],
-)
-def test_stage3_on_nvme_is_bit_identical_to_torch_adamw(build, unit_classes, tmp_path) -> None:
+def counted(forward, name: str, calls: list[str]):
+    def run(*args, **kwargs):
+        calls.append(name)
+        return forward(*args, **kwargs)
+
+    return run
+
+
+def test_a_recomputed_layer_runs_each_projection_twice_a_step_not_three_times(tmp_path) -> None:
+    """Only the outermost units are checkpointed: a projection inside a recomputed layer runs
+    once in forward and once in the layer's recomputation, not again in a checkpoint of its own."""
     cfg = config(
-        zero={"stage": 3, "prefetch_mb": 1, "unit_classes": unit_classes},
+        zero={"stage": 3, "unit_classes": PROJECTIONS, "activation_checkpointing": True},
+        offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path / "store")},
+    )
+    model = llama()
+    calls: list[str] = []
+    for name, module in [("q_proj", model.model.layers[0].self_attn.q_proj), ("layer", model.model.layers[0])]:
+        module.forward = counted(module.forward, name, calls)  # what a checkpoint recomputes, too
+    eng = Engine(model, cfg, total_steps=1)
+    x = batches(4).next()[0]
+    eng.backward(eng(input_ids=x, labels=x).loss)
+    eng.step()
+    eng.close()
+    assert calls.count("q_proj") == 2 and calls.count("layer") == 2
+
+
+@pytest.mark.parametrize(
+    ("build", "unit_classes", "recompute"),
+    [(llama, [], False), (llama, PROJECTIONS, False), (llama, PROJECTIONS, True), (gpt2_tied, [], False)],
+    ids=["llama", "llama-projection-units", "llama-projection-units-recomputed", "gpt2-tied"],
+)
+def test_stage3_on_nvme_is_bit_identical_to_torch_adamw(build, unit_classes, recompute, tmp_path) -> None:
+    cfg = config(
+        zero={"stage": 3, "prefetch_mb": 1, "unit_classes": unit_classes, "activation_checkpointing": recompute},
         offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path / "store")},
     )
     model = build()
