@@ -143,6 +143,7 @@ def test_one_bf16_rank_buckets_its_gradients_in_bf16_with_the_same_result(stage:
     widening and the narrowing back are exact, so the run equals the one that makes them, bit
     for bit, its clipping norm included, with half the bucket bytes."""
     from engine import build
+    from engine.tiers import sizing
     from engine.tiers.sizing import gradient_dtype
     from engine.tools.estimate.terms import grad_bucket_bytes
 
@@ -155,7 +156,8 @@ def test_one_bf16_rank_buckets_its_gradients_in_bf16_with_the_same_result(stage:
     assert eng.grads.dtype == torch.bfloat16
     eng.close()
     narrow = train_engine(cfg("b"), 4)
-    monkeypatch.setattr(build, "gradient_dtype", lambda config, world_size: torch.float32)
+    for module in (build, sizing):  # the buckets and the pinned plan that holds their shards on a GPU
+        monkeypatch.setattr(module, "gradient_dtype", lambda config, world_size: torch.float32)
     wide = train_engine(cfg("c"), 4)
     assert narrow["losses"] == wide["losses"] and narrow["grad_norms"] == wide["grad_norms"]
     assert_same(narrow, wide, "the run through fp32 buckets")
