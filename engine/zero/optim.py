@@ -153,8 +153,10 @@ def grad_norm(pieces: list[torch.Tensor], comm: Comm) -> torch.Tensor:
 def piece_norms(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each host tensor's L2 norm as ``get_total_norm`` takes it (one foreach pass, whose result
     for a tensor does not depend on the others in the list), to be combined later by
-    ``norm_of_norms``: the pieces need not all be in memory at once."""
-    return list(torch._foreach_norm(pieces, 2.0))
+    ``norm_of_norms``: the pieces need not all be in memory at once. bf16 pieces are widened to
+    fp32 as they are summed, which gives their fp32 copies' norms bit for bit, with no copy."""
+    narrow = bool(pieces) and pieces[0].dtype != torch.float32
+    return list(torch._foreach_norm(pieces, 2.0, dtype=torch.float32 if narrow else None))
 
 
 def norm_of_norms(norms: list[torch.Tensor]) -> torch.Tensor:

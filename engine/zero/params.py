@@ -298,6 +298,10 @@ class ShardedParams:
 
     def _post_forward(self, units: list[str]):
         def hook(module: nn.Module, args, output):
+            if torch._C._current_graph_task_id() != -1:
+                # A forward inside backward: a recomputation (activation checkpointing) of a unit
+                # nested in a recomputed one, whose own backward comes next: keep it gathered.
+                return
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             waiting = True
 

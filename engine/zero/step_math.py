@@ -87,8 +87,6 @@ class GradNorms:
     def piece_norms(self, unit: UnitLayout, grad: torch.Tensor) -> dict[str, torch.Tensor]:
         """The norms of the unit's pieces, by name, for ``of_piece_norms`` to combine later."""
         pieces = self.pieces(unit, grad)
-        if grad.dtype != torch.float32:  # as of its fp32 values, one piece widened at a time
-            return {name: piece_norms([piece.float()])[0] for name, piece in pieces.items()}
         return dict(zip(pieces, piece_norms(list(pieces.values())), strict=True))
 
     def in_memory(self, grads: list[torch.Tensor], shard: Callable[[str], torch.Tensor]) -> torch.Tensor:

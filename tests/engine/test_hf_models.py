@@ -88,6 +88,27 @@ def test_a_recomputed_layer_runs_each_projection_twice_a_step_not_three_times(tm
     assert calls.count("q_proj") == 2 and calls.count("layer") == 2
 
 
+def bytes_read_a_step(tmp_path, recompute: bool) -> int:
+    cfg = config(
+        zero={"stage": 3, "prefetch_mb": 0, "unit_classes": PROJECTIONS, "activation_checkpointing": recompute},
+        offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path / f"store-{recompute}")},
+    )
+    eng = Engine(llama(), cfg, total_steps=2)
+    x = batches(4).next()[0]
+    for _ in range(2):
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        eng.step()
+    read = eng.last_step_stats.bytes_read
+    eng.close()
+    return read
+
+
+def test_a_recomputed_layer_reads_its_projections_once_in_backward(tmp_path) -> None:
+    """The recomputation gathers a nested unit for its backward, which comes next: released after
+    the recomputed forward, it was read from disk a second time."""
+    assert bytes_read_a_step(tmp_path, recompute=True) == bytes_read_a_step(tmp_path, recompute=False)
+
+
 @pytest.mark.parametrize(
     ("build", "unit_classes", "recompute"),
     [(llama, [], False), (llama, PROJECTIONS, False), (llama, PROJECTIONS, True), (gpt2_tied, [], False)],
