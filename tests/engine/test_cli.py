@@ -70,6 +70,7 @@ def test_torchrun_two_ranks(tmp_path) -> None:
     assert steps == 3 and math.isfinite(last)
 
 
+@pytest.mark.slow  # kept out of the default run's 10 minutes; CI runs it with the slow ones
 def test_a_two_rank_run_resumes_on_one_rank_keeping_its_global_batch(tmp_path) -> None:
     args = ["--seq_len", "64", "--stage", "1", "--micro_batch", "2"]
     assert losses(run([*args, "--steps", "2"], tmp_path, torchrun(2)))[0] == 2

@@ -70,7 +70,7 @@ def train(eng: Engine, data: TokenBatches, steps: int) -> list[str]:
     "mode,kills,folders",
     [
         ("generations", 2, 1),  # a few kills in the default run; the slow ones below make 50
-        ("in-place", 2, 1),
+        pytest.param("in-place", 2, 1, marks=pytest.mark.slow),  # the default run keeps the generations case
         pytest.param("generations", 6, 2, marks=pytest.mark.slow),  # the store striped across two folders: 100 s
         pytest.param("generations", 50, 1, marks=pytest.mark.slow),
         pytest.param("in-place", 50, 1, marks=pytest.mark.slow),

@@ -76,7 +76,8 @@ def masters(store: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.glob("*/master/c/*"))}
 
 
-@pytest.mark.parametrize("kills", [2, pytest.param(10, marks=pytest.mark.slow)])
+@pytest.mark.slow  # kept out of the default run's 10 minutes; CI runs it with the slow ones
+@pytest.mark.parametrize("kills", [2, 10])
 def test_killing_one_host_at_random_instants_resumes_from_a_step_both_committed(tmp_path, kills: int) -> None:
     rng = random.Random(kills)
     metrics, stores = tmp_path / "metrics.jsonl", str(tmp_path / "node-{node}")

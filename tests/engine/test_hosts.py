@@ -32,6 +32,7 @@ def host_config(path: str, **offload):
     return config(zero={"stage": 3}, offload={"optimizer": "nvme", "param": "nvme", "nvme_path": path} | offload)
 
 
+@pytest.mark.slow  # kept out of the default run's 10 minutes; CI runs it with the slow ones
 def test_two_hosts_train_as_one_host_does_and_resume_on_one_host_from_their_gathered_stores(tmp_path) -> None:
     straight = run_ranks(2, train_span, host_config(str(tmp_path / "one")), 0, 5, 5, 3)  # after step 3: midway
     per_host, at_2 = host_config(str(tmp_path / "node-{node}")), str(tmp_path / "node-{node}-at-2")

@@ -38,6 +38,7 @@ def imported(folder: Path, root: Path) -> dict[str, int]:
     return json.loads(out.splitlines()[-1])
 
 
+@pytest.mark.slow  # kept out of the default run's 10 minutes; CI runs it with the slow ones
 def test_import_peak_rss_does_not_grow_with_the_checkpoint(tmp_path) -> None:
     large_bytes = save_llama(tmp_path / "large", layers=32)
     assert large_bytes >= 4 * BUFFER_MB * 2**20

@@ -307,6 +307,7 @@ class Reference:
         assert train(resumed, batches_for(self.config, resumed), 2) == [self.after(step + 1), self.after(step + 2)]
 
 
+@pytest.mark.slow  # kept out of the default run's 10 minutes; CI runs it with the slow ones
 def test_kill_nine_mid_step_leaves_a_dirty_store_that_names_its_checkpoint(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     store = tmp_path / "store"

@@ -159,6 +159,7 @@ def test_two_ranks_of_shared_bf16_masters_resume_bit_identically(tmp_path) -> No
         assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+@pytest.mark.slow  # kept out of the default run's 10 minutes; CI runs it with the slow ones
 def test_a_store_of_two_ranks_resumes_on_one_reading_its_masters_range_by_range(tmp_path) -> None:
     """The parameters of one rank resuming a store cut for two are read from the masters as
     they are stored (shards of the other layout) until its first step writes its own."""

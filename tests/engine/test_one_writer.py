@@ -30,6 +30,7 @@ OVERRIDES = [
 STEPS = 40
 
 
+@pytest.mark.slow  # kept out of the default run's 10 minutes; CI runs it with the slow ones
 def test_a_second_writer_is_refused_while_the_first_trains_on(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     store = tmp_path / "store"
