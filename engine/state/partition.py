@@ -143,6 +143,12 @@ def find_units(model: nn.Module, unit_classes: list[str] | None = None) -> list[
     return units
 
 
+def nested_in(inner: str, outer: str) -> bool:
+    """Whether the unit named ``inner`` is a module inside the unit named ``outer`` (a unit's name
+    is its module's path; the root's is no path)."""
+    return inner.startswith(f"{outer}.")
+
+
 def check_unit_classes(model: nn.Module, unit_classes: list[str], shown: int = 12) -> None:
     """Refuse a name in ``unit_classes`` that no module holding parameters is: it would make
     no unit, silently, and a later resume would blame the store for the layout it changes."""

@@ -115,7 +115,8 @@ def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype) -> dic
     trained = [u for u in layout.all_units if u.trainable]
     terms: dict[str, int] = {}
     if not offload.optimizer_on_device and trained:
-        grads = [aligned(shard_bytes(u, gradient_dtype(config, layout.world_size))) for u in trained]
+        grad_dtype = gradient_dtype(config, layout.world_size)
+        grads = [aligned(shard_bytes(u, grad_dtype)) for u in trained]
         terms["gradient shards"] = sum(grads)
         if zero.grad_accum_steps > 1:  # later micro-batches' shards land in a ring before they are added
             terms["gradient additions"] = ring_bytes(max(grads))

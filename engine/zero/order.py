@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.state.partition import FROZEN_SUFFIX, ModelLayout
+from engine.state.partition import FROZEN_SUFFIX, ModelLayout, nested_in
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def predicted_orders(units: list[str], needs: dict[str, list[str]], held: list[s
     in reverse, and their gradient shards complete in that order, the root's last. Nested
     units run in another order: none is predicted for them. A model that runs otherwise (a
     unit run twice) only re-records at its first difference."""
-    if any(inner.startswith(f"{outer}.") for outer in units for inner in units):
+    if any(nested_in(inner, outer) for outer in units for inner in units):
         return {}
     runs = [[u for u in needs.get(name, []) if u in held] for name in [units[-1], *units[:-1]]]
     root, blocks = runs[0], runs[1:]

@@ -31,7 +31,7 @@ from engine.runtime.comm import Comm, Work
 from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
 from engine.runtime.staging import StagingRing
-from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout
+from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout, nested_in
 from engine.tiers.parameters import ParamTier
 from engine.zero.order import TracedOrder
 from engine.zero.unit_params import UnitParams, UnitState
@@ -272,7 +272,7 @@ class ShardedParams:
             return
 
         def running(name: str) -> list[str]:  # the unit and those it runs inside (experts in their layer)
-            return [o for o in others if o == name or name.startswith(f"{o}.")]
+            return [o for o in others if o == name or nested_in(name, o)]
 
         largest = max(others, key=lambda n: sum(working_set(o) for o in running(n)))
         held, inside = sum(working_set(o) for o in running(largest)), [o for o in running(largest) if o != largest]

@@ -15,19 +15,16 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from engine.state.partition import nested_in
+
 
 def outermost(units: list[tuple[str, nn.Module]], root: str) -> list[tuple[str, nn.Module]]:
     """The units inside no other unit, ``root`` (the model itself) aside: a nested unit is
     recomputed within its outer unit's recomputation already, and checkpointed itself it would
     run its forward a third time (a projection's matmul, for nothing: what it saves for
     backward is its input anyway)."""
-    outer = {name for name, _ in units if name != root}
-    return [(name, module) for name, module in units if name in outer and not _inside(name, outer)]
-
-
-def _inside(name: str, units: set[str]) -> bool:
-    parts = name.split(".")
-    return any(".".join(parts[:end]) in units for end in range(1, len(parts)))
+    names = [name for name, _ in units if name != root]
+    return [(name, module) for name, module in units if name in names and not any(nested_in(name, o) for o in names)]
 
 
 def checkpoint_forward(module: nn.Module) -> None:

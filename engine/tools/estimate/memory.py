@@ -116,7 +116,8 @@ def _backward_end(run: RunShape, plan: Plan) -> dict[str, Footprint]:
     """Backward's last moment: activations freed, every gradient reduced into a shard (stages 2
     and 3, buckets still in flight) or kept in its bucket until the step (stage 1, whose step
     then turns bucket after bucket into a shard)."""
-    largest = max(unit_grad_shard_bytes(u, grad_dtype(run)) for u in run.layout.units)
+    dtype = grad_dtype(run)
+    largest = max(unit_grad_shard_bytes(u, dtype) for u in run.layout.units)
     shards = grad_shard_bytes(run) if plan.stage > 1 else largest
     terms = {
         "gradient shards": _on(_grad_tier(plan), shards),
@@ -140,9 +141,9 @@ def _heap_retention(run: RunShape, plan: Plan, device_is_host: bool) -> Footprin
     """The host heap's share of the unit-sized buffers every step frees and makes again:
     gradient shards and buckets, and at stage 3 the gathered units. Only buffers under
     ``HEAP_BUFFER_LIMIT`` count: glibc maps larger ones on their own and unmaps them when freed."""
-    units = run.layout.units
-    shards = [unit_grad_shard_bytes(u, grad_dtype(run)) for u in units]
-    buckets = sorted((bucket_bytes(u, grad_dtype(run)) for u in units), reverse=True)[:MAX_IN_FLIGHT]
+    units, dtype = run.layout.units, grad_dtype(run)
+    shards = [unit_grad_shard_bytes(u, dtype) for u in units]
+    buckets = sorted((bucket_bytes(u, dtype) for u in units), reverse=True)[:MAX_IN_FLIGHT]
     churn = _on(_grad_tier(plan), _heap_sized(shards)) + Footprint(device=_heap_sized(buckets))
     if plan.stage == 3:
         flats = [array_bytes(u, run.dtype) for u in run.layout.all_units]

@@ -126,7 +126,8 @@ def grad_shard_bytes(run: RunShape) -> int:
     waits on disk (``offload.grad_spill``); when one micro-batch's update overlaps backward
     (``engine.zero.update``), or its shards are spilled, each leaves memory as it is reduced,
     so only those in flight are held."""
-    shards = [unit_grad_shard_bytes(u, grad_dtype(run)) for u in run.layout.units]
+    dtype = grad_dtype(run)
+    shards = [unit_grad_shard_bytes(u, dtype) for u in run.layout.units]
     leaves = overlaps_backward(run.config) or spills_gradients(run.config)
     if leaves and run.config.zero.grad_accum_steps == 1:
         return MAX_IN_FLIGHT * max(shards)
@@ -175,7 +176,8 @@ def param_io_bytes(run: RunShape, plan: Plan) -> int:
 def grad_bucket_bytes(run: RunShape) -> int:
     """Gradient buckets on the device: stage 1 keeps every unit's through the accumulation
     window; stages 2 and 3 one being filled while ``MAX_IN_FLIGHT - 1`` are being reduced."""
-    buckets = [bucket_bytes(u, grad_dtype(run)) for u in run.layout.units]
+    dtype = grad_dtype(run)
+    buckets = [bucket_bytes(u, dtype) for u in run.layout.units]
     if run.config.zero.stage == 1:
         return sum(buckets)
     return MAX_IN_FLIGHT * max(buckets)
