@@ -25,6 +25,14 @@ With `--paths N` (default 2), the default configuration is also measured with it
 striped across N folders (`offload.nvme_path` a list): the first in `--dir`, the others in
 the `--stripe-dir` folders (other drives), or beside the first on the same disk, where
 striping adds no bandwidth and the ratio only shows what it costs.
+
+The disk also reads and writes at once, as a training step does (`--read-share`): each
+share is measured as `benchmarks.bandwidth.mixed_disk_gbps` does, with the recommended
+configuration's thread count, against the rate of the same bytes read, then written, at the
+pure rates (above 1: the disk serves both at once; below 1: they contend). Its defaults are an
+update phase's (each unit's state read and written back: half) and a stage-3 step's with
+everything on nvme (parameters read in forward and in backward besides: two thirds, as
+measured at 7.9B).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bandwidth import mixed_disk_gbps
 from benchmarks.report import Row, bar_chart, base_parser, print_table, save_json, setup_logging
 from benchmarks.tier_measure import KINDS, Bandwidth, Measurements, StoreConfig, measure, store_configs
 from engine.runtime.sizes import MIB
@@ -44,6 +53,8 @@ from offload.costs import STAGES
 from offload.tuning import CHUNK_RANGE, CPU, FALLBACK, Measured, auto_settings, choose, label, profile_path, record
 
 GOAL = 0.85
+READ_SHARES = (0.5, 0.67)
+"""The update phase's share of bytes read, and a stage-3 nvme step's (see the module's doc)."""
 
 
 def profile_grid(m: Measurements) -> Measured:
@@ -167,7 +178,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, int, list[St
     parser.add_argument(
         "--stripe-dir", type=Path, nargs="+", default=[], help="the other folders' directories (other drives)"
     )
+    parser.add_argument(
+        "--read-share",
+        type=float,
+        nargs="*",
+        default=list(READ_SHARES),
+        help="also measure reading and writing at once, this share of the bytes read (none: not)",
+    )
     args = parser.parse_args(argv)
+    if not all(0 < share < 1 for share in args.read_share):
+        parser.error(f"--read-share takes shares between 0 and 1, got {args.read_share}")
     mb = args.mb or (64 if args.quick else 1024)
     if args.paths < 1 or len(args.stripe_dir) > args.paths - 1:
         parser.error(f"--paths {args.paths} takes at most {max(args.paths - 1, 0)} --stripe-dir folder(s)")
@@ -198,6 +218,25 @@ def measure_in_folders(args: argparse.Namespace, mb: int, configs: list[StoreCon
         m = measure(dirs, mb * MIB, configs, args.threads, args.reps, args.unit_mb * MIB)
         same_disk = len({os.stat(d).st_dev for d in dirs}) == 1
     return m, same_disk
+
+
+def mixed_rows(args: argparse.Namespace, mb: int, m: Measurements, threads: int) -> list[Row]:
+    """The disk reading and writing at once at each ``--read-share``, against the same bytes
+    moved one kind after the other at the best pure rates."""
+    rows: list[Row] = []
+    for share in args.read_share:
+        mixed = mixed_disk_gbps(args.dir, mb * MIB, share, threads, reps=args.reps)
+        read = mixed["read_share"]
+        apart = 1 / (read / m.best_raw["read"] + (1 - read) / m.best_raw["write"])
+        rows.append(
+            {
+                "read share": read,
+                "GB/s moved": mixed["gbps"],
+                "one after the other GB/s": apart,
+                "x": mixed["gbps"] / apart,
+            }
+        )
+    return rows
 
 
 def print_bandwidth(m: Measurements, rows: list[Row], chosen: StoreConfig, mb: int, reps: int) -> None:
@@ -272,6 +311,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "direct_io": chosen.direct_io and m.direct,
     }
     print_bandwidth(m, rows, chosen, mb, args.reps)
+    mixed = mixed_rows(args, mb, m, chosen.io_threads)
+    if mixed:
+        print()
+        print_table(
+            f"Reads and writes at once, {mb} MiB, {chosen.io_threads} threads each, median of {args.reps}", mixed
+        )
     costs, cut = cost_rows(m), cost_cut(m)
     print_costs(costs, cut)
     auto = keep_profile(args.dir, m)
@@ -295,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "goal_met": all(r >= GOAL for r in ratios.values()),
         "recommended": recommended,
         "rows": rows,
+        "mixed": mixed,
         "cpu_s_per_gb": costs,
         "cpu_cut": cut,
         "auto": auto,

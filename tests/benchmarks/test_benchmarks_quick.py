@@ -17,6 +17,15 @@ TINY_TIERS = ["--quick", "--mb", "16", "--chunk-mb", "4", "16", "--threads", "2"
 MACHINE_KEYS = {"cpu_count", "ram_bytes", "torch", "zarr", "date", "command"}
 
 
+@pytest.fixture
+def own_io_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``benchmarks.tiers`` records the disk's I/O profile, which ``chunk_mb = "auto"`` reads:
+    from these tiny runs it goes to the test's cache, not to the machine's."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    return cache / "offload-engine" / "io_profile.json"
+
+
 def load_record(path: Path, name: str) -> dict[str, Any]:
     record = json.loads((path / f"{name}.json").read_text())
     assert record["benchmark"] == name
@@ -24,7 +33,7 @@ def load_record(path: Path, name: str) -> dict[str, Any]:
     return record
 
 
-def test_tiers_quick(tmp_path: Path) -> None:
+def test_tiers_quick(tmp_path: Path, own_io_profile: Path) -> None:
     disk = tmp_path / "disk"
     tiers.main(["--out", str(tmp_path), "--dir", str(disk), *TINY_TIERS])
     record = load_record(tmp_path, "tiers")
@@ -52,9 +61,28 @@ def test_tiers_quick(tmp_path: Path) -> None:
     stripes = record["stripes"]
     assert stripes["paths"] == 2 and stripes["same_disk"] and stripes["write_ratio"] > 0 and stripes["read_ratio"] > 0
     assert list(disk.iterdir()) == []  # every benchmark file was removed
+    assert record["auto"]["profile"] == str(own_io_profile) and own_io_profile.exists()
 
 
-def test_tiers_stripes_across_other_drives_folders(tmp_path: Path) -> None:
+def test_tiers_measures_reads_and_writes_at_once_against_them_apart(tmp_path: Path, own_io_profile: Path) -> None:
+    disk = tmp_path / "disk"
+    tiers.main(["--out", str(tmp_path), "--dir", str(disk), *TINY_TIERS, "--paths", "1", "--read-share", "0.25", "0.5"])
+    record = load_record(tmp_path, "tiers")
+    raw = record["best_raw_gbps"]
+    assert [row["read share"] for row in record["mixed"]] == [0.25, 0.5]
+    for row in record["mixed"]:
+        share = row["read share"]
+        assert row["one after the other GB/s"] == pytest.approx(1 / (share / raw["read"] + (1 - share) / raw["write"]))
+        assert row["GB/s moved"] > 0 and row["x"] == pytest.approx(row["GB/s moved"] / row["one after the other GB/s"])
+    assert list(disk.iterdir()) == []
+
+
+def test_tiers_refuses_a_read_share_outside_zero_to_one(tmp_path: Path, own_io_profile: Path) -> None:
+    with pytest.raises(SystemExit):
+        tiers.main(["--out", str(tmp_path), *TINY_TIERS, "--read-share", "1.5"])
+
+
+def test_tiers_stripes_across_other_drives_folders(tmp_path: Path, own_io_profile: Path) -> None:
     disk, other = tmp_path / "disk", tmp_path / "other"
     other.mkdir()
     tiers.main(["--out", str(tmp_path), "--dir", str(disk), *TINY_TIERS, "--paths", "2", "--stripe-dir", str(other)])
@@ -62,10 +90,25 @@ def test_tiers_stripes_across_other_drives_folders(tmp_path: Path) -> None:
     assert list(disk.iterdir()) == [] and list(other.iterdir()) == []
 
 
-def test_tiers_moves_one_unit_as_the_tier_does(tmp_path: Path) -> None:
+def test_tiers_moves_one_unit_as_the_tier_does(tmp_path: Path, own_io_profile: Path) -> None:
     disk = tmp_path / "disk"
     tiers.main(
-        ["--out", str(tmp_path), "--dir", str(disk), "--mb", "16", "--chunk-mb", "4", "--threads", "2", "--reps", "1", "--unit-mb", "48"]
+        [
+            "--out",
+            str(tmp_path),
+            "--dir",
+            str(disk),
+            "--mb",
+            "16",
+            "--chunk-mb",
+            "4",
+            "--threads",
+            "2",
+            "--reps",
+            "1",
+            "--unit-mb",
+            "48",
+        ]
     )
     units = [row for row in load_record(tmp_path, "tiers")["rows"] if row["tier"] == "store, one unit"]
     assert [row["config"] for row in units] == [
