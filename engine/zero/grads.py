@@ -158,17 +158,42 @@ class GradientShards:
         return on_grad
 
     def _add(self, bucket: _Bucket, slot: ParamSlot, grad: torch.Tensor) -> None:
-        if bucket.flat is None:
-            bucket.flat = self._new_bucket(bucket.unit)
-        region = bucket.flat[slot.offset : slot.offset + slot.numel]
-        # The first gradient of a window is copied, not added to zero, as torch does (keeps -0.0).
-        if self._first_micro_batch or self._early:
-            region.copy_(grad.reshape(-1))
+        if bucket.flat is None and self._adoptable(bucket, slot, grad):
+            self._budget.charge(
+                bucket_bytes(bucket.unit, self.dtype), f"the gradient bucket of unit {bucket.unit.name!r}"
+            )
+            bucket.flat = grad.view(-1)
         else:
-            region.add_(grad.reshape(-1))
+            if bucket.flat is None:
+                bucket.flat = self._new_bucket(bucket.unit)
+            region = bucket.flat[slot.offset : slot.offset + slot.numel]
+            # The first gradient of a window is copied, not added to zero, as torch does (keeps -0.0).
+            if self._first_micro_batch or self._early:
+                region.copy_(grad.reshape(-1))
+            else:
+                region.add_(grad.reshape(-1))
         bucket.written.add(slot.name)
         if self._early and len(bucket.written) == bucket.expected:
             self._reduce(bucket)
+
+    def _adoptable(self, bucket: _Bucket, slot: ParamSlot, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` can be the unit's bucket itself: the unit's one parameter, filling it
+        without padding, reduced as it comes (stage 2+), its gradient in the bucket's dtype and
+        place, in memory of its own that the reduction may clobber (the engine drops the
+        parameter's reference to it). Copying it instead moved 2-4 bytes per parameter a step
+        into fresh memory, for units of one weight each (a Llama's projections)."""
+        return (
+            self._early
+            and bucket.expected == 1
+            and slot.offset == 0
+            and slot.numel == bucket.unit.padded_numel
+            and grad.dtype == self.dtype
+            and grad.device == self._device.device
+            and grad._base is None
+            and grad.is_contiguous()
+            and grad.storage_offset() == 0
+            and grad.untyped_storage().nbytes() == grad.nbytes
+        )
 
     def _new_bucket(self, unit: UnitLayout) -> torch.Tensor:
         """A unit's bucket with zeros where no gradient will be copied: its padding (reduced with

@@ -180,3 +180,41 @@ def test_a_parameter_backward_did_not_use_and_the_padding_reduce_as_zeros(stage:
     assert torch.equal(first[layout.units[0].numel :], torch.zeros(layout.units[0].shard_numel - layout.units[0].numel))
     assert torch.isfinite(first).all()
     grads.close()
+
+
+def one_weight_units(seed: int = 0) -> tuple[nn.Sequential, dict[str, list[tuple[str, nn.Parameter]]]]:
+    """Two units of one bias-free weight each, 64 x 64: whole aligned shards, no padding."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Tanh(), nn.Linear(64, 64, bias=False))
+    return model, {"first": [("0.weight", model[0].weight)], "second": [("2.weight", model[2].weight)]}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_unit_of_one_weight_reduces_its_gradient_itself_at_stage_2(stage: int, count: int, monkeypatch) -> None:
+    """At stage 2 a unit holding one parameter and no padding takes the parameter's gradient as
+    its bucket, with no bucket made and nothing copied; stage 1 adds micro-batches into a
+    bucket of its own. Either way the shards hold torch's summed gradients, bit for bit."""
+    model, owned = one_weight_units()
+    reference, reference_owned = one_weight_units()
+    layout = build_layout(owned, world_size=1, max_chunk_numel=4096)
+    assert all(u.padded_numel == u.numel for u in layout.units), "the case needs units without padding"
+    made: list[str] = []
+    new_bucket = GradientShards._new_bucket
+    monkeypatch.setattr(
+        GradientShards, "_new_bucket", lambda self, unit: made.append(unit.name) or new_bucket(self, unit)
+    )
+    budget = DeviceBudget()
+    grads = GradientShards(
+        layout, owned, Comm(), detect_device(), torch.device("cpu"), reduce_per_micro_batch=stage >= 2,
+        budget=budget, shards_on_device=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    batches = [torch.randn(5, 64) for _ in range(count)]
+    micro_batches(grads, model, batches)
+    expected = shards_of(reference, layout, reference_owned, batches)
+    for unit, got in zip(layout.units, grads.final_shards(), strict=True):
+        assert torch.equal(got, expected[unit.name]) if count == 1 else torch.allclose(got, expected[unit.name])
+    assert made == ([] if stage == 2 else ["second", "first"])
+    assert budget.used == 0 and budget.high_water >= bucket_bytes(layout.units[0])
+    grads.close()
