@@ -13,6 +13,7 @@ falls back so: an error of the compiled kernel itself is raised.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -43,24 +44,35 @@ class LazyCompiled:
         self.options = options
         """Inductor's settings for this function (``torch.compile(options=...)``)."""
         self.kernel: Callable[..., Any] | None = None
-        """What calls run: None until the first, then the compiled function or ``fn``."""
+        """What calls run: None until the first has run, then the compiled function or ``fn``."""
+        self._first = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
-        if self.kernel is None:
-            first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
-            host = first is not None and first.device.type == "cpu"
-            options = known_options({**(self.options or {}), **(HOST_CALLER if host else {})})
-            try:
-                self.kernel = torch.compile(self.fn, dynamic=True, options=options)
-                return self.kernel(*args)
-            except Exception as err:  # compiling: the compiler's failures have no common type of their own
-                return self._uncompiled(err, args)
+        kernel = self.kernel
+        if kernel is None:
+            with self._first:  # a call meanwhile waits for the compiler instead of running it too
+                if self.kernel is None:
+                    return self._first_call(args)
+            kernel = self.kernel
         try:
-            return self.kernel(*args)
+            return kernel(*args)
         except Exception as err:
-            if self.kernel is self.fn or not _compiling_failed(err):
+            if kernel is self.fn or not _compiling_failed(err):
                 raise
             return self._uncompiled(err, args)
+
+    def _first_call(self, args: tuple[Any, ...]) -> Any:
+        """Compile ``fn`` for ``args`` and run it; ``kernel`` is set once that has run."""
+        first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+        host = first is not None and first.device.type == "cpu"
+        options = known_options({**(self.options or {}), **(HOST_CALLER if host else {})})
+        try:
+            compiled = torch.compile(self.fn, dynamic=True, options=options)
+            result = compiled(*args)
+        except Exception as err:  # compiling: the compiler's failures have no common type of their own
+            return self._uncompiled(err, args)
+        self.kernel = compiled
+        return result
 
     def _uncompiled(self, err: Exception, args: tuple[Any, ...]) -> Any:
         """Run this call, and every later one, uncompiled, after one warning naming why."""

@@ -24,15 +24,19 @@ about 1.7 ns per parameter (``RECOMPUTE``; 8-bit moments and a bf16 master, 2 th
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import threading
 
 import torch
 
 from engine.config import OptimConfig
 from engine.runtime.compiled import LazyCompiled
-from engine.state.quantize import BLOCK, blocks, decode, encode, noise_table, periodic, round_bits
+from engine.state.quantize import BLOCK, blocks, decode, encode, noise_table, packed_bytes, periodic, round_bits
 from engine.zero.decay import ShardDecay
 from engine.zero.optim import ShardAdamW
+
+logger = logging.getLogger(__name__)
 
 MASTER_SEED = 1 << 62
 """Offset of the master's rounding seeds, ``MASTER_SEED + step``: apart from the moments'
@@ -205,3 +209,42 @@ class CompactAdamW(ShardAdamW):
         seeds = (2 * count, 2 * count + 1, MASTER_SEED + count)  # a distinct stream per step and per tensor
         moments = (exp_avg, exp_avg_sq)
         compact_step(self.config, master, grad, moments, count, lr, seeds, grad_scale, decay, skip)
+
+
+def compile_ahead(
+    config: OptimConfig, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], device: torch.device, masked: bool
+) -> threading.Thread | None:
+    """Start compiling the update for state of ``dtypes`` (master, moments, gradient) on
+    ``device``, on a thread of its own, so that a process's first update finds its kernel built
+    instead of waiting for the compiler on the step's path (measured: 9 s of a 2B-parameter
+    fine-tune's first step on two cores; Triton's on a GPU is several seconds too). Run on two
+    blocks of zeros, its shapes symbolic: the steps' shards of any length take the same kernel;
+    ``masked`` builds the kernel for shards whose weight decay is per element too. None where
+    nothing compiles: fp32 state goes to torch's fused kernel."""
+    master, moment, _ = dtypes
+    if master == moment == torch.float32:
+        return None
+    thread = threading.Thread(target=_warm, args=(config, dtypes, device, masked), name="offload-compile", daemon=True)
+    thread.start()
+    return thread
+
+
+def _warm(
+    config: OptimConfig, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], device: torch.device, masked: bool
+) -> None:
+    """Each kernel ``compile_ahead`` builds, run once on zeros (lr 0); a failure is the first
+    real update's to report (``LazyCompiled`` falls back there, or raises)."""
+    master_dtype, moment_dtype, grad_dtype = dtypes
+    numel = 2 * BLOCK
+    moment_numel = packed_bytes(numel) if moment_dtype == torch.uint8 else numel
+    mixed = ShardDecay(((0, BLOCK, True), (BLOCK, numel, False)))
+    try:
+        if device.type != "cpu":
+            torch.get_device_module(device.type).set_device(device)
+        for decay in (None, mixed) if masked else (None,):
+            master = torch.zeros(numel, dtype=master_dtype, device=device)
+            grad = torch.zeros(numel, dtype=grad_dtype, device=device)
+            moments = tuple(torch.zeros(moment_numel, dtype=moment_dtype, device=device) for _ in range(2))
+            compact_step(config, master, grad, (moments[0], moments[1]), 1, 0.0, (0, 1, MASTER_SEED), decay=decay)
+    except Exception as err:  # the first real update compiles again and reports it
+        logger.debug("compiling the update ahead failed: %s", err)

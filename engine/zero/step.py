@@ -112,6 +112,7 @@ class StepControl:
         self.worker = worker
         """The host optimizer worker that AdamW runs on, if any (``engine.runtime.host_worker``)."""
         self._adamw = UnitAdamW(config.optim, layout, comm.rank, model, opt_device)
+        self._adamw.compile_ahead(spill.dtype if spill is not None else grads.dtype)
         self._norms = GradNorms(layout, comm, model)
         self.overlap = overlaps_backward(config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""

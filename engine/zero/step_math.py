@@ -11,6 +11,7 @@ before it goes to disk, and combined at the step into the same norm.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -18,9 +19,9 @@ from torch import nn
 
 from engine.config import OptimConfig
 from engine.runtime.comm import Comm
-from engine.state.forms import ShardState
+from engine.state.forms import ShardState, StateForm
 from engine.state.partition import ModelLayout, UnitLayout, param_views
-from engine.zero.compact_update import CompactAdamW
+from engine.zero.compact_update import CompactAdamW, compile_ahead
 from engine.zero.decay import no_decay_names, shard_decays
 from engine.zero.divergence import nonfinite_units
 from engine.zero.optim import global_norm, grad_norm, norm_of_norms, piece_norms
@@ -41,6 +42,14 @@ class UnitAdamW:
         """Each counter's value, kept on the host (a unit skipped for a gradient not finite counts
         here, though torch's fused kernel leaves its tensor: its step diverged, nothing steps after)."""
         self._decay = shard_decays(layout, rank, no_decay_names(model, optim.no_decay))
+        self._optim, self._device = optim, device
+
+    def compile_ahead(self, grad_dtype: torch.dtype) -> threading.Thread | None:
+        """Start building the update's kernel for this run's state and gradients in
+        ``grad_dtype`` (``compact_update.compile_ahead``), behind the first forward."""
+        master, moment, _ = StateForm.of(self._optim).dtypes()
+        masked = self._optim.weight_decay != 0 and any(d.uniform is None for d in self._decay.values())
+        return compile_ahead(self._optim, (master, moment, grad_dtype), self._device, masked)
 
     def update(
         self,

@@ -14,9 +14,10 @@ import torch
 from torch.optim.adamw import adamw
 
 from engine.config import OptimConfig
+from engine.runtime.compiled import LazyCompiled
 from engine.state.quantize import packed_bytes
 from engine.zero import compact_update
-from engine.zero.compact_update import compact_step
+from engine.zero.compact_update import compact_step, compile_ahead
 
 N = 1 << 15
 FORMS = [("bf16", "fp32"), ("int8", "fp32"), ("fp32", "bf16"), ("int8", "bf16"), ("bf16", "bf16")]
@@ -185,3 +186,26 @@ def test_the_compiled_update_lets_other_threads_run() -> None:
     quarter = (end - start) / 4
     inside = [t for t in ticks if start + quarter < t < end - quarter]
     assert len(inside) >= 3, f"{len(inside)} ticks in the middle of a {1e3 * (end - start):.0f} ms update"
+
+
+@pytest.mark.slow  # a compile of its own: 6 s
+def test_the_update_compiled_ahead_serves_shards_of_any_length(monkeypatch) -> None:
+    """``compile_ahead`` builds the kernel on a thread of its own from two blocks of zeros; a
+    shard of another length, the first real update, then compiles nothing more."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # no kernel of an earlier test in this process to reuse
+    lazy = LazyCompiled(compact_update.compact_adamw_, "the update", compact_update.RECOMPUTE)
+    monkeypatch.setattr(compact_update, "ADAMW", lazy)
+    thread = compile_ahead(OptimConfig(), (torch.bfloat16, torch.uint8, torch.float32), torch.device("cpu"), False)
+    assert thread is not None and thread.name == "offload-compile"
+    thread.join()
+    assert lazy.kernel is not None and lazy.kernel is not compact_update.compact_adamw_
+    graphs = counters["stats"]["unique_graphs"]
+    run(state("int8", "bf16"))
+    assert counters["stats"]["unique_graphs"] == graphs, "the first update compiled again"
+
+
+def test_fp32_state_compiles_nothing_ahead() -> None:
+    dtypes = (torch.float32, torch.float32, torch.bfloat16)
+    assert compile_ahead(OptimConfig(), dtypes, torch.device("cpu"), True) is None
