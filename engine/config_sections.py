@@ -132,8 +132,9 @@ class OffloadConfig:
     """Run AdamW on the host shards on a thread of its own while backward goes on; ``auto``: where it pays.
 
     Applies with the optimizer on ``cpu`` or ``nvme``; bit-identical either way. ``auto``: on where
-    the device is not the host (an accelerator, or the simulated one), off on a CPU-only machine,
-    where the worker would take the cores backward computes on. Beside an accelerator the worker's
+    the device is not the host (an accelerator, or the simulated one) or gradients are spilled
+    (``grad_spill``: their norms and writes then leave the training thread), else off on a
+    CPU-only machine, where the worker would take the cores backward computes on. Beside an accelerator the worker's
     thread binds the rank's device, and while it runs torch's intra-op threads are capped at the
     rank's share of the cores less one, left to the thread that launches kernels. ``true`` with
     ``optimizer = "device"`` is refused."""

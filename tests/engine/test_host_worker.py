@@ -93,6 +93,11 @@ def test_the_switch(tmp_path) -> None:
     eng = Engine(tiny_gpt(), config(offload={"optimizer": "cpu", "nvme_path": store}), total_steps=1)
     assert eng.step_control.worker is None, "auto: off where the device is the host"
     eng.close()
+    offload = {"optimizer": "nvme", "param": "nvme", "nvme_path": store}
+    spilled = config(offload=offload, zero={"stage": 3}, optim={"grad_clip": 1.0})
+    eng = Engine(tiny_gpt(), spilled, total_steps=1)
+    assert eng.step_control.spill is not None and eng.step_control.worker is not None, "auto: on where gradients spill"
+    eng.close()
     with pytest.raises(ConfigError, match=r'offload.host_worker.*set offload.optimizer = "cpu" or "nvme"'):
         config(offload={"optimizer": "device", "host_worker": True})
 
