@@ -57,14 +57,19 @@ def test_spilled_accumulation_matches_in_memory(tmp_path) -> None:
     assert_same(runs[0], runs[1], "the in-memory clipped run")
 
 
-def test_no_gradient_shard_is_in_memory_at_the_step(tmp_path) -> None:
-    """Each shard leaves memory as backward finishes it: at the step none is left, and the
+@pytest.mark.parametrize("worker", [False, True])
+def test_no_gradient_shard_is_in_memory_at_the_step(worker: bool, tmp_path) -> None:
+    """Each shard leaves memory once spilled: inline as backward finishes it, on the host worker
+    as the worker gets to it (the step waits for the last); at the step none is left, and the
     step's I/O holds each written and read back once."""
-    eng = Engine(tiny_gpt(), nvme(tmp_path), total_steps=2)
+    eng = Engine(tiny_gpt(), nvme(tmp_path, offload={"host_worker": worker}), total_steps=2)
+    assert (eng.step_control.worker is not None) == worker and eng.step_control.spill is not None
     data = batches(4)
     eng.backward(eng(*data.next()))
-    assert eng.grads.nbytes() == 0 and eng.step_control.spill is not None
+    if not worker:
+        assert eng.grads.nbytes() == 0
     eng.step()
+    assert eng.grads.nbytes() == 0
     spilled = sum(u.shard_numel * 4 for u in eng.layout.units)
     state = 3 * spilled
     assert eng.last_step_stats.bytes_read == state + spilled
