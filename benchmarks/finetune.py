@@ -465,6 +465,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(import_phase(extra, args.moe)))
         return {}
     setup_logging(args.verbose)
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-finetune-", dir=args.dir) as work:
         result = run(Path(work), args)
     raw = result["raw"]
