@@ -274,6 +274,8 @@ class Engine:
         if self._step_started is None:
             self._step_started = StepClock.now()
             self.budget.start_step()
+        if torch.is_grad_enabled():
+            self.step_control.compile_ahead()
         self.params.begin_iteration()
         move = lambda v: v.to(self.device.device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
         output = self.module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})

@@ -16,6 +16,7 @@ state and clipped as they come; ``commit`` makes the step the one a run resumes 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -112,7 +113,10 @@ class StepControl:
         self.worker = worker
         """The host optimizer worker that AdamW runs on, if any (``engine.runtime.host_worker``)."""
         self._adamw = UnitAdamW(config.optim, layout, comm.rank, model, opt_device)
-        self._adamw.compile_ahead(spill.dtype if spill is not None else grads.dtype)
+        self._grad_dtype = spill.dtype if spill is not None else grads.dtype
+        """The dtype gradients reach the update in."""
+        self._compiling: threading.Thread | None = None
+        self._compile_started = False
         self._norms = GradNorms(layout, comm, model)
         self.overlap = overlaps_backward(config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
@@ -132,6 +136,13 @@ class StepControl:
     def update_order(self) -> list[UnitLayout]:
         """The units in the order the next step updates them (``engine.zero.update.update_order``)."""
         return update_order(self._grads.order.recorded, self._layout)
+
+    def compile_ahead(self) -> None:
+        """At a training forward: start building the update's kernel behind it, once
+        (``UnitAdamW.compile_ahead``); an engine that only evaluates compiles nothing."""
+        if not self._compile_started:
+            self._compile_started = True
+            self._compiling = self._adamw.compile_ahead(self._grad_dtype)
 
     def begin(self, scaler: LossScaler, lr: float) -> Callable[[str], None] | None:
         """The step's last backward starts, its update to be made at learning rate ``lr``: the
@@ -239,7 +250,10 @@ class StepControl:
 
     def close(self) -> None:
         """Stop the host worker and remove the spilled gradients, if any (before the engine's I/O
-        runner closes)."""
+        runner closes). A compile still running is waited for: a process must not end inside the
+        compiler (its thread is a daemon, and its worker processes go at exit)."""
+        if self._compiling is not None:
+            self._compiling.join()
         if self.worker is not None:
             self.worker.close()
         if self.spill is not None:

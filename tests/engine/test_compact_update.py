@@ -209,3 +209,39 @@ def test_the_update_compiled_ahead_serves_shards_of_any_length(monkeypatch) -> N
 def test_fp32_state_compiles_nothing_ahead() -> None:
     dtypes = (torch.float32, torch.float32, torch.bfloat16)
     assert compile_ahead(OptimConfig(), dtypes, torch.device("cpu"), True) is None
+
+
+def test_a_training_forward_compiles_the_update_ahead_and_close_waits_for_it(monkeypatch) -> None:
+    """An engine that only evaluates compiles nothing; its first training forward starts the
+    compile, once; ``close`` waits for it, so that no process ends inside the compiler."""
+    from engine.engine import Engine
+    from engine.zero import step_math
+    from tests.training import batches, config, tiny_gpt
+
+    release, started = threading.Event(), []
+
+    def compile_ahead(optim, dtypes, device, masked) -> threading.Thread:
+        started.append(dtypes)
+        thread = threading.Thread(target=release.wait, args=(10,))
+        thread.start()
+        return thread
+
+    monkeypatch.setattr(step_math, "compile_ahead", compile_ahead)
+    eng = Engine(tiny_gpt(), config(optim={"state_dtype": "int8", "master_dtype": "bf16"}), total_steps=1)
+    data = batches(2)
+    with torch.no_grad():
+        eng(*data.next())
+    assert started == []
+    eng(*data.next())
+    assert started == [(torch.bfloat16, torch.uint8, torch.float32)]
+    eng(*data.next())
+    assert len(started) == 1, "compiled once"
+    thread = eng.step_control._compiling
+    assert thread is not None and thread.is_alive()
+    closing = threading.Thread(target=eng.close)
+    closing.start()
+    closing.join(0.2)
+    assert closing.is_alive(), "close waits for the compile"
+    release.set()
+    closing.join(10)
+    assert not closing.is_alive() and not thread.is_alive()
