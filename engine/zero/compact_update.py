@@ -244,7 +244,7 @@ def _warm(
         for decay in (None, mixed) if masked else (None,):
             master = torch.zeros(numel, dtype=master_dtype, device=device)
             grad = torch.zeros(numel, dtype=grad_dtype, device=device)
-            moments = tuple(torch.zeros(moment_numel, dtype=moment_dtype, device=device) for _ in range(2))
-            compact_step(config, master, grad, (moments[0], moments[1]), 1, 0.0, (0, 1, MASTER_SEED), decay=decay)
+            exp_avg, exp_avg_sq = (torch.zeros(moment_numel, dtype=moment_dtype, device=device) for _ in range(2))
+            compact_step(config, master, grad, (exp_avg, exp_avg_sq), 1, 0.0, (0, 1, MASTER_SEED), decay=decay)
     except Exception as err:  # the first real update compiles again and reports it
         logger.debug("compiling the update ahead failed: %s", err)

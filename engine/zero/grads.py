@@ -159,9 +159,7 @@ class GradientShards:
 
     def _add(self, bucket: _Bucket, slot: ParamSlot, grad: torch.Tensor) -> None:
         if bucket.flat is None and self._adoptable(bucket, slot, grad):
-            self._budget.charge(
-                bucket_bytes(bucket.unit, self.dtype), f"the gradient bucket of unit {bucket.unit.name!r}"
-            )
+            self._charge_bucket(bucket.unit)
             bucket.flat = grad.view(-1)
         else:
             if bucket.flat is None:
@@ -195,12 +193,15 @@ class GradientShards:
             and grad.untyped_storage().nbytes() == grad.nbytes
         )
 
+    def _charge_bucket(self, unit: UnitLayout) -> None:
+        self._budget.charge(bucket_bytes(unit, self.dtype), f"the gradient bucket of unit {unit.name!r}")
+
     def _new_bucket(self, unit: UnitLayout) -> torch.Tensor:
         """A unit's bucket with zeros where no gradient will be copied: its padding (reduced with
         the rest). Zeroing it whole would write 4 bytes per parameter that every gradient's copy
         overwrites (a tenth of the training thread's time at 3B on the CPU); stage 1 adds later
         micro-batches into it, so there it starts at zero."""
-        self._budget.charge(bucket_bytes(unit, self.dtype), f"the gradient bucket of unit {unit.name!r}")
+        self._charge_bucket(unit)
         if not self._early:
             return torch.zeros(unit.padded_numel, dtype=self.dtype, device=self._device.device)
         flat = torch.empty(unit.padded_numel, dtype=self.dtype, device=self._device.device)

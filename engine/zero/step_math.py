@@ -42,14 +42,15 @@ class UnitAdamW:
         """Each counter's value, kept on the host (a unit skipped for a gradient not finite counts
         here, though torch's fused kernel leaves its tensor: its step diverged, nothing steps after)."""
         self._decay = shard_decays(layout, rank, no_decay_names(model, optim.no_decay))
-        self._optim, self._device = optim, device
+        self._device = device
 
     def compile_ahead(self, grad_dtype: torch.dtype) -> threading.Thread | None:
         """Start building the update's kernel for this run's state and gradients in
         ``grad_dtype`` (``compact_update.compile_ahead``), behind the first forward."""
-        master, moment, _ = StateForm.of(self._optim).dtypes()
-        masked = self._optim.weight_decay != 0 and any(d.uniform is None for d in self._decay.values())
-        return compile_ahead(self._optim, (master, moment, grad_dtype), self._device, masked)
+        optim = self._adam.config
+        master, moment, _ = StateForm.of(optim).dtypes()
+        masked = optim.weight_decay != 0 and any(d.uniform is None for d in self._decay.values())
+        return compile_ahead(optim, (master, moment, grad_dtype), self._device, masked)
 
     def update(
         self,
