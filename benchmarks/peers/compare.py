@@ -54,29 +54,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import json
+import functools
 import math
-import os
-import signal
-import statistics
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
-from benchmarks import giant
-from benchmarks.peers.launch import python_module, run_one, run_ranks
-from benchmarks.peers.rank import RankSpec, result_path, threads_per_rank
-from benchmarks.peers.trainers import ENVIRONMENT, PREPARE, REQUIRES
+from benchmarks.peers import at_scale
+from benchmarks.peers.at_scale import FORMS
+from benchmarks.peers.contest import run_contestant, run_rounds
+from benchmarks.peers.rank import threads_per_rank
 from benchmarks.peers.workload import (
     FULL,
     QUICK,
     SYSTEM_NAMES,
     Contestant,
     System,
-    Workload,
 )
 from benchmarks.report import (
     Row,
@@ -87,12 +80,6 @@ from benchmarks.report import (
     setup_logging,
 )
 from engine.runtime.sizes import MIB
-from engine.tools.estimate import gpt_of
-
-RANK_MODULE = "benchmarks.peers.rank"
-INSTALL = 'DS_BUILD_OPS=0 pip install --no-build-isolation -e ".[peers]"'
-REPO = Path(__file__).resolve().parents[2]
-LOG_TAIL_LINES = 20
 
 CONTESTANTS = (
     Contestant("plain", "device", "device"),
@@ -103,161 +90,6 @@ CONTESTANTS = (
     Contestant("ours", "nvme", "nvme"),
 )
 """In this order: the floor first, then each placement's peers before ours."""
-
-AT_SCALE = Contestant("deepspeed", "nvme", "nvme")
-"""The peer of `benchmarks.giant`: ZeRO-Infinity, parameters and optimizer state on nvme."""
-
-
-def _rank_env(contestant: Contestant, workload: Workload) -> dict[str, str]:
-    """This environment, plus the rank's share of the cores, the repository on the path (the benchmarks
-    are not installed) and what the system itself needs."""
-    path = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": str(threads_per_rank(workload.world_size)),
-        "PYTHONPATH": os.pathsep.join(path),
-        **ENVIRONMENT.get(contestant.system, {}),
-    }
-
-
-def _log_tail(log: Path) -> list[str]:
-    try:
-        return log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-    except FileNotFoundError:
-        return []
-
-
-def _meaningful(line: str) -> bool:
-    """Not blank, not indented (a warning's code line, a traceback's frames) and not a warning."""
-    return bool(line.strip()) and not line[0].isspace() and "Warning: " not in line and "[WARNING]" not in line
-
-
-def _rank_error(work: Path, rank: int, code: int | None) -> str:
-    """Why a rank stopped: the error it recorded, else the signal that ended it (SIGKILL, when
-    memory ran out, is the kernel's OOM killer's) or its exit code, and its last line of output
-    that is not a warning or the code line a warning prints under it."""
-    try:
-        return json.loads(result_path(work, rank).read_text())["error"]
-    except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        lines = [line for line in _log_tail(work / f"rank{rank}.log") if _meaningful(line)]
-        how = (
-            f"was killed by {signal.Signals(-code).name}"
-            if code is not None and code < 0
-            else f"exited with code {code}"
-        )
-        return f"rank {rank} {how}: {lines[-1] if lines else 'no output'}"
-
-
-def _skipped(record: dict[str, Any], reason: str, log: Path | None = None) -> dict[str, Any]:
-    record.update(status="skipped", reason=reason)
-    if log is not None:
-        record["log_tail"] = _log_tail(log)
-    return record
-
-
-def at_scale(params: float, warmup: int, steps: int) -> Workload:
-    """The workload `python -m benchmarks.giant --params N` trains, on one rank, built
-    partitioned: the engine's config from giant's own defaults, read back as a workload."""
-    args = giant.parse_args(["--params", str(params)])
-    config = giant.train_config(giant.run_config(args, args.store, Path("metrics.jsonl")))
-    gpt, optim = gpt_of(config), config.optim
-    if gpt.tie_embeddings:
-        raise ValueError("DeepSpeed's nvme parameter offload needs an untied model; giant's config ties it")
-    return Workload(
-        tokenizer=config.data.tokenizer,
-        vocab_size=config.data.vocab_size,
-        seq_len=gpt.seq_len,
-        n_layer=gpt.n_layer,
-        n_head=gpt.n_head,
-        d_model=gpt.d_model,
-        micro_batch=config.data.micro_batch,
-        warmup=warmup,
-        steps=steps,
-        world_size=1,
-        seed=config.train.seed,
-        lr=optim.lr,
-        betas=optim.betas,
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-        partitioned=True,
-    )
-
-
-def run_contestant(
-    contestant: Contestant, workload: Workload, work: Path, timeout_s: float, prepare_timeout_s: float
-) -> dict[str, Any]:
-    """Run one contestant in `work` (its spec, logs, rank results and NVMe files); its record."""
-    record: dict[str, Any] = {"label": contestant.label, **contestant.to_dict(), "placement": contestant.placement}
-    module = REQUIRES.get(contestant.system)
-    if module is not None and importlib.util.find_spec(module) is None:
-        return _skipped(record, f"{module} is not installed: {INSTALL}")
-    nvme = work / "nvme"
-    spec_path = work / "spec.json"
-    RankSpec(workload, contestant, nvme, work).write(spec_path)
-    env = _rank_env(contestant, workload)
-    if contestant.system in PREPARE:
-        started = time.perf_counter()
-        log = work / "prepare.log"
-        command = python_module(RANK_MODULE, "--prepare", str(spec_path))
-        code = run_one(command, cwd=work, env=env, timeout_s=prepare_timeout_s, log=log)
-        if code != 0:
-            why = f"timed out after {prepare_timeout_s:.0f} s" if code is None else f"exit code {code}"
-            return _skipped(record, f"preparing {contestant.system} failed ({why})", log)
-        record["prepare_s"] = time.perf_counter() - started
-    group = run_ranks(
-        python_module(RANK_MODULE, str(spec_path)),
-        workload.world_size,
-        cwd=work,
-        env=env,
-        timeout_s=timeout_s,
-        log_dir=work,
-        watch=nvme if contestant.uses_nvme else None,
-    )
-    if not group.ok:
-        failed = group.first_failure()
-        if failed is None:
-            return _skipped(record, f"timed out after {timeout_s:.0f} s", work / "rank0.log")
-        return _skipped(record, _rank_error(work, failed, group.returncodes[failed]), work / f"rank{failed}.log")
-    ranks = [json.loads(result_path(work, rank).read_text()) for rank in range(workload.world_size)]
-    step_s = [max(times) for times in zip(*(r["step_s"] for r in ranks), strict=True)]
-    median = statistics.median(step_s[workload.warmup :])
-    record.update(
-        status="ok",
-        params=ranks[0]["params"],
-        step_s=median,
-        steps_s=step_s,
-        tokens_per_s=workload.tokens_per_step / median,
-        setup_s=max(r["setup_s"] for r in ranks),
-        losses=[statistics.fmean(losses) for losses in zip(*(r["losses"] for r in ranks), strict=True)],
-        peak_rss_bytes=group.peak_rss_bytes,
-        rank_max_rss_bytes=[r["max_rss_bytes"] for r in ranks],
-        wall_s=group.wall_s,
-    )
-    if contestant.uses_nvme:
-        record["disk_bytes"] = group.peak_disk_bytes
-    return record
-
-
-def merge_rounds(rounds: Sequence[dict[str, Any]], workload: Workload) -> dict[str, Any]:
-    """One contestant's records from several rounds as one: its step time the median of every
-    round's timed steps, its memory and disk the largest any round saw. A round that failed
-    stands for all of them."""
-    failed = next((r for r in rounds if r["status"] != "ok"), None)
-    if failed is not None or len(rounds) == 1:
-        return failed or rounds[0]
-    step_s = statistics.median(s for r in rounds for s in r["steps_s"][workload.warmup :])
-    merged = dict(rounds[0])
-    merged.update(
-        step_s=step_s,
-        round_step_s=[r["step_s"] for r in rounds],
-        tokens_per_s=workload.tokens_per_step / step_s,
-        setup_s=statistics.median(r["setup_s"] for r in rounds),
-        peak_rss_bytes=max(r["peak_rss_bytes"] for r in rounds),
-        wall_s=sum(r["wall_s"] for r in rounds),
-    )
-    if "disk_bytes" in merged:
-        merged["disk_bytes"] = max(r["disk_bytes"] for r in rounds)
-    return merged
 
 
 def add_ratios(records: Sequence[dict[str, Any]]) -> None:
@@ -314,84 +146,30 @@ def plot(path: Path, records: Sequence[dict[str, Any]], title: str) -> Path | No
     return bar_chart(path, placements, series, ylabel="ms per step (median)", title=title, references=floors)
 
 
-def _side_by_side_run(args: argparse.Namespace) -> tuple[Workload, list[Contestant], int]:
+def side_by_side(args: argparse.Namespace) -> dict[str, Any]:
     """Every chosen contestant at the peers' own size (`FULL`, or `QUICK`), in `--rounds` rounds."""
     workload = QUICK if args.quick else FULL
     workload = dataclasses.replace(
         workload,
         steps=args.steps if args.steps is not None else workload.steps,
         warmup=args.warmup if args.warmup is not None else workload.warmup,
+        grad_clip=args.grad_clip,
     )
     systems = args.systems or get_args(System)
-    return workload, [c for c in CONTESTANTS if c.system in systems], args.rounds or (1 if args.quick else 2)
-
-
-def _at_scale_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Workload, list[Contestant], int]:
-    """DeepSpeed ZeRO-Infinity at giant's `--params`, once; refused without DeepSpeed."""
-    if args.systems not in (None, ["deepspeed"]):
-        parser.error("--params runs DeepSpeed alone; ours at that size is: python -m benchmarks.giant --params N")
-    if importlib.util.find_spec(REQUIRES["deepspeed"]) is None:
-        raise SystemExit(f"--params runs DeepSpeed, which is not installed: apt-get install -y libaio-dev && {INSTALL}")
-    warmup = args.warmup if args.warmup is not None else 1
-    steps = args.steps if args.steps is not None else (1 if args.quick else 2)
-    return at_scale(args.params, warmup, steps), [AT_SCALE], args.rounds or 1
-
-
-def run_rounds(
-    contestants: list[Contestant], workload: Workload, rounds: int, args: argparse.Namespace
-) -> list[dict[str, Any]]:
-    """Every contestant in turn, ``rounds`` times over, each in a fresh folder under ``--dir``:
-    one record each, its rounds merged."""
-    runs: list[list[dict[str, Any]]] = [[] for _ in contestants]
-    args.dir.mkdir(parents=True, exist_ok=True)
-    for round_index in range(rounds):
-        for contestant, kept in zip(contestants, runs, strict=True):
-            print(f"round {round_index + 1} of {rounds}: running {contestant.label} ...", flush=True)
-            with tempfile.TemporaryDirectory(prefix="bench-peers-", dir=args.dir) as work:
-                record = run_contestant(contestant, workload, Path(work), args.timeout, args.prepare_timeout)
-            kept.append(record)
-            ran = record["status"] == "ok"
-            print(f"  {1000 * record['step_s']:.0f} ms/step" if ran else f"  skipped: {record['reason']}", flush=True)
-    return [merge_rounds(kept, workload) for kept in runs]
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = base_parser(__doc__.split("\n\n")[0])
-    parser.prog = "python -m benchmarks.peers"
-    systems: tuple[System, ...] = get_args(System)
-    parser.add_argument("--systems", nargs="+", choices=systems, help="contestants to run (default all)")
-    parser.add_argument("--steps", type=int, help=f"timed steps (default {FULL.steps}, --quick {QUICK.steps})")
-    parser.add_argument(
-        "--warmup", type=int, help=f"untimed first steps (default {FULL.warmup}, --quick {QUICK.warmup})"
-    )
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        help="times every contestant runs, in turn, so that the machine's drift hits all alike (default 2, --quick 1)",
-    )
-    parser.add_argument(
-        "--params",
-        type=float,
-        help="DeepSpeed alone, nvme, one rank, at the model benchmarks.giant trains at --params N",
-    )
-    parser.add_argument("--dir", type=Path, default=Path("."), help="where the NVMe contestants write (default .)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one contestant may run")
-    parser.add_argument(
-        "--prepare-timeout", type=float, default=1800.0, help="seconds to compile a system's ops on first use"
-    )
-    args = parser.parse_args(argv)
-    setup_logging(args.verbose)
-    if args.params is not None:
-        workload, contestants, rounds = _at_scale_run(parser, args)
-    else:
-        workload, contestants, rounds = _side_by_side_run(args)
-    if workload.steps < 1 or workload.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
-    if rounds < 1:
-        parser.error("--rounds must be >= 1")
+    contestants = [c for c in CONTESTANTS if c.system in systems]
+    rounds = args.rounds or (1 if args.quick else 2)
     _, vocab_size = workload.tokens()  # tokenise (and train the BPE) once, before any rank needs it
     params = workload.gpt_config(vocab_size).num_params()
-    records = run_rounds(contestants, workload, rounds, args)
+    runners = [
+        (
+            c.label,
+            functools.partial(
+                run_contestant, c, workload, timeout_s=args.timeout, prepare_timeout_s=args.prepare_timeout
+            ),
+        )
+        for c in contestants
+    ]
+    records = run_rounds(runners, workload, rounds, args.dir)
     add_ratios(records)
     ran, skipped = table_rows(records)
     model = f"{params / 1e6:.2f}M params, {workload.micro_batch} x {workload.seq_len} tokens per rank, bf16"
@@ -411,7 +189,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": ran,
         "skipped": skipped,
     }
-    name = "peers" if args.params is None else f"peers-at-{args.params:.0e}".replace("+0", "")
-    plot(args.out / f"{name}.png", records, f"Step time: {model}\n{ranks}")
-    save_json(args.out, name, result)
+    plot(args.out / "peers.png", records, f"Step time: {model}\n{ranks}")
+    save_json(args.out, "peers", result)
     return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = base_parser(__doc__.split("\n\n")[0])
+    parser.prog = "python -m benchmarks.peers"
+    systems: tuple[System, ...] = get_args(System)
+    parser.add_argument("--systems", nargs="+", choices=systems, help="contestants to run (default all)")
+    parser.add_argument("--steps", type=int, help=f"timed steps (default {FULL.steps}, --quick {QUICK.steps})")
+    parser.add_argument(
+        "--warmup", type=int, help=f"untimed first steps (default {FULL.warmup}, --quick {QUICK.warmup})"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="times every contestant runs, in turn, so that the machine's drift hits all alike (default 2, --quick 1)",
+    )
+    parser.add_argument(
+        "--grad-clip", type=float, default=0.0, help="global gradient norm clipped to (default 0: none)"
+    )
+    parser.add_argument(
+        "--params",
+        type=float,
+        help="DeepSpeed ZeRO-Infinity and ours, nvme, one rank, at the model benchmarks.giant trains at --params N",
+    )
+    parser.add_argument(
+        "--forms",
+        nargs="+",
+        choices=list(FORMS),
+        default=list(FORMS),
+        help="with --params: the state forms ours runs in (default all)",
+    )
+    parser.add_argument("--dir", type=Path, default=Path("."), help="where the NVMe contestants write (default .)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one contestant may run")
+    parser.add_argument(
+        "--prepare-timeout", type=float, default=1800.0, help="seconds to compile a system's ops on first use"
+    )
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    if (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if args.grad_clip < 0:
+        parser.error("--grad-clip must be >= 0")
+    return at_scale.main(parser, args) if args.params is not None else side_by_side(args)

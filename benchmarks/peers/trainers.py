@@ -221,7 +221,7 @@ def deepspeed_zero3(build: Build, workload: Workload, contestant: Contestant, nv
         "zero_optimization": _deepspeed_offload(contestant, sizes, workload, nvme_path),
         "bf16": {"enabled": True},
         "communication_data_type": "fp32",
-        "gradient_clipping": 0.0,
+        "gradient_clipping": workload.grad_clip,
         "steps_per_print": 2**31 - 1,
     }
     model = _build_partitioned(build, config, contestant, workload) if workload.partitioned else build()
@@ -235,7 +235,7 @@ def deepspeed_zero3(build: Build, workload: Workload, contestant: Contestant, nv
 
 @contextlib.contextmanager
 def ours(build: Build, workload: Workload, contestant: Contestant, nvme_path: Path) -> Iterator[Step]:
-    """Our engine at stage 3 with the contestant's tiers, the workload's AdamW, no clipping."""
+    """Our engine at stage 3 with the contestant's tiers, the workload's AdamW and clipping."""
     from engine.config import Config
     from engine.engine import Engine
 
@@ -247,7 +247,7 @@ def ours(build: Build, workload: Workload, contestant: Contestant, nvme_path: Pa
             "optim": {
                 **workload.adamw_kwargs(),
                 "no_decay": [],  # every parameter decays, as the workload's AdamW decays them in the others
-                "grad_clip": 0.0,
+                "grad_clip": workload.grad_clip,
                 "warmup_steps": 0,
                 "schedule": "constant",
             },

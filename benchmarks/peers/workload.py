@@ -33,8 +33,8 @@ class Workload:
     """The model, data, batch and AdamW of every contestant, and how many steps each runs.
 
     The optimizer takes the engine's default hyper-parameters, a constant learning rate
-    and no gradient clipping: every system implements those the same way, so any
-    difference in step time is the system's. The model is the built-in GPT, untied
+    and no gradient clipping unless `grad_clip` says otherwise: every system implements
+    those the same way, so any difference in step time is the system's. The model is the built-in GPT, untied
     (DeepSpeed's NVMe parameter offload needs it), initialised from `seed` before any
     system sees it, so all contestants start from the same weights and their first
     losses agree.
@@ -62,6 +62,8 @@ class Workload:
     betas: tuple[float, float] = OptimConfig.betas
     eps: float = OptimConfig.eps
     weight_decay: float = OptimConfig.weight_decay
+    grad_clip: float = 0.0
+    """The global gradient norm every system clips to; 0 clips nothing."""
 
     def tokens(self) -> tuple[np.ndarray, int]:
         """The built-in corpus, tokenised (cached after the first call), and its vocabulary size."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.peers import compare, launch
+from benchmarks.peers import at_scale, compare, contest, launch
 from benchmarks.peers.workload import Contestant
 
 
@@ -86,7 +86,7 @@ def test_plain_fsdp2_and_ours(tmp_path: Path) -> None:
 def test_missing_or_failing_contestants_are_skipped_with_the_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(compare.REQUIRES, "plain", "no_such_module_for_peers")
+    monkeypatch.setitem(contest.REQUIRES, "plain", "no_such_module_for_peers")
     impossible = Contestant("fsdp2", "nvme", "nvme")  # FSDP2 offloads to cpu only: its ranks raise
     monkeypatch.setattr(compare, "CONTESTANTS", (Contestant("plain", "device", "device"), impossible))
     record, disk = run_quick(tmp_path, "plain", "fsdp2")
@@ -146,20 +146,20 @@ def test_rounds_merge_into_the_median_of_every_timed_step_and_a_failure_stands()
         }
 
     warm = [9.0] * QUICK.warmup
-    merged = compare.merge_rounds([record([*warm, 1.0, 2.0, 3.0], 10), record([*warm, 4.0, 5.0, 6.0], 30)], QUICK)
+    merged = contest.merge_rounds([record([*warm, 1.0, 2.0, 3.0], 10), record([*warm, 4.0, 5.0, 6.0], 30)], QUICK)
     assert merged["step_s"] == 3.5  # the median of all six timed steps, warm-up steps left out
     assert merged["round_step_s"] == [2.0, 5.0]
     assert merged["peak_rss_bytes"] == merged["disk_bytes"] == 30 and merged["wall_s"] == 4.0
     assert merged["tokens_per_s"] == QUICK.tokens_per_step / 3.5
     failed = record([], 0, status="skipped")
-    assert compare.merge_rounds([record([*warm, 1.0], 10), failed], QUICK) is failed
+    assert contest.merge_rounds([record([*warm, 1.0], 10), failed], QUICK) is failed
 
 
 def test_at_scale_is_giants_model_and_data_on_one_rank_built_partitioned() -> None:
     from benchmarks import giant
 
     args = giant.parse_args(["--params", "1e9"])
-    workload = compare.at_scale(1e9, warmup=1, steps=2)
+    workload = at_scale.at_scale(1e9, warmup=1, steps=2)
     _tokens, vocab_size = workload.tokens()
     gpt = workload.gpt_config(vocab_size)
     assert 0.9e9 <= gpt.num_params() <= 1.1e9 and not gpt.tie_embeddings
@@ -167,17 +167,55 @@ def test_at_scale_is_giants_model_and_data_on_one_rank_built_partitioned() -> No
     assert (workload.world_size, workload.partitioned, workload.warmup, workload.steps) == (1, True, 1, 2)
 
 
-def test_at_scale_refuses_other_systems_and_a_missing_deepspeed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_at_scale_refuses_systems_that_cannot_hold_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as refused:
-        compare.main(["--params", "1e9", "--systems", "ours", "--out", str(tmp_path)])
-    assert refused.value.code == 2 and "python -m benchmarks.giant --params N" in capsys.readouterr().err
-    monkeypatch.setitem(compare.REQUIRES, "deepspeed", "no_such_module_for_peers")
-    with pytest.raises(SystemExit) as missing:
-        compare.main(["--params", "1e9", "--out", str(tmp_path)])
-    assert "not installed" in str(missing.value) and "pip install" in str(missing.value)
+        compare.main(["--params", "1e9", "--systems", "ours", "fsdp2", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "--params runs DeepSpeed and ours" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # refused before anything ran or was written
+
+
+@pytest.mark.slow  # two engine runs of a 3M-parameter model: about 60 s
+def test_at_scale_runs_ours_in_each_form_and_skips_a_missing_deepspeed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(contest.REQUIRES, "deepspeed", "no_such_module_for_peers")
+    disk = tmp_path / "disk"
+    args = ["--params", "3e6", "--quick", "--grad-clip", "1.0", "--out", str(tmp_path), "--dir", str(disk)]
+    result = compare.main(args)
+    deepspeed, fp32, compact = result["contestants"]
+    assert deepspeed["status"] == "skipped" and "no_such_module_for_peers is not installed" in deepspeed["reason"]
+    for ours in (fp32, compact):
+        assert ours["status"] == "ok", ours.get("reason")
+        assert len(ours["steps_s"]) == len(ours["losses"]) == 2 and ours["step_s"] == ours["steps_s"][1]
+        assert ours["bytes_read"] > 0 and ours["bytes_written"] > 0 and ours["disk_bytes"] > 0
+        assert ours["overhead_s"] == pytest.approx(ours["step_s"] - result["compute_s"])
+        assert ours["step_over_mixed"] == pytest.approx(ours["step_s"] / ours["mixed_bound_s"])
+        assert "x_deepspeed" not in ours
+    assert compact["losses"][0] == pytest.approx(fp32["losses"][0], rel=1e-3)  # the same model and first batch
+    assert compact["bytes_read"] < fp32["bytes_read"]  # int8 moments and bf16 masters move fewer bytes
+    assert result["workload"]["grad_clip"] == 1.0
+    assert [row["system"] for row in result["rows"]] == ["ours, nvme, fp32", "ours, nvme, compact"]
+    assert list(disk.iterdir()) == []  # every contestant's folder was removed
+
+
+def test_at_scale_puts_each_step_beside_deepspeeds_and_ours_beside_its_mixed_bound() -> None:
+    records = [
+        {"status": "ok", "system": "deepspeed", "step_s": 20.0},
+        {"status": "ok", "system": "ours", "form": "fp32", "step_s": 16.0, "bytes_read": 15e9, "bytes_written": 13e9},
+        {"status": "ok", "system": "ours", "form": "compact", "step_s": 8.0, "bytes_read": 6e9, "bytes_written": 6e9},
+        {"status": "skipped", "system": "ours", "form": "fp32", "reason": "failed"},
+    ]
+    at_scale.add_bounds(records, compute_s=4.0, mixed_gbps={"fp32": 1.75, "compact": 2.0})
+    deepspeed, fp32, compact, failed = records
+    assert [r["x_deepspeed"] for r in (deepspeed, fp32, compact)] == [1.0, 0.8, 0.4]
+    assert [r["overhead_s"] for r in (deepspeed, fp32, compact)] == [16.0, 12.0, 4.0]
+    assert fp32["mixed_bound_s"] == pytest.approx(16.0) and fp32["step_over_mixed"] == pytest.approx(1.0)
+    assert compact["mixed_bound_s"] == pytest.approx(6.0) and compact["step_over_mixed"] == pytest.approx(8 / 6)
+    assert "mixed_bound_s" not in deepspeed and "overhead_s" not in failed
+    at_scale.add_bounds(records[1:2], compute_s=30.0, mixed_gbps={"fp32": 1.75})
+    assert records[1]["mixed_bound_s"] == 30.0  # compute-bound: the bound is the compute
 
 
 def test_a_rank_killed_by_a_signal_is_reported_with_its_last_line_that_is_not_a_warning(tmp_path: Path) -> None:
@@ -187,6 +225,6 @@ def test_a_rank_killed_by_a_signal_is_reported_with_its_last_line_that_is_not_a_
         "  return func(*args, **kwargs)\n"
         "[2026-01-01 00:00:01] [WARNING] [utils.py:26:swap_out_tensors] Offloading to NVMe\n"
     )
-    reason = compare._rank_error(tmp_path, 0, -9)
+    reason = contest.rank_error(tmp_path, 0, -9)
     assert reason == "rank 0 was killed by SIGKILL: [2026-01-01 00:00:00] [INFO] optimizer state initialized"
-    assert compare._rank_error(tmp_path / "missing", 1, 3) == "rank 1 exited with code 3: no output"
+    assert contest.rank_error(tmp_path / "missing", 1, 3) == "rank 1 exited with code 3: no output"
