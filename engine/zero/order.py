@@ -5,7 +5,10 @@ A training iteration visits the same units in the same order every time (forward
 recorded and later ones are predicted from it: whatever comes next in the record can be
 fetched ahead. An iteration that departs from the record (a data-dependent branch, an
 evaluation pass) only costs the prediction: from the first difference on nothing is
-predicted, that iteration is recorded instead, and it becomes the record for the next.
+predicted, that iteration is recorded instead, and it becomes the record for the next. Two
+neighbours that trade places are no such difference: hooks on one tensor (a unit's output
+that is the model's output too) fire in an order a prediction made before the first
+iteration cannot know, so the iteration goes on following and becomes the record.
 
 The records go with each committed step (``saved_orders``), so that a resumed run predicts its
 first iteration too (``adopt_orders``): without them it fetched every unit on demand (at 10.1B
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.state.partition import FROZEN_SUFFIX, ModelLayout, nested_in
+from engine.state.partition import FROZEN_SUFFIX, ModelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -30,26 +33,39 @@ class TracedOrder:
         self._current: list[str] = []
         self._position = 0
         self._following = False  # whether this iteration has matched the record so far
+        self._passed: str | None = None  # the entry stepped over for its neighbour, due next
+        self._swapped = False  # whether this iteration traded neighbours: its order is the better record
 
     def start(self) -> None:
-        """A new iteration begins; the one before becomes the record unless it followed it."""
-        if self._current and not self._following:
+        """A new iteration begins; the one before becomes the record unless it followed it (a
+        whole one that traded neighbours does)."""
+        whole = len(self._current) == len(self._record)
+        if self._current and (not self._following or (self._swapped and whole)):
             self._record = self._current
         self._current = []
         self._position = 0
         self._following = bool(self._record)
+        self._passed, self._swapped = None, False
 
     def visit(self, name: str) -> None:
         """``name`` is used now."""
         self._current.append(name)
         if not self._following:
             return
-        if self._position < len(self._record) and self._record[self._position] == name:
+        record, at = self._record, self._position
+        if at < len(record) and record[at] == name:
             self._position += 1
-            return
-        expected = self._record[self._position] if self._position < len(self._record) else "the end"
-        logger.info("%s changed: %r used where the last iteration used %r; re-recording", self._what, name, expected)
-        self._following = False
+        elif name == self._passed:
+            self._passed = None
+        elif at + 1 < len(record) and record[at + 1] == name:
+            self._passed, self._swapped = record[at], True
+            self._position += 2
+        else:
+            expected = record[at] if at < len(record) else "the end"
+            logger.info(
+                "%s changed: %r used where the last iteration used %r; re-recording", self._what, name, expected
+            )
+            self._following = False
 
     def upcoming(self) -> list[str]:
         """What the record says comes after the last visit (nothing once the iteration departed)."""
@@ -93,17 +109,31 @@ def adopt_predicted(
 
 def predicted_orders(units: list[str], needs: dict[str, list[str]], held: list[str]) -> dict[str, list[str]]:
     """The orders a plain iteration follows, so that a fresh run's first step prefetches too.
-    ``units``: the unit modules in definition order, the root last; ``needs``: the units each
-    gathers when it runs; ``held``: the units the parameters hold. Forward gathers the root's,
-    then each block's; backward starts at the root's output gradient and gathers the blocks'
-    in reverse, and their gradient shards complete in that order, the root's last. Nested
-    units run in another order: none is predicted for them. A model that runs otherwise (a
-    unit run twice) only re-records at its first difference."""
-    if any(nested_in(inner, outer) for outer in units for inner in units):
-        return {}
-    runs = [[u for u in needs.get(name, []) if u in held] for name in [units[-1], *units[:-1]]]
-    root, blocks = runs[0], runs[1:]
-    params = [*root, *(u for run in blocks for u in run), *root, *(u for run in reversed(blocks) for u in run)]
-    trainable = [u for u in held if not u.endswith(FROZEN_SUFFIX)]
-    grads = [u for run in [*reversed(blocks), root] for u in run if u in trainable]
-    return {"params": params, "grads": grads}
+    ``units``: the unit modules in definition order, inner units before the unit they are
+    nested in, the root last; ``needs``: the units each gathers when it runs; ``held``: the
+    units the parameters hold.
+
+    The units form a tree: each under the innermost unit it is nested in, the root at the top.
+    Forward gathers a unit's needs, then runs its children in definition order; backward
+    starts at the root's output gradient and gathers a unit's needs, then its children's in
+    reverse. A unit's gradient shard completes after all its children's, so shards complete
+    in the reverse of the tree's definition order, children first and the root last. A model
+    that runs otherwise (a unit run twice, children called out of their definition order)
+    only re-records at its first difference."""
+    root = units[-1]
+    children: dict[str, list[str]] = {name: [] for name in units}
+    for name in units[:-1]:
+        paths = (name[:cut] for cut in reversed([i for i, c in enumerate(name) if c == "."]))
+        children[next((p for p in paths if p in children and p != root), root)].append(name)
+    trainable = {u for u in held if not u.endswith(FROZEN_SUFFIX)}
+
+    def gathers(name: str, backward: bool) -> list[str]:
+        inner = reversed(children[name]) if backward else children[name]
+        own = [u for u in needs.get(name, []) if u in held]
+        return [*own, *(u for child in inner for u in gathers(child, backward))]
+
+    def completions(name: str) -> list[str]:
+        own = [u for u in needs.get(name, []) if u in trainable]
+        return [*(u for child in reversed(children[name]) for u in completions(child)), *own]
+
+    return {"params": [*gathers(root, False), *gathers(root, True)], "grads": completions(root)}
