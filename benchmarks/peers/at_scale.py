@@ -92,12 +92,13 @@ def at_scale(params: float, warmup: int, steps: int, grad_clip: float = 0.0) -> 
 
 
 def ours_train_args(params: float, form: StateForm, workload: Workload, store: Path, metrics: Path) -> list[str]:
-    """`python -m engine train`'s overrides, as `benchmarks.giant` sets them for this form."""
+    """`python -m engine train`'s overrides, as `benchmarks.giant` sets them for this form (gradients
+    are spilled only to be clipped: without clipping there is no spill to narrow)."""
     args = giant.parse_args(
         [
             *("--params", str(params), "--grad-clip", str(workload.grad_clip)),
             *("--state-dtype", form.state_dtype, "--master-dtype", form.master_dtype),
-            *("--grad-spill-dtype", form.grad_spill_dtype),
+            *("--grad-spill-dtype", form.grad_spill_dtype if workload.grad_clip else "fp32"),
         ]
     )
     args.steps = workload.warmup + workload.steps  # one run, never stopped: giant's --stop-after plays no part
@@ -228,7 +229,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
     ran, skipped_rows = table_rows(records)
     clip = f"clipped to {workload.grad_clip:g}" if workload.grad_clip else "no clipping"
     print_table(
-        f"At scale: {gpt.num_params() / 1e9:.2f}B params, 1 rank, parameters and optimizer on nvme, {clip}; "
+        f"At scale: {gpt.num_params() / 1e6:,.0f}M params, 1 rank, parameters and optimizer on nvme, {clip}; "
         f"median of {steps} steps after {warmup}",
         ran,
     )

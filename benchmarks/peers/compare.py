@@ -1,12 +1,12 @@
 """Our engine beside plain PyTorch, FSDP2 and DeepSpeed: the same training, side by side, in one run.
 
     python -m benchmarks.peers [--quick] [--systems plain fsdp2 deepspeed ours] [--rounds N] [--dir PATH] [--out PATH]
-    python -m benchmarks.peers --params 3e9 [--steps N] [--warmup N] [--dir PATH] [--timeout S]
+    python -m benchmarks.peers --params 3e9 [--forms fp32 compact] [--grad-clip C] [--steps N] [--dir PATH]
 
 Every contestant trains the same workload (`benchmarks.peers.workload`): the built-in
 GPT, untied (21.1M parameters: 4 layers, d_model 512, 8 heads, a BPE vocabulary of
 8192), on the built-in Shakespeare data, 4 x 256 tokens per rank, bf16 compute, AdamW
-with the same hyper-parameters and no clipping, on 2 gloo ranks of one thread each:
+with the same hyper-parameters and no clipping (unless `--grad-clip`), on 2 gloo ranks of one thread each:
 
 - plain PyTorch: DDP, bf16 autocast, fused AdamW; nothing sharded or offloaded: the floor;
 - FSDP2: `fully_shard` per block and root, `CPUOffloadPolicy(pin_memory=False)`, bf16
@@ -30,19 +30,16 @@ the price of offloading against the floor. A contestant that is not installed or
 is listed as skipped, with the reason. `--quick` runs a 0.14M-parameter model on byte
 tokens for three steps: a check that the script works, not a measurement.
 
-With `--params N`, DeepSpeed ZeRO-Infinity alone trains the model `python -m
-benchmarks.giant --params N` trains ours on (`at_scale`: the same GPT, untied as ours
-is, the same data, 1 x 128 tokens, AdamW with giant's constant learning rate, no
-clipping), on one rank with every core, parameters and optimizer state on nvme. Such a
-model's fp32 weights may not fit in memory, so DeepSpeed builds it already partitioned
-(`zero.Init`). Ours at that size is `benchmarks.giant` itself; its table is the one to
-put beside this one. The step time is the median of the steps after `--warmup` (1).
+With `--params N`, DeepSpeed ZeRO-Infinity and ours train the model `python -m
+benchmarks.giant --params N` trains, in turn, on one rank with parameters and optimizer
+state on nvme: `benchmarks.peers.at_scale` tells how.
 
 The default install has no DeepSpeed; the `peers` extra brings it (and `tokenizers`,
 for the BPE data). DeepSpeed builds against the installed torch, so its build must
 see it, and its ops are compiled on first use rather than at install:
 
     apt-get install -y libaio-dev        # Debian: DeepSpeed's async I/O op, for the nvme contestant
+    pip install wheel setuptools         # a fresh virtual environment: the build runs without isolation
     DS_BUILD_OPS=0 pip install --no-build-isolation -e ".[peers,bench]"
 
 The first run compiles DeepSpeed's CPU Adam (about 2.5 minutes here) and async I/O ops

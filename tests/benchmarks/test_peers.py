@@ -228,3 +228,21 @@ def test_a_rank_killed_by_a_signal_is_reported_with_its_last_line_that_is_not_a_
     reason = contest.rank_error(tmp_path, 0, -9)
     assert reason == "rank 0 was killed by SIGKILL: [2026-01-01 00:00:00] [INFO] optimizer state initialized"
     assert contest.rank_error(tmp_path / "missing", 1, 3) == "rank 1 exited with code 3: no output"
+
+
+def test_ours_compact_form_spills_gradients_in_bf16_only_where_it_clips() -> None:
+    from benchmarks import giant
+
+    def spill_dtype(grad_clip: float) -> str:
+        workload = at_scale.at_scale(1e9, warmup=1, steps=2, grad_clip=grad_clip)
+        args = at_scale.ours_train_args(1e9, at_scale.FORMS["compact"], workload, Path("store"), Path("m.jsonl"))
+        config = giant.train_config(args)  # refuses a spill dtype where nothing is spilled
+        assert (config.optim.state_dtype, config.optim.master_dtype, config.optim.grad_clip) == (
+            "int8",
+            "bf16",
+            grad_clip,
+        )
+        return config.offload.grad_spill_dtype
+
+    assert spill_dtype(0.0) == "fp32"
+    assert spill_dtype(1.0) == "bf16"
