@@ -18,6 +18,7 @@ parameters on nvme the resumed first step waited 25.6 s for parameters; 0.36 s w
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from engine.state.partition import FROZEN_SUFFIX, ModelLayout
 
@@ -100,40 +101,62 @@ def adopt_predicted(
     orders: dict[str, TracedOrder], units: list[str], needs: dict[str, list[str]], layout: ModelLayout, recompute: bool
 ) -> None:
     """Give ``orders`` without a record (a fresh run's: a resumed run adopted its own) the
-    prediction of ``predicted_orders``; none where activations are recomputed, which runs the
-    units in another order."""
+    prediction of ``predicted_orders``."""
     held = [u.name for u in layout.all_units]
-    if not recompute:
-        adopt_orders(predicted_orders(units, needs, held), set(held), **orders)
+    adopt_orders(predicted_orders(units, needs, held, recompute), set(held), **orders)
 
 
-def predicted_orders(units: list[str], needs: dict[str, list[str]], held: list[str]) -> dict[str, list[str]]:
-    """The orders a plain iteration follows, so that a fresh run's first step prefetches too.
-    ``units``: the unit modules in definition order, inner units before the unit they are
-    nested in, the root last; ``needs``: the units each gathers when it runs; ``held``: the
-    units the parameters hold.
-
-    The units form a tree: each under the innermost unit it is nested in, the root at the top.
-    Forward gathers a unit's needs, then runs its children in definition order; backward
-    starts at the root's output gradient and gathers a unit's needs, then its children's in
-    reverse. A unit's gradient shard completes after all its children's, so shards complete
-    in the reverse of the tree's definition order, children first and the root last. A model
-    that runs otherwise (a unit run twice, children called out of their definition order)
-    only re-records at its first difference."""
+def unit_tree(units: list[str]) -> dict[str, list[str]]:
+    """Each unit's children, in definition order: the units whose innermost enclosing unit it
+    is (``units`` as ``predicted_orders`` takes them; units in no other hang under the root)."""
     root = units[-1]
     children: dict[str, list[str]] = {name: [] for name in units}
     for name in units[:-1]:
         paths = (name[:cut] for cut in reversed([i for i, c in enumerate(name) if c == "."]))
         children[next((p for p in paths if p in children and p != root), root)].append(name)
+    return children
+
+
+def predicted_orders(
+    units: list[str], needs: dict[str, list[str]], held: list[str], recompute: bool = False
+) -> dict[str, list[str]]:
+    """The orders a plain iteration follows, so that a fresh run's first step prefetches too.
+    ``units``: the unit modules in definition order, inner units before the unit they are
+    nested in, the root last; ``needs``: the units each gathers when it runs; ``held``: the
+    units the parameters hold; ``recompute``: whether the outermost units recompute their
+    activations (``engine.zero.recompute``).
+
+    The units form a tree (``unit_tree``). Forward gathers a unit's needs, then runs its
+    children in definition order; backward starts at the root's output gradient and gathers a
+    unit's needs, then its children's in reverse. A recomputed unit's backward gathers its
+    needs and its last child's (whose output, a residual added to it, is the unit's: its
+    gradient arrives before anything needs the activations), then runs all its children's
+    forward again, then the rest of their backward. A unit's gradient shard completes after all
+    its children's, so shards complete in the reverse of the tree's definition order, children
+    first and the root last. A model that runs otherwise (a unit run twice, children called
+    out of their definition order) only re-records at its first difference."""
+    root = units[-1]
+    children = unit_tree(units)
     trainable = {u for u in held if not u.endswith(FROZEN_SUFFIX)}
 
+    def own(name: str) -> list[str]:
+        return [u for u in needs.get(name, []) if u in held]
+
+    def walk(names: Iterable[str], backward: bool) -> list[str]:
+        return [u for name in names for u in gathers(name, backward)]
+
     def gathers(name: str, backward: bool) -> list[str]:
-        inner = reversed(children[name]) if backward else children[name]
-        own = [u for u in needs.get(name, []) if u in held]
-        return [*own, *(u for child in inner for u in gathers(child, backward))]
+        inner = children[name]
+        if not backward:
+            return [*own(name), *walk(inner, False)]
+        if recompute and inner and name in children[root]:
+            last = inner[-1]
+            rest = [*reversed(children[last]), *reversed(inner[:-1])]
+            return [*own(name), *own(last), *walk(inner, False), *walk(rest, True)]
+        return [*own(name), *walk(reversed(inner), True)]
 
     def completions(name: str) -> list[str]:
-        own = [u for u in needs.get(name, []) if u in trainable]
-        return [*(u for child in reversed(children[name]) for u in completions(child)), *own]
+        mine = [u for u in needs.get(name, []) if u in trainable]
+        return [*(u for child in reversed(children[name]) for u in completions(child)), *mine]
 
     return {"params": [*gathers(root, False), *gathers(root, True)], "grads": completions(root)}
