@@ -190,6 +190,7 @@ def test_at_scale_runs_ours_in_each_form_and_skips_a_missing_deepspeed(
         assert ours["status"] == "ok", ours.get("reason")
         assert len(ours["steps_s"]) == len(ours["losses"]) == 2 and ours["step_s"] == ours["steps_s"][1]
         assert ours["bytes_read"] > 0 and ours["bytes_written"] > 0 and ours["disk_bytes"] > 0
+        assert 0 < ours["compute_s"] < ours["step_s"] and ours["param_wait_s"] >= 0 <= ours["optimizer_wait_s"]
         assert ours["overhead_s"] == pytest.approx(ours["step_s"] - result["compute_s"])
         assert ours["step_over_mixed"] == pytest.approx(ours["step_s"] / ours["mixed_bound_s"])
         assert "x_deepspeed" not in ours
