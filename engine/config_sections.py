@@ -135,9 +135,9 @@ class OffloadConfig:
     the device is not the host (an accelerator, or the simulated one) or gradients are spilled
     (``grad_spill``: their norms and writes then leave the training thread), else off on a
     CPU-only machine, where the worker would take the cores backward computes on. Beside an
-    accelerator the worker's thread binds the rank's device, and while it runs torch's intra-op threads are capped at the
-    rank's share of the cores less one, left to the thread that launches kernels. ``true`` with
-    ``optimizer = "device"`` is refused."""
+    accelerator the worker's thread binds the rank's device, and while it runs torch's intra-op
+    threads are capped at the rank's share of the cores less one, left to the thread that
+    launches kernels. ``true`` with ``optimizer = "device"`` is refused."""
 
     @property
     def optimizer_on_device(self) -> bool:

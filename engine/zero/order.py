@@ -156,7 +156,7 @@ def predicted_orders(
         return [*own(name), *walk(reversed(inner), True)]
 
     def completions(name: str) -> list[str]:
-        mine = [u for u in needs.get(name, []) if u in trainable]
-        return [*(u for child in reversed(children[name]) for u in completions(child)), *mine]
+        inner = (u for child in reversed(children[name]) for u in completions(child))
+        return [*inner, *(u for u in own(name) if u in trainable)]
 
     return {"params": [*gathers(root, False), *gathers(root, True)], "grads": completions(root)}
