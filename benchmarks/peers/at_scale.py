@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import giant
-from benchmarks.peers.contest import Runner, rank_env, rank_error, run_contestant, run_rounds, skipped
+from benchmarks.peers.contest import Runner, group_failure, ran, rank_env, run_contestant, run_rounds, skipped
 from benchmarks.peers.launch import python_module, run_ranks
 from benchmarks.peers.workload import Contestant, Workload
 from benchmarks.report import Row, print_table, save_json
@@ -125,24 +125,20 @@ def run_ours(params: float, form: StateForm, workload: Workload, timeout_s: floa
         watch=store,
     )
     if not group.ok:
-        why = f"timed out after {timeout_s:.0f} s" if group.timed_out else rank_error(work, 0, group.returncodes[0])
-        return skipped(record, why, work / "rank0.log")
+        return skipped(record, *group_failure(work, group, timeout_s))
     steps = giant.steps_recorded(metrics)
     timed = steps[workload.warmup :]
-    step_s = statistics.median(s["seconds"] for s in timed)
-    record.update(
-        status="ok",
-        step_s=step_s,
+    ran(
+        record,
+        workload,
+        group,
         steps_s=[s["seconds"] for s in steps],
-        tokens_per_s=workload.tokens_per_step / step_s,
-        setup_s=group.wall_s - sum(s["seconds"] for s in steps),
         losses=[s["loss"] for s in steps],
-        **{key: statistics.median(s[key] for s in timed) for key in OWN_STATISTICS},
-        peak_rss_bytes=group.peak_rss_bytes,
+        setup_s=group.wall_s - sum(s["seconds"] for s in steps),
         rank_max_rss_bytes=[max(s["peak_rss_bytes"] for s in steps)],
-        wall_s=group.wall_s,
-        disk_bytes=group.peak_disk_bytes,
     )
+    record.update({key: statistics.median(s[key] for s in timed) for key in OWN_STATISTICS})
+    record["disk_bytes"] = group.peak_disk_bytes
     return record
 
 

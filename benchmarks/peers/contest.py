@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers.launch import python_module, run_one, run_ranks
+from benchmarks.peers.launch import GroupResult, python_module, run_one, run_ranks
 from benchmarks.peers.rank import RankSpec, result_path, threads_per_rank
 from benchmarks.peers.trainers import ENVIRONMENT, PREPARE, REQUIRES
 from benchmarks.peers.workload import Contestant, Workload
@@ -107,28 +107,55 @@ def run_contestant(
         watch=nvme if contestant.uses_nvme else None,
     )
     if not group.ok:
-        failed = group.first_failure()
-        if failed is None:
-            return skipped(record, f"timed out after {timeout_s:.0f} s", work / "rank0.log")
-        return skipped(record, rank_error(work, failed, group.returncodes[failed]), work / f"rank{failed}.log")
+        return skipped(record, *group_failure(work, group, timeout_s))
     ranks = [json.loads(result_path(work, rank).read_text()) for rank in range(workload.world_size)]
-    step_s = [max(times) for times in zip(*(r["step_s"] for r in ranks), strict=True)]
-    median = statistics.median(step_s[workload.warmup :])
-    record.update(
-        status="ok",
-        params=ranks[0]["params"],
-        step_s=median,
-        steps_s=step_s,
-        tokens_per_s=workload.tokens_per_step / median,
-        setup_s=max(r["setup_s"] for r in ranks),
+    record["params"] = ranks[0]["params"]
+    ran(
+        record,
+        workload,
+        group,
+        steps_s=[max(times) for times in zip(*(r["step_s"] for r in ranks), strict=True)],
         losses=[statistics.fmean(losses) for losses in zip(*(r["losses"] for r in ranks), strict=True)],
-        peak_rss_bytes=group.peak_rss_bytes,
+        setup_s=max(r["setup_s"] for r in ranks),
         rank_max_rss_bytes=[r["max_rss_bytes"] for r in ranks],
-        wall_s=group.wall_s,
     )
     if contestant.uses_nvme:
         record["disk_bytes"] = group.peak_disk_bytes
     return record
+
+
+def group_failure(work: Path, group: GroupResult, timeout_s: float) -> tuple[str, Path]:
+    """Why a contestant's ranks did not finish, and the log that shows it."""
+    failed = group.first_failure()
+    if failed is None:
+        return f"timed out after {timeout_s:.0f} s", work / "rank0.log"
+    return rank_error(work, failed, group.returncodes[failed]), work / f"rank{failed}.log"
+
+
+def ran(
+    record: dict[str, Any],
+    workload: Workload,
+    group: GroupResult,
+    *,
+    steps_s: list[float],
+    losses: list[float],
+    setup_s: float,
+    rank_max_rss_bytes: list[int],
+) -> None:
+    """Make ``record`` that of a contestant that ran: every step's seconds and loss, the median
+    step after the warm-up, and the memory its ranks held."""
+    median = statistics.median(steps_s[workload.warmup :])
+    record.update(
+        status="ok",
+        step_s=median,
+        steps_s=steps_s,
+        tokens_per_s=workload.tokens_per_step / median,
+        setup_s=setup_s,
+        losses=losses,
+        peak_rss_bytes=group.peak_rss_bytes,
+        rank_max_rss_bytes=rank_max_rss_bytes,
+        wall_s=group.wall_s,
+    )
 
 
 def merge_rounds(rounds: Sequence[dict[str, Any]], workload: Workload) -> dict[str, Any]:
