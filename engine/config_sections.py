@@ -114,8 +114,9 @@ class OffloadConfig:
 
     ``bf16`` rounds to nearest (a gradient is used once: no error piles up) and widens back to fp32
     for the update; the norm and the overflow check are taken from the fp32 shard first. On one
-    rank computing in bf16 with one micro-batch a step, the gradients are bucketed in bf16
-    from the start: nothing is rounded at all. Refused where no gradient is spilled."""
+    rank computing in bf16 with one micro-batch a step and no loss scaling, the gradients are
+    bf16 from the start: ``bf16`` rounds nothing there, and ``fp32`` only widens them, for twice
+    the disk and I/O. Refused where no gradient is spilled."""
     pinned_mb: float | Literal["auto"] = "auto"
     """Host MiB that copies between host and device go through; ``auto``: what the plan needs.
 

@@ -337,7 +337,7 @@ class Engine:
                     "step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale
                 )
             else:
-                self._update_and_commit(grads)
+                self._update_and_commit()
             self.global_step += 1
             self._drop_grads()
             self._commit_checkpoint()
@@ -345,10 +345,10 @@ class Engine:
         self._phase = self._between_steps()
         return not overflow
 
-    def _update_and_commit(self, grads: list[torch.Tensor]) -> None:
+    def _update_and_commit(self) -> None:
         """Update every unit (``StepControl.apply``: a step that diverged stops here), store the
         new parameters and commit the step on the optimizer tier."""
-        diverged = self.step_control.apply(grads)
+        diverged = self.step_control.apply()
         if diverged is not None:
             self._diverge(diverged)
         self.params.flush()

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.config import Config, OffloadConfig, ZeroConfig, spills_gradients
+from engine.config import Config, OffloadConfig, ZeroConfig
 from engine.runtime.pinned import aligned
 from engine.runtime.sizes import MIB
 from engine.runtime.staging import ring_bytes
@@ -69,20 +69,14 @@ def spill_dtype(offload: OffloadConfig) -> torch.dtype:
 
 
 def gradient_dtype(config: Config, world_size: int) -> torch.dtype:
-    """The dtype a rank buckets and shards its gradients in: fp32, or the compute dtype where
-    nothing is summed in them and they are spilled in that dtype anyway (one rank, one
-    micro-batch a step, no loss scaling, ``offload.grad_spill_dtype`` the compute dtype). There
-    widening each gradient to fp32 and narrowing it back for the spill are exact, and cost 12
-    bytes a parameter of memory traffic and an fp32 bucket of twice the memory (FSDP2's
-    ``reduce_dtype``, where no reduction needs the width)."""
+    """The dtype a rank buckets, shards and copies its gradients in: fp32, or the compute dtype
+    where nothing is summed or scaled in them (one rank, one micro-batch a step, no loss
+    scaling). The update widens each gradient as it reads it (and clips it in the same pass), a
+    spill in fp32 as it stores it; both are exact, so the result is the fp32 bucket's bit for
+    bit, for half the bucket's memory and half the bytes each gradient moves from the device to
+    the host (FSDP2's ``reduce_dtype``, where no reduction needs the width)."""
     compute = DTYPES[config.precision.compute_dtype]
-    narrow = (
-        world_size == 1
-        and config.zero.grad_accum_steps == 1
-        and config.precision.loss_scaling == "none"
-        and spills_gradients(config)
-        and spill_dtype(config.offload) == compute
-    )
+    narrow = world_size == 1 and config.zero.grad_accum_steps == 1 and config.precision.loss_scaling == "none"
     return compute if narrow else torch.float32
 
 

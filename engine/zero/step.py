@@ -31,7 +31,7 @@ from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.grad_spill import GradSpill
 from engine.tiers.optimizer import OptimizerState
 from engine.zero.grads import GradientShards, PendingShard
-from engine.zero.optim import clip_coefficient, clip_grads_
+from engine.zero.optim import clip_coefficient
 from engine.zero.params import Params
 from engine.zero.precision import LossScaler
 from engine.zero.spilling import Spilling
@@ -56,8 +56,10 @@ class UnitWork:
         """A step starts, at learning rate ``lr``, nothing clipped yet."""
         self._lr, self._clip_scale, self.unit_norms = lr, None, {}
 
-    def clip_spilled(self, scale: torch.Tensor) -> None:
-        """Scale each gradient read back from disk by ``scale`` (clipping's coefficient) in the update's own pass."""
+    def clip(self, scale: torch.Tensor) -> None:
+        """Scale each gradient by ``scale`` (clipping's coefficient) in the update's own pass, as
+        it is widened there: a gradient kept in the compute dtype could not hold the product,
+        and a separate pass over every gradient would read them all once more."""
         self._clip_scale = scale
 
     def take_grad(self, unit: UnitLayout) -> PendingShard:
@@ -65,10 +67,9 @@ class UnitWork:
         (on the training thread: the copies' bookkeeping is its own)."""
         return self._grads.take(unit.name)
 
-    def compute(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor, spilled: bool) -> None:
+    def compute(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor) -> None:
         """AdamW on one unit's shard; on the host optimizer worker or the training thread,
-        touching nothing but the unit's own tensors. A ``spilled`` gradient was read back from
-        disk and is clipped here.
+        touching nothing but the unit's own tensors; the gradient is clipped here.
 
         Inside backward (overlap) nothing has seen every gradient, so the unit's own gradient
         norm is taken first, and a unit whose norm is not finite is left as it was (the step
@@ -77,9 +78,9 @@ class UnitWork:
         the device: the host reading each unit's norm would wait for the device once per unit."""
         skip = None
         if self._overlap:
-            norm = self.unit_norms[unit.name] = torch.linalg.vector_norm(grad)
+            norm = self.unit_norms[unit.name] = torch.linalg.vector_norm(grad, dtype=torch.float32)
             skip = norm.isfinite().logical_not().float()
-        self._adamw.update(unit, state, grad, self._lr, self._clip_scale if spilled else None, skip)
+        self._adamw.update(unit, state, grad, self._lr, self._clip_scale, skip)
 
     def hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None:
         """On the training thread, after ``compute``: hand the new master to the parameters (its
@@ -174,22 +175,22 @@ class StepControl:
         assert self._update is not None, "the step's last backward opens its update"
         return self._update
 
-    def apply(self, grads: list[torch.Tensor]) -> str | None:
-        """Update every unit still pending, with ``grads`` (the final shards in memory, unscaled):
-        after the norm check and clipping, or, where the units were updated inside backward,
-        followed by the check of their norms. Returns what is not finite (the step diverged:
-        before any update where the check comes first), or None."""
+    def apply(self) -> str | None:
+        """Update every unit still pending (their final gradient shards unscaled by now): after
+        the norm check and clipping, or, where the units were updated inside backward, followed
+        by the check of their norms. Returns what is not finite (the step diverged: before any
+        update where the check comes first), or None."""
         update = self._opened()
         if self.overlap:
             update.apply_remaining()
             self.last_grad_norm, diverged = self._norms.of_unit_norms(self.unit_work.unit_norms)
             return diverged
-        diverged = self._check_norm(grads)
+        diverged = self._check_norm()
         if diverged is None:
             update.apply_remaining()
         return diverged
 
-    def _check_norm(self, grads: list[torch.Tensor]) -> str | None:
+    def _check_norm(self) -> str | None:
         """Before any unit is updated: the global gradient norm; what is not finite (the step
         diverged), or None once the gradients are clipped (``optim.grad_clip``), or will be as
         they come back from disk, whose reads start then. Loss scaling without clipping needs
@@ -200,14 +201,12 @@ class StepControl:
                 self._spilling.finish()
                 norm = self._norms.of_piece_norms(self._spilling.piece_norms)
             else:
-                norm = self._norms.in_memory(grads, self._grads.ready)
+                norm = self._norms.in_memory(self._grads.ready)
             self.last_grad_norm = float(norm)
             if not math.isfinite(self.last_grad_norm):
                 return f"the gradient norm is {self.last_grad_norm}"
-            if clip > 0 and self.spill is not None:
-                self.unit_work.clip_spilled(clip_coefficient(clip, norm))
-            elif clip > 0:
-                clip_grads_(grads, clip, norm)
+            if clip > 0:
+                self.unit_work.clip(clip_coefficient(clip, norm))
         if self.spill is not None:
             update = self._opened()
             update.read_grads(self.spill.read(update.order))

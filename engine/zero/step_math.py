@@ -24,7 +24,7 @@ from engine.state.partition import ModelLayout, UnitLayout, param_views
 from engine.zero.compact_update import CompactAdamW, compile_ahead
 from engine.zero.decay import no_decay_names, shard_decays
 from engine.zero.divergence import nonfinite_units
-from engine.zero.optim import global_norm, grad_norm, norm_of_norms, piece_norms
+from engine.zero.optim import global_norm, norm_of_norms, piece_norms
 
 
 class UnitAdamW:
@@ -62,8 +62,8 @@ class UnitAdamW:
         skip: torch.Tensor | None = None,
     ) -> None:
         """One AdamW step on the unit's shard, in place; ``scale`` multiplies the gradient first
-        (clipping's coefficient, for a gradient read back from disk); ``skip`` (one fp32 value on
-        the shard's device) nonzero leaves the shard as it was."""
+        (clipping's coefficient); ``skip`` (one fp32 value on the shard's device) nonzero
+        leaves the shard as it was."""
         counter, decay = self._counters[unit.name], self._decay[unit.name]
         count = self._counts[unit.name] = self._counts[unit.name] + 1
         moments = (state.exp_avg, state.exp_avg_sq)
@@ -99,15 +99,14 @@ class GradNorms:
         pieces = self.pieces(unit, grad)
         return dict(zip(pieces, piece_norms(list(pieces.values())), strict=True))
 
-    def in_memory(self, grads: list[torch.Tensor], shard: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """The norm of the gradient shards in memory: ``grads`` in layout order, ``shard`` each
-        unit's by name."""
-        if self._comm.world_size > 1:
-            return grad_norm(grads, self._comm)
-        views = {}
+    def in_memory(self, shard: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The norm of the gradient shards in memory, ``shard`` each unit's by name: taken piece
+        by piece as ``of_piece_norms`` combines them, which widens shards kept in the compute
+        dtype as it sums, with no fp32 copy."""
+        norms: dict[str, torch.Tensor] = {}
         for unit in self._layout.units:
-            views.update(self.pieces(unit, shard(unit.name)))
-        return grad_norm([views[name] for name in self._param_order], self._comm)
+            norms.update(self.piece_norms(unit, shard(unit.name)))
+        return self.of_piece_norms(norms)
 
     def of_piece_norms(self, norms: dict[str, torch.Tensor]) -> torch.Tensor:
         """The norm combined from every piece's norm (``piece_norms``), in the order ``in_memory`` takes them."""

@@ -63,7 +63,7 @@ class UnitUpdate(Protocol):
 
     def take_grad(self, unit: UnitLayout) -> PendingShard: ...
 
-    def compute(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor, spilled: bool) -> None: ...
+    def compute(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor) -> None: ...
 
     def hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None: ...
 
@@ -154,17 +154,17 @@ class Update:
             pending = self._unit.take_grad(unit)
         self.wait_s += time.perf_counter() - start
         if self._worker is None:
-            self._compute(unit, state, pending, spilled)
+            self._compute(unit, state, pending)
             self._hand_on(unit, state, spilled)
         else:
-            future = self._worker.submit(self._compute, unit, state, pending, spilled)
+            future = self._worker.submit(self._compute, unit, state, pending)
             self._running.append((unit, state, spilled, future))
 
-    def _compute(self, unit: UnitLayout, state: ShardState, pending: PendingShard, spilled: bool) -> None:
+    def _compute(self, unit: UnitLayout, state: ShardState, pending: PendingShard) -> None:
         """AdamW on the unit, once its gradient's copy has landed (on the worker's thread, if any)."""
         grad = pending.wait()
         start = time.perf_counter()
-        self._unit.compute(unit, state, grad, spilled)
+        self._unit.compute(unit, state, grad)
         self.compute_s += time.perf_counter() - start
 
     def _hand_on_running(self, keep: int = 0) -> None:

@@ -1,7 +1,10 @@
 """Measure, in a fresh process, how much host memory the engine adds while it trains.
 
 ``python -m tests.engine.rss_probe N_LAYER TIER BUDGET_MB STORE`` prints one JSON line.
-The peak is the kernel's high-water mark (VmHWM), reset just before the engine starts.
+The peak is the kernel's high-water mark (VmHWM), reset just before the engine starts. The
+heap is tuned as the console command tunes it (``engine.runtime.heap``): otherwise glibc keeps
+freed temporaries of the host worker's thread in that thread's heap, and the peak measures
+glibc's retention as much as the engine's staging (20-30 MiB of it here).
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import torch
 from engine.config import Config, spills_gradients
 from engine.engine import Engine
 from engine.run.models.gpt import GPT, GPTConfig
+from engine.runtime.heap import tune_heap
 from engine.runtime.rss import peak_rss_bytes
 
 
 def main(n_layer: int, tier: str, budget_mb: int, store: str) -> dict:
     torch.set_num_threads(1)
+    tune_heap()
     model = GPT(GPTConfig(n_layer=n_layer, d_model=384, n_head=6, seq_len=32))
     config = Config.from_dict(
         {

@@ -15,7 +15,7 @@ from engine.tiers.grad_spill import GRAD, scratch_path
 from engine.tools.estimate import Plan, estimate_plans, plan_of, run_shape
 from engine.tools.estimate.terms import scratch_bytes, spill_staging_bytes, step_io_bytes
 from offload import TOP, ShardStore, array_name
-from tests.engine.test_grad_spill import assert_same, nvme
+from tests.engine.test_grad_spill import nvme
 from tests.engine.test_resume import params, run
 from tests.engine.test_state_dtype import change_error
 from tests.training import batches, tiny_gpt, train_engine
@@ -136,30 +136,3 @@ def test_estimate_counts_two_bytes_a_parameter(tmp_path) -> None:
 def test_bf16_where_nothing_is_spilled_is_refused(sections: dict, tmp_path) -> None:
     with pytest.raises(ConfigError, match=r'^offload.grad_spill_dtype = .bf16.: .*set grad_spill_dtype = "fp32"$'):
         bf16(tmp_path, "auto", **sections)
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_one_bf16_rank_buckets_its_gradients_in_bf16_with_the_same_result(stage: int, tmp_path, monkeypatch) -> None:
-    """Spilled in the compute dtype with nothing summed, the gradients skip the fp32 bucket: the
-    widening and the narrowing back are exact, so the run equals the one that makes them, bit
-    for bit, its clipping norm included, with half the bucket bytes."""
-    from engine import build
-    from engine.tiers import sizing
-    from engine.tiers.sizing import gradient_dtype
-    from engine.tools.estimate.terms import grad_bucket_bytes
-
-    def cfg(name: str, spill_dtype: str = "bf16") -> Config:
-        sections = {"zero": {"stage": stage}, "precision": {"compute_dtype": "bf16"}}
-        return bf16(tmp_path / name, offload={"grad_spill_dtype": spill_dtype}, **sections)
-
-    assert gradient_dtype(cfg("a"), world_size=2) == torch.float32, "a reduction over ranks sums in fp32"
-    eng = Engine(tiny_gpt(), cfg("a"), total_steps=1)
-    assert eng.grads.dtype == torch.bfloat16
-    eng.close()
-    narrow = train_engine(cfg("b"), 4)
-    for module in (build, sizing):  # the buckets and the pinned plan that holds their shards on a GPU
-        monkeypatch.setattr(module, "gradient_dtype", lambda config, world_size: torch.float32)
-    wide = train_engine(cfg("c"), 4)
-    assert narrow["losses"] == wide["losses"] and narrow["grad_norms"] == wide["grad_norms"]
-    assert_same(narrow, wide, "the run through fp32 buckets")
-    assert 2 * grad_bucket_bytes(run_shape(cfg("d"), 1)) == grad_bucket_bytes(run_shape(cfg("e", "fp32"), 1))

@@ -69,12 +69,12 @@ def test_an_error_on_the_worker_surfaces_on_the_training_thread(tmp_path, monkey
     updated: list[str] = []
     compute = UnitWork.compute
 
-    def failing(self, unit, state, grad, spilled) -> None:
+    def failing(self, unit, state, grad) -> None:
         assert threading.current_thread().name.startswith(WORKER_THREAD), "AdamW runs on the worker"
         if updated:
             raise OSError(f"the update of unit {unit.name!r} failed")
         updated.append(unit.name)
-        compute(self, unit, state, grad, spilled)
+        compute(self, unit, state, grad)
 
     monkeypatch.setattr(UnitWork, "compute", failing)
     before = set(worker_threads())  # an engine a failed test left open keeps its own

@@ -50,7 +50,7 @@ class Recorder:
     def take_grad(self, unit: UnitLayout) -> PendingShard:
         return PendingShard(torch.zeros(unit.shard_numel))
 
-    def compute(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor, spilled: bool) -> None:
+    def compute(self, unit: UnitLayout, state: ShardState, grad: torch.Tensor) -> None:
         self.threads.add(threading.current_thread().name)
         self.applied.append(unit.name)
         state.master.add_(10)
