@@ -110,6 +110,7 @@ def measured(tmp_path_factory) -> dict[str, tuple[Config, int, Path]]:
     return results
 
 
+@pytest.mark.slow  # a real run in a fresh process per plan: 20 s
 @pytest.mark.parametrize("name", RUNS)
 def test_predicted_peak_rss_is_within_15_percent_of_a_real_run(name: str, measured) -> None:
     config, peak, _ = measured[name]
@@ -123,6 +124,7 @@ def test_predicted_peak_rss_is_within_15_percent_of_a_real_run(name: str, measur
     )
 
 
+@pytest.mark.slow  # the real runs above
 def test_predicted_store_size_is_the_store_on_disk(measured) -> None:
     config, _, folder = measured["stage 2, optimizer nvme"]
     on_disk = sum(f.stat().st_size for f in (folder / config.offload.nvme_path).rglob("*") if f.is_file())

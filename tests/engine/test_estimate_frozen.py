@@ -48,6 +48,7 @@ def measured(tmp_path_factory) -> dict[str, tuple[int, int]]:
     return results
 
 
+@pytest.mark.slow  # a real run in a fresh process per plan: 10 s
 @pytest.mark.parametrize("name", RUNS)
 def test_predicted_peak_rss_of_a_frozen_base_is_within_tolerance(name: str, measured) -> None:
     peak, _ = measured[name]
@@ -63,6 +64,7 @@ def test_predicted_peak_rss_of_a_frozen_base_is_within_tolerance(name: str, meas
     )
 
 
+@pytest.mark.slow  # the real runs above
 def test_predicted_store_of_a_frozen_base_is_the_store_on_disk(measured) -> None:
     name = "stage 3, optimizer nvme, param nvme"
     config = frozen_config(RUNS[name])

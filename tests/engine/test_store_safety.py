@@ -232,6 +232,7 @@ def test_the_schedule_change_names_the_learning_rates_before_and_after() -> None
     assert schedule_change(OptimConfig(schedule="constant"), 50, 100, 200) is None
 
 
+@pytest.mark.slow  # three runs of the console command; the refusal itself is tested in process above
 def test_the_cli_refuses_a_store_without_committed_in_one_line_and_overwrites_on_request(tmp_path) -> None:
     args = ["--preset", "tiny", "--steps", "2", "--seq_len", "32", "--micro_batch", "2", "--nvme_path", "store"]
     env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
