@@ -32,7 +32,6 @@ import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 from tqdm import tqdm
@@ -45,6 +44,7 @@ from engine.tiers.store_checks import naming_way_out
 from engine.tools.gather import gathered
 from engine.tools.inspect import IO_THREADS, committed_record, open_store, store_layout
 from offload import ChunkReader, Generations, IORunner, ShardStore, array_name, generation_prefix
+from offload.streamed_file import StreamedFile
 
 logger = logging.getLogger(__name__)
 
@@ -157,17 +157,13 @@ def consolidate(
         layout = masters.layout
         header = safetensors_header(layout, masters.metadata)
         fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the weights from other users
-                out.write(header)
-                _write_masters(masters, out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp_name, out_path)
-        except BaseException:
-            os.unlink(tmp_name)
-            raise
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the weights from other users
+        os.close(fd)
+        with StreamedFile(tmp_name) as out:  # removed if anything fails
+            out.write_bytes(header)
+            _write_masters(masters, out)
+            out.close()
+        os.replace(tmp_name, out_path)
     count = sum(len(u.params) for u in layout.all_units)
     logger.info(
         "wrote %d tensors (%.1fM fp32 weights) of %s (%s) to %s",
@@ -255,10 +251,10 @@ def header_bytes(entries: dict[str, object]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def _write_masters(masters: Masters, out: BinaryIO) -> None:
+def _write_masters(masters: Masters, out: StreamedFile) -> None:
     """Append each unit's master, cut to its real length, one chunk at a time."""
     total = (masters.layout.numel + masters.layout.frozen_numel) * FP32
     with tqdm(total=total, desc="consolidate", unit="B", unit_scale=True, disable=None) as bar:
         for _, _, values in masters.pieces():
-            out.write(values.numpy().data)
+            out.write(values)
             bar.update(values.numel() * FP32)

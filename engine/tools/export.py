@@ -35,7 +35,7 @@ import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ from engine.run.pretrained import (
 from engine.runtime.sizes import GIB, MIB
 from engine.state.partition import ModelLayout, UnitLayout
 from engine.tools.consolidate import Masters, Stores, header_bytes, open_masters, unit_values
+from offload.streamed_file import StreamedFile
 
 logger = logging.getLogger(__name__)
 
@@ -116,23 +117,23 @@ class _ShardWriter:
     def __init__(self, folder: Path, shards: list[Shard]):
         self.folder, self.shards = folder, shards
         self.current = -1
-        self.out: BinaryIO | None = None
-        self.written = 0
+        self.out: StreamedFile | None = None
+        self.header = 0
 
-    def write(self, shard: int, values: torch.Tensor) -> None:
+    def write(self, shard: int, values: torch.Tensor, dtype: torch.dtype) -> None:
+        """Append ``values`` to shard ``shard``, cast to ``dtype`` as they are staged."""
         while self.current < shard:
             self._next()
         assert self.out is not None
-        self.out.write(values.contiguous().view(torch.uint8).numpy().data)
-        self.written += values.numel() * values.element_size()
+        self.out.write(values, dtype)
 
     def _next(self) -> None:
         self.finish()
         self.current += 1
         shard = self.shards[self.current]
-        self.out = open(self._temporary(shard), "wb")  # noqa: SIM115 (closed by finish)
-        self.out.write(shard.header)
-        self.written = 0
+        self.out = StreamedFile(self._temporary(shard))
+        self.out.write_bytes(shard.header)
+        self.header = len(shard.header)
 
     def _temporary(self, shard: Shard) -> Path:
         return self.folder / f".{shard.name}.tmp"
@@ -142,20 +143,16 @@ class _ShardWriter:
         if self.out is None:
             return
         shard = self.shards[self.current]
-        if self.written != shard.nbytes:
-            raise ValueError(
-                f"{shard.name}: wrote {self.written} bytes of {shard.nbytes}; the store's layout is corrupt"
-            )
-        self.out.flush()
-        os.fsync(self.out.fileno())
+        written = self.out.written - self.header
+        if written != shard.nbytes:
+            raise ValueError(f"{shard.name}: wrote {written} bytes of {shard.nbytes}; the store's layout is corrupt")
         self.out.close()
         self.out = None
         os.replace(self._temporary(shard), self.folder / shard.name)
 
     def abort(self) -> None:
         if self.out is not None:
-            self.out.close()
-            self._temporary(self.shards[self.current]).unlink(missing_ok=True)
+            self.out.abort()
 
 
 def _write_shards(
@@ -181,13 +178,11 @@ def _write_shards(
         with tqdm(total=sum(s.nbytes for s in shards), desc="export", unit="B", unit_scale=True, disable=None) as bar:
             for unit, offset, values in pieces:
                 for tensor, part in whole.parts(unit, offset, values):
-                    writer.write(shard_of[tensor.name], part.to(dtype))
+                    writer.write(shard_of[tensor.name], part, dtype)
                     bar.update(part.numel() * dtype.itemsize)
             for name, values in buffers.items():  # an integer buffer as it is
-                writer.write(
-                    shard_of[name], values.reshape(-1).to(dtype if values.is_floating_point() else values.dtype)
-                )
-            writer.write(len(shards) - 1, torch.empty(0, dtype=dtype))  # opens any shard left (empty tensors)
+                writer.write(shard_of[name], values, dtype if values.is_floating_point() else values.dtype)
+            writer.write(len(shards) - 1, torch.empty(0), dtype)  # opens any shard left (empty tensors)
             writer.finish()
     except BaseException:
         writer.abort()

@@ -3,6 +3,7 @@ bit for bit the weights the engine trained (fp32 compute: parameters are the mas
 
 from __future__ import annotations
 
+import errno
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.tools.consolidate import consolidate
-from offload.chunks import ChecksumError
+from offload.chunks import ChecksumError, FileOps
 from tests.engine.test_inspect import (
     CHUNK_ELEMS,
     STEPS,
@@ -48,6 +49,7 @@ def test_weights_are_the_trained_parameters_and_load_strictly(untied, tmp_path) 
     with safe_open(out, "pt") as f:
         assert f.metadata()["step"] == str(STEPS) and f.metadata()["generation"] == str(STEPS)
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"], "the temporary file must be gone"
+    assert out.stat().st_mode & 0o777 == 0o644, "readable by the other users who load it"
 
 
 def test_units_spanning_several_chunks_stream_one_chunk_at_a_time(tmp_path, monkeypatch) -> None:
@@ -101,3 +103,15 @@ def test_damaged_chunk_fails_and_leaves_no_file(untied, tmp_path) -> None:
 def test_missing_output_folder_is_named(untied, tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match=f"its folder {tmp_path / 'nowhere'} does not exist"):
         consolidate(untied[0], tmp_path / "nowhere" / "model.safetensors")
+
+
+def test_a_full_disk_fails_and_leaves_no_file(untied, tmp_path, monkeypatch) -> None:
+    def full(self, fd, buf, offset) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileOps, "pwrite", full)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with pytest.raises(OSError, match="No space left on device"):
+        consolidate(untied[0], out_dir / "model.safetensors")
+    assert list(out_dir.iterdir()) == []
