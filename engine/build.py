@@ -370,20 +370,23 @@ def build_units(
     materialize: bool,
     resume: bool,
 ) -> None:
-    """Unit by unit: give a meta model's parameters memory (and ``init_unit`` values), flatten
-    them, ``add`` the fp32 shard to the optimizer tier (a frozen unit's compute-dtype shard; a
+    """Unit by unit: give a meta model's parameters their slots of the unit's fp32 flat as
+    memory (and ``init_unit`` values, written there with no copy after), or copy a real model's
+    into it; ``add`` the fp32 shard to the optimizer tier (a frozen unit's compute-dtype shard; a
     resume reads them from the store instead) and the compute-dtype flat to the parameters, whose
     views the module's parameters become. At most one unit's fp32 values exist at a time, so a
     model larger than memory builds."""
     units = layout.all_units
     built, started, every = 0, time.perf_counter(), max(1, len(units) // 10)
     for index, unit in enumerate(units, 1):
-        if materialize:
-            materialize_(owned[unit.name], device)
+        full = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
+        full[unit.numel :].zero_()  # the padding; the parameters fill the rest, end to end
+        if materialize:  # the parameters' memory is their slots in ``full``: no copy into it
+            materialize_(owned[unit.name], param_views(full, unit))
         if init_unit is not None:
             init_unit(dict(owned[unit.name]))
-        full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
-        flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
+        if not materialize:
+            flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
         flat = full.to(dtype) if dtype != torch.float32 else full
         if not resume:
             optimizer_state.add(unit, (full if unit.trainable else flat)[unit.shard_slice(rank)])

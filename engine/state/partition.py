@@ -270,12 +270,16 @@ def flatten_into(flat: torch.Tensor, unit: UnitLayout, tensors: dict[str, torch.
         flat[slot.offset : slot.offset + slot.numel].copy_(tensors[slot.name].reshape(-1))
 
 
-def materialize_(params: list[tuple[str, nn.Parameter]], device: torch.device) -> None:
-    """Give parameters built on the ``meta`` device real (uninitialised) fp32 memory, in
-    place: the same Python objects, so ties and references to them stay valid."""
-    for _, param in params:
-        if param.is_meta:
-            torch.utils.swap_tensors(param, nn.Parameter(torch.empty(param.shape, device=device), param.requires_grad))
+def materialize_(params: list[tuple[str, nn.Parameter]], places: dict[str, torch.Tensor]) -> None:
+    """Give parameters built on the ``meta`` device their ``places`` (fp32 memory, each the
+    parameter's shape) as memory, in place: the same Python objects, so ties and references to
+    them stay valid. One that has memory already is copied into its place and moved there."""
+    for name, param in params:
+        place = places[name]
+        if not param.is_meta:
+            place.copy_(param.detach())
+        # ``.data``: its own version counter, not the flat's, which every other slot's writes bump.
+        torch.utils.swap_tensors(param, nn.Parameter(place.data, param.requires_grad))
 
 
 def param_views(flat: torch.Tensor, unit: UnitLayout) -> dict[str, torch.Tensor]:

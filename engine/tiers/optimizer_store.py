@@ -301,12 +301,13 @@ class StoreOptimizerState:
                 self.generations.prepare(0, self.create_arrays)
             self.barrier()
             self._generation_zero_ready = True
-        with self.pool.acquire(self.form.unit_bytes(unit)) as buf:
-            state = self._views(unit, buf)
-            state.master.copy_(master)
-            state.exp_avg.zero_()
-            state.exp_avg_sq.zero_()
-            self._save(unit, buf)
+        buf = self.pool.acquire(self.form.unit_bytes(unit))
+        state = self._views(unit, buf)
+        state.master.copy_(master)
+        state.exp_avg.zero_()
+        state.exp_avg_sq.zero_()
+        # Behind the next unit's build, as a step's write-backs are; generation 0's commit waits.
+        self.pipeline.write_back(unit, buf, self._save, describe=lambda u: f"optimizer state of unit {u.name}")
 
     def _views(self, unit: UnitLayout, buf: HostBuffer) -> ShardState:
         form = self.form
