@@ -142,6 +142,7 @@ def test_errors_name_the_tag_and_the_fix(tmp_path) -> None:
     resumed.close()
 
 
+@pytest.mark.slow  # two runs of the console command; retention and resume are tested in process above
 def test_cli_keeps_every_interval_retains_and_resumes_from_a_checkpoint(tmp_path) -> None:
     store = tmp_path / "offload_store"
     args = ["--steps", "7", "--seq_len", "64", "--checkpoint.interval", "2", "--checkpoint.keep", "2"]
