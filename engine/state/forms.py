@@ -27,6 +27,7 @@ from engine.state.dtypes import DTYPES
 from engine.state.partition import UnitLayout
 from engine.state.quantize import BLOCK, PACKED, packed_bytes
 from offload import ShardedUnit, ShardStore, array_bytes, create_arrays, shard_bytes
+from offload.host_memory import host_bytes
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 """Each ``optim.state_dtype``'s moment dtype as stored (int8: packed blocks, ``engine.state.quantize``)."""
@@ -119,6 +120,10 @@ class StateForm:
         """Disk bytes of one unit's whole state, all ranks (padding included)."""
         return sum(array_bytes(g, d) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True))
 
+    def zero_moments(self, units: Iterable[UnitLayout]) -> ZeroMoments:
+        """A new store's initial moments of ``units`` in this form (``ZeroMoments``)."""
+        return ZeroMoments(self, units)
+
     def offsets(self, unit: ShardedUnit) -> list[int]:
         """Each kind's byte offset in one buffer holding the unit's shard of every kind (the
         master first: every later offset stays a multiple of 4 bytes, a bf16 master's too, its
@@ -187,3 +192,23 @@ def state_groups(form: StateForm, unit: UnitLayout, state: ShardState) -> list[t
     for geometry, view in zip(form.geometries(unit), state.views(), strict=True):
         groups.setdefault(geometry, []).append(view)
     return list(groups.items())
+
+
+class ZeroMoments:
+    """A new store's initial moment shards, as views of memory never written, which reads as
+    zeros (the kernel's zero page; every form's moments start from all-zero bytes): the build
+    neither zeroes 8 B a parameter nor holds the zeros in memory, and O_DIRECT writes and
+    checksums read the zero page as any other memory."""
+
+    def __init__(self, form: StateForm, units: Iterable[UnitLayout]):
+        self._form, self._units = form, list(units)
+        self._pages: torch.Tensor | None = None
+
+    def _moments(self, unit: UnitLayout) -> list[tuple[ShardedUnit, torch.dtype]]:
+        return list(zip(self._form.geometries(unit)[1:], self._form.dtypes()[1:], strict=True))
+
+    def of(self, unit: UnitLayout) -> list[torch.Tensor]:
+        """The unit's zero moments (``exp_avg``, ``exp_avg_sq``), in the form's dtypes; read only."""
+        if self._pages is None:  # mapped once, as large as the largest moment
+            self._pages = host_bytes(max(shard_bytes(g, d) for u in self._units for g, d in self._moments(u)))
+        return [self._pages[: shard_bytes(g, d)].view(d) for g, d in self._moments(unit)]

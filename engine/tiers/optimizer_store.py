@@ -55,7 +55,6 @@ from offload import (
     Pipeline,
     PipelineStats,
     ReadAhead,
-    ShardedUnit,
     ShardStore,
     array_in_layout,
     array_name,
@@ -65,7 +64,6 @@ from offload import (
     shard_bytes,
     write_shard,
 )
-from offload.host_memory import host_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +121,7 @@ class StoreOptimizerState:
         self.target_generation = 0  # the generation the next step writes (the mode's choice)
         self._read_prefix = generation_prefix(0)  # where the next step reads: it, or a checkpoint
         self._generation_zero_ready = False
-        self._zero_pages: torch.Tensor | None = None
-        """Never-written memory the initial moments are written from (``_zeros``)."""
+        self._zero_moments = form.zero_moments(layout.units)
         self._frozen = FrozenAdder(lambda: self.store, layout.frozen, rank, io)
         self._layout_adopted = True  # the store's attributes and committed arrays are this layout
         self._deferred: dict | None = None  # the record of a step whose commit waits for ``flush``
@@ -310,24 +307,11 @@ class StoreOptimizerState:
         buf = self.pool.acquire(shard_bytes(unit, master_dtype))
         staged = buf.view(master_dtype, unit.shard_numel)
         staged.copy_(master)
-        state = ShardState(staged, *(self._zeros(geometry, dtype) for geometry, dtype in self._moments(unit)))
+        state = ShardState(staged, *self._zero_moments.of(unit))
         # Behind the next unit's build, as a step's write-backs are; generation 0's commit waits.
         self.pipeline.write_back(
             unit, buf, lambda u, _: self._save_state(u, state), describe=lambda u: f"optimizer state of unit {u.name}"
         )
-
-    def _moments(self, unit: UnitLayout) -> list[tuple[ShardedUnit, torch.dtype]]:
-        """The geometry and dtype of each of the unit's moment shards."""
-        return list(zip(self.form.geometries(unit)[1:], self.form.dtypes()[1:], strict=True))
-
-    def _zeros(self, geometry: ShardedUnit, dtype: torch.dtype) -> torch.Tensor:
-        """An initial moment shard: a view of memory never written, which reads as zeros (the
-        kernel's zero page; every state form starts from all-zero bytes), so that the build
-        neither zeroes 8 B a parameter nor holds the zeros in memory."""
-        if self._zero_pages is None:
-            moments = [shard_bytes(g, d) for unit in self.layout.units for g, d in self._moments(unit)]
-            self._zero_pages = host_bytes(max(moments))
-        return self._zero_pages[: shard_bytes(geometry, dtype)].view(dtype)
 
     def _views(self, unit: UnitLayout, buf: HostBuffer) -> ShardState:
         form = self.form
