@@ -155,6 +155,7 @@ def test_any_error_is_one_line(monkeypatch, caplog, error: BaseException, code: 
     assert record.exc_info and "rerun with --debug" not in record.getMessage()
 
 
+@pytest.mark.slow  # two runs of the console command; resuming is tested in process throughout tests/engine
 def test_second_run_resumes_from_the_store(tmp_path) -> None:
     losses(run(["--steps", "3", "--seq_len", "64"], tmp_path))
     proc = run(["--steps", "5", "--seq_len", "64"], tmp_path)
@@ -195,6 +196,7 @@ def test_sigterm_finishes_the_step_commits_and_exits_cleanly(tmp_path) -> None:
     assert committed["step"] == int(stopped[1])
 
 
+@pytest.mark.slow  # the console commands end to end; inspect and consolidate are tested in process in their own modules
 def test_inspect_and_consolidate_commands(tmp_path) -> None:
     losses(run(["--steps", "2", "--seq_len", "64", "--compute_dtype", "fp32"], tmp_path))
     inspect = command(["inspect", "offload_store", "--verify"], tmp_path)
