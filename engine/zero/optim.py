@@ -139,22 +139,12 @@ class ShardAdamW:
         )
 
 
-def grad_norm(pieces: list[torch.Tensor], comm: Comm) -> torch.Tensor:
-    """The global L2 norm of the gradients, given this rank's ``pieces`` of them.
-
-    Taken as ``torch.nn.utils.clip_grad_norm_`` takes it (``get_total_norm``: the norm of the
-    pieces' norms), so on one rank, given each parameter's gradient in the model's parameter
-    order, it is torch's norm bit for bit. Over several ranks a parameter spans shards, so
-    each rank's norm is squared and summed over ranks (in float64).
-    """
-    return global_norm(torch.nn.utils.get_total_norm(pieces), comm)
-
-
 def piece_norms(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each host tensor's L2 norm as ``get_total_norm`` takes it (one foreach pass, whose result
     for a tensor does not depend on the others in the list), to be combined later by
     ``norm_of_norms``: the pieces need not all be in memory at once. bf16 pieces are widened to
-    fp32 as they are summed, which gives their fp32 copies' norms bit for bit, with no copy."""
+    fp32, which gives their fp32 copies' norms bit for bit (on the CPU torch widens one piece at
+    a time into a temporary: at most the largest piece's fp32 bytes)."""
     narrow = bool(pieces) and pieces[0].dtype != torch.float32
     return list(torch._foreach_norm(pieces, 2.0, dtype=torch.float32 if narrow else None))
 
@@ -172,14 +162,9 @@ def global_norm(local: torch.Tensor, comm: Comm) -> torch.Tensor:
     return torch.tensor(total, dtype=torch.float32, device=local.device)
 
 
-def clip_grads_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
-    """Scale ``grads`` so that a global norm of ``total`` becomes at most ``max_norm``, with
-    the arithmetic of ``torch.nn.utils.clip_grads_with_norm_`` (coefficient
-    ``max_norm / (total + 1e-6)`` clamped to 1 and always applied), so that one rank matches
-    torch bit for bit."""
-    torch._foreach_mul_(grads, clip_coefficient(max_norm, total))
-
-
 def clip_coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
-    """What ``clip_grads_`` multiplies each gradient by."""
+    """What clipping multiplies each gradient by so that a global norm of ``total`` becomes at
+    most ``max_norm``: the arithmetic of ``torch.nn.utils.clip_grads_with_norm_`` (``max_norm /
+    (total + 1e-6)`` clamped to 1, and always applied), so that one rank matches torch bit for
+    bit."""
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)

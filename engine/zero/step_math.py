@@ -101,8 +101,8 @@ class GradNorms:
 
     def in_memory(self, shard: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """The norm of the gradient shards in memory, ``shard`` each unit's by name: taken piece
-        by piece as ``of_piece_norms`` combines them, which widens shards kept in the compute
-        dtype as it sums, with no fp32 copy."""
+        by piece as ``of_piece_norms`` combines them (``piece_norms``, which widens shards kept
+        in the compute dtype one piece at a time)."""
         norms: dict[str, torch.Tensor] = {}
         for unit in self._layout.units:
             norms.update(self.piece_norms(unit, shard(unit.name)))
