@@ -159,11 +159,15 @@ def consolidate(
         fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the weights from other users
         os.close(fd)
-        with StreamedFile(tmp_name) as out:  # removed if anything fails
-            out.write_bytes(header)
-            _write_masters(masters, out)
-            out.close()
-        os.replace(tmp_name, out_path)
+        try:
+            with StreamedFile(tmp_name) as out:
+                out.write_bytes(header)
+                _write_masters(masters, out)
+                out.close()
+            os.replace(tmp_name, out_path)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)  # the stream removes its own file; not one it never opened
+            raise
     count = sum(len(u.params) for u in layout.all_units)
     logger.info(
         "wrote %d tensors (%.1fM fp32 weights) of %s (%s) to %s",
