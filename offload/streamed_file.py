@@ -46,7 +46,8 @@ class StreamedFile:
         self._writes: collections.deque[tuple[int, Future]] = collections.deque()
         """Each full stage being written, by index, oldest first."""
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="streamed-file")
-        self._stage, self._fill, self._offset = 0, 0, 0
+        self._stage, self._fill = 0, 0
+        """The stage being filled, and its bytes so far (it starts at ``written - _fill`` in the file)."""
         self.written = 0
 
     def _open(self) -> tuple[int, bool]:
@@ -97,8 +98,8 @@ class StreamedFile:
         self.written += nbytes
         stage = self._stages[self._stage]
         if self._fill == len(stage):
-            self._writes.append((self._stage, self._thread.submit(self._write_all, stage, self._offset)))
-            self._offset += len(stage)
+            start = self.written - len(stage)
+            self._writes.append((self._stage, self._thread.submit(self._write_all, stage, start)))
             self._stage, self._fill = (self._stage + 1) % STAGES, 0
 
     def _write_all(self, data: torch.Tensor, offset: int) -> None:
@@ -112,13 +113,13 @@ class StreamedFile:
         for _, write in self._writes:
             write.result()
         self._writes.clear()
-        tail = self._stages[self._stage][: self._fill]
+        tail, start = self._stages[self._stage][: self._fill], self.written - self._fill
         whole = len(tail) // DIRECT_ALIGN * DIRECT_ALIGN
-        self._write_all(tail[:whole], self._offset)
+        self._write_all(tail[:whole], start)
         if whole < len(tail):
             if self._direct:
                 self._ops.clear_direct(self._fd)
-            self._write_all(tail[whole:], self._offset + whole)
+            self._write_all(tail[whole:], start + whole)
         self._ops.fsync(self._fd)
         self._release()
 
