@@ -137,7 +137,7 @@ def shard_adamw_step(sizes: list[int], kernel: str, form: StateForm = FP32_STATE
     each flat shard in turn, its state in ``form``."""
     config = OptimConfig(kernel=kernel, state_dtype=form.name, master_dtype=form.master)
     opt = CompactAdamW(config)
-    units = synthetic_layout(sizes, CHUNK_RANGE[1]).units
+    units = synthetic_layout(sizes, CHUNK_RANGE[1], form).units
     shards = []
     for unit, (p, g) in zip(units, _params_and_grads([u.shard_numel for u in units]), strict=True):
         master, exp_avg, exp_avg_sq = form.empty(unit)
@@ -248,13 +248,14 @@ def host_memory_section(setup: Setup) -> Section:
     return Section(title, rows, [bound])
 
 
-def synthetic_layout(sizes: list[int], chunk_mb: int) -> ModelLayout:
-    """One rank's layout of units of `sizes` parameters, like a stack of transformer blocks.
+def synthetic_layout(sizes: list[int], chunk_mb: int, form: StateForm = FP32_STATE) -> ModelLayout:
+    """One rank's layout of units of `sizes` parameters, like a stack of transformer blocks,
+    chunked as the engine chunks state of ``form``.
 
     The parameters live on the meta device: the layout needs only their shapes.
     """
     units = {f"block{i}": [("weight", nn.Parameter(torch.empty(n, device="meta")))] for i, n in enumerate(sizes)}
-    return build_layout(units, world_size=1, max_chunk_numel=max_chunk_numel(chunk_mb))
+    return build_layout(units, world_size=1, max_chunk_numel=max_chunk_numel(chunk_mb), align=form.chunk_align)
 
 
 def nvme_tier_section(setup: Setup) -> Section:
@@ -264,7 +265,7 @@ def nvme_tier_section(setup: Setup) -> Section:
     come from the same stretch of time.
     """
     nvme = setup.nvme
-    layout = synthetic_layout(setup.shard_sizes(nvme.params), nvme.chunk_mb)
+    layout = synthetic_layout(setup.shard_sizes(nvme.params), nvme.chunk_mb, setup.form)
     state_bytes = sum(setup.form.unit_bytes(unit) for unit in layout.units)
     raw_bytes = max(mmap.PAGESIZE, min(RAW_MAX_BYTES, state_bytes) // mmap.PAGESIZE * mmap.PAGESIZE)
     sizes = [unit.shard_numel for unit in layout.units]

@@ -32,6 +32,7 @@ import psutil
 import torch
 
 from benchmarks.optimizer import threads_restored
+from engine.build import units_layout
 from engine.config import Config
 from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens
@@ -39,7 +40,7 @@ from engine.run.models.gpt import GPT
 from engine.run.train import meta_model, peak_rss_bytes
 from engine.runtime.device import SIM_ENV
 from engine.runtime.heap import tune_heap
-from engine.state.partition import ModelLayout, build_layout, find_units, max_chunk_numel, unit_parameters
+from engine.state.partition import ModelLayout, find_units
 from engine.tiers.store_io import settle_io
 
 DEFAULT_THREADS = os.cpu_count() or 1
@@ -125,8 +126,7 @@ def model_layout(config: Config) -> ModelLayout:
     without building an engine (so without touching a store)."""
     config, _ = settle_io(config, resume=False)  # as the engine settles "auto" I/O settings
     model, _, _ = model_and_data(config)
-    owned = unit_parameters(model, find_units(model, config.zero.unit_classes))
-    return build_layout(owned, world_size=1, max_chunk_numel=max_chunk_numel(config.offload.chunk_mb))
+    return units_layout(model, find_units(model, config.zero.unit_classes), config, world_size=1)[1]
 
 
 def device_peak_bytes() -> int:

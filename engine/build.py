@@ -83,7 +83,8 @@ def units_layout(
     """The parameters each of the model's ``units`` owns, trainable and frozen units alike, and
     their layout: what the engine and ``estimate`` both lay out."""
     owned, frozen = unit_parameters(model, units), unit_parameters(model, units, trainable=False)
-    layout = build_layout(owned, world_size, max_chunk_numel(config.offload.chunk_mb), frozen)
+    align = StateForm.of(config.optim).chunk_align
+    layout = build_layout(owned, world_size, max_chunk_numel(config.offload.chunk_mb), frozen, align)
     if not layout.units:
         raise ValueError(
             "no parameter of the model requires grad, so there is nothing to train: set requires_grad=True on "

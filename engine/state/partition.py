@@ -28,6 +28,11 @@ FROZEN_SUFFIX = ".frozen"
 with this suffix: it is gathered like any unit, but has no gradient and no optimizer state."""
 # Shards are aligned, for O_DIRECT, for the narrowest dtype a shard is stored in (2-byte bf16/fp16).
 ALIGN_ELEMS = DIRECT_ALIGN // 2
+COARSE_PADDING = 8
+"""A chunk is rounded to a coarser ``align`` (``build_layout``) only where it holds at least this
+many times ``align`` elements: the zeros added stay under 1/8th of it (1/16th on average), every
+kind's bytes growing by as much, against half again as long a step for what the alignment
+saves (``engine.state.forms.StateForm.chunk_align``)."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,7 @@ def build_layout(
     world_size: int,
     max_chunk_numel: int,
     frozen: dict[str, list[tuple[str, nn.Parameter]]] | None = None,
+    align: int = ALIGN_ELEMS,
 ) -> ModelLayout:
     """Flat-buffer offsets, padded shard sizes and chunk sizes for ``world_size`` ranks, of the
     trainable units ``params_by_unit`` and the ``frozen`` ones (``unit_parameters``).
@@ -228,12 +234,16 @@ def build_layout(
     A shard is cut into the fewest chunks of at most ``max_chunk_numel`` elements, all of one
     size, a multiple of ``ALIGN_ELEMS``: padding stays under ``ALIGN_ELEMS`` per chunk (chunks
     of exactly the maximum would pad a shard just over it to twice its size, and every step
-    would read and write the zeros).
+    would read and write the zeros). A chunk of at least ``COARSE_PADDING`` times ``align``
+    elements is a multiple of ``align``: state stored in another geometry than the elements'
+    (``engine.state.forms.StateForm.chunk_align``) needs that many for its chunk files to be
+    read and written with O_DIRECT, where a smaller multiple would send every byte of them
+    through the page cache.
     """
-    if max_chunk_numel % ALIGN_ELEMS:
-        raise ValueError(f"chunk size {max_chunk_numel} elements must be a multiple of {ALIGN_ELEMS}")
-    units = _unit_layouts(params_by_unit, world_size, max_chunk_numel, trainable=True)
-    frozen_units = _unit_layouts(frozen or {}, world_size, max_chunk_numel, trainable=False)
+    if max_chunk_numel % ALIGN_ELEMS or align % ALIGN_ELEMS:
+        raise ValueError(f"chunk size {max_chunk_numel} and alignment {align} must be multiples of {ALIGN_ELEMS}")
+    units = _unit_layouts(params_by_unit, world_size, max_chunk_numel, align, trainable=True)
+    frozen_units = _unit_layouts(frozen or {}, world_size, max_chunk_numel, align, trainable=False)
     names = [u.name for u in units + frozen_units]
     if len(set(names)) != len(names):
         clash = next(n for n in names if names.count(n) > 1)
@@ -242,7 +252,11 @@ def build_layout(
 
 
 def _unit_layouts(
-    params_by_unit: dict[str, list[tuple[str, nn.Parameter]]], world_size: int, max_chunk_numel: int, trainable: bool
+    params_by_unit: dict[str, list[tuple[str, nn.Parameter]]],
+    world_size: int,
+    max_chunk_numel: int,
+    align: int,
+    trainable: bool,
 ) -> list[UnitLayout]:
     units = []
     for unit_name, params in params_by_unit.items():
@@ -254,7 +268,9 @@ def _unit_layouts(
             continue
         shard = math.ceil(offset / world_size)
         chunks = math.ceil(shard / max_chunk_numel)
-        chunk = _round_up(math.ceil(shard / chunks), ALIGN_ELEMS)
+        chunk = math.ceil(shard / chunks)
+        coarse = chunk >= COARSE_PADDING * align and max_chunk_numel % align == 0  # rounded, still at most the maximum
+        chunk = _round_up(chunk, align if coarse else ALIGN_ELEMS)
         shard = chunk * chunks
         units.append(UnitLayout(unit_name, tuple(slots), offset, shard, chunk, shard * world_size, trainable))
     return units

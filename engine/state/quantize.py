@@ -21,12 +21,19 @@ functions, so the update fuses them with AdamW into one compiled pass
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from offload import DIRECT_ALIGN
 
 BLOCK = 256
 """Values per block (one fp32 scale each)."""
 PACKED = BLOCK + 4
 """Bytes per stored block: its codes, then its scale."""
+DIRECT_BLOCKS_ELEMS = BLOCK * (DIRECT_ALIGN // math.gcd(PACKED, DIRECT_ALIGN))
+"""The fewest values whose packed bytes are a whole number of O_DIRECT blocks (2**18): a chunk
+of a multiple of them is read and written with O_DIRECT, any other through the page cache."""
 
 _LEVELS = {True: 127.0, False: 255.0}  # signed: codes -127..127; non-negative: 0..255
 _POWER = {True: 2, False: 4}  # value / absmax = (code / levels) ** power
