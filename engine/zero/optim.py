@@ -149,6 +149,20 @@ def piece_norms(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(pieces, 2.0, dtype=torch.float32 if narrow else None))
 
 
+UNIT_NORM_PIECE = 1 << 16
+"""Elements per piece of ``unit_norm``: a bf16 piece widened to fp32 is 256 KiB, which the
+host's heap serves from memory it already holds (below its mmap threshold,
+``engine.runtime.heap``) and the norm then reads from cache. Measured on 36M bf16 elements
+(2 threads): 16 ms, against 88 ms for widening the whole shard at once, which maps a fresh
+fp32 copy of it; 12.5 ms against 9.6 ms for fp32 in one piece."""
+
+
+def unit_norm(grad: torch.Tensor) -> torch.Tensor:
+    """One gradient shard's L2 norm (fp32), taken in pieces of ``UNIT_NORM_PIECE`` elements: a
+    bf16 shard gives the bits its fp32 copy gives, each piece being widened exactly."""
+    return norm_of_norms(piece_norms(list(grad.split(UNIT_NORM_PIECE))))
+
+
 def norm_of_norms(norms: list[torch.Tensor]) -> torch.Tensor:
     """``get_total_norm`` of the pieces whose ``piece_norms`` these are, in the same order."""
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)

@@ -31,7 +31,7 @@ from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.grad_spill import GradSpill
 from engine.tiers.optimizer import OptimizerState
 from engine.zero.grads import GradientShards, PendingShard
-from engine.zero.optim import clip_coefficient
+from engine.zero.optim import clip_coefficient, unit_norm
 from engine.zero.params import Params
 from engine.zero.precision import LossScaler
 from engine.zero.spilling import Spilling
@@ -78,7 +78,7 @@ class UnitWork:
         the device: the host reading each unit's norm would wait for the device once per unit."""
         skip = None
         if self._overlap:
-            norm = self.unit_norms[unit.name] = torch.linalg.vector_norm(grad, dtype=torch.float32)
+            norm = self.unit_norms[unit.name] = unit_norm(grad)
             skip = norm.isfinite().logical_not().float()
         self._adamw.update(unit, state, grad, self._lr, self._clip_scale, skip)
 

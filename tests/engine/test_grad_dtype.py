@@ -13,6 +13,7 @@ from engine.engine import Engine
 from engine.tiers.sizing import gradient_dtype
 from engine.tools.estimate import run_shape
 from engine.tools.estimate.terms import grad_bucket_bytes
+from engine.zero.optim import UNIT_NORM_PIECE, unit_norm
 from tests.engine.test_grad_spill import assert_same, nvme
 from tests.training import config, tiny_gpt, train_engine
 
@@ -72,3 +73,13 @@ def test_estimate_counts_half_the_bucket_bytes(tmp_path) -> None:
     narrow = bf16_rank(tmp_path, WAITS["in memory, stage 2"])
     summed = bf16_rank(tmp_path, WAITS["in memory, stage 2"] | WIDE["summed over micro-batches"])
     assert 2 * grad_bucket_bytes(run_shape(narrow, 1)) == grad_bucket_bytes(run_shape(summed, 1)) > 0
+
+
+@pytest.mark.parametrize("numel", [100, UNIT_NORM_PIECE, 3 * UNIT_NORM_PIECE + 5])
+def test_a_bf16_shards_own_norm_is_its_fp32_copys_bit_for_bit(numel: int) -> None:
+    """The norm a unit updated inside backward takes of its shard, over several pieces too."""
+    grad = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1e-3).to(torch.bfloat16)
+    narrow, wide = unit_norm(grad), unit_norm(grad.float())
+    assert narrow.dtype == torch.float32 and torch.equal(narrow, wide)
+    exact = torch.linalg.vector_norm(grad.double()).float()
+    torch.testing.assert_close(wide, exact, rtol=1e-5, atol=0)  # fp32 sums, as torch's whole-shard norm (5e-6 here)
