@@ -104,6 +104,15 @@ def test_shard_runs_merge_neighbours_and_cut_at_rank_boundaries() -> None:
     assert mask.dtype == torch.bool and mask[:1000].all() and not mask[1000:].any()
 
 
+def test_a_mask_written_over_the_last_one_holds_only_its_own_runs() -> None:
+    """Masks share one buffer per thread: each sets every element of its length, whatever a
+    longer or shorter one left there."""
+    cpu = torch.device("cpu")
+    for runs in (((0, 10, False), (10, 30, True)), ((0, 5, True), (5, 20, False)), ((0, 8, False), (8, 40, True))):
+        expected = torch.cat([torch.full((stop - start,), decays) for start, stop, decays in runs])
+        assert torch.equal(ShardDecay(runs).mask(cpu), expected)
+
+
 @pytest.mark.parametrize("kernel", ["fused", "foreach"])
 def test_a_shard_of_both_kinds_counts_each_step_once(kernel: str) -> None:
     """Each run has its own copy of the step count (torch's kernels add 1 to each they are
