@@ -16,13 +16,13 @@ compact one masks the decay per element (``engine.zero.compact_update``).
 from __future__ import annotations
 
 import fnmatch
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engine.runtime.scratch import scratch
 from engine.state.partition import ModelLayout, UnitLayout
 
 BIAS, NORM, EMBEDDING = "bias", "norm", "embedding"
@@ -74,9 +74,6 @@ def _matching(model: nn.Module, names: dict[int, list[str]], entry: str) -> set[
 Run = tuple[int, int, bool]
 """Elements ``[start, stop)`` of a shard, and whether they decay."""
 
-_MASKS = threading.local()
-"""Each thread's mask buffer per device (``ShardDecay.mask``)."""
-
 
 @dataclass(frozen=True)
 class ShardDecay:
@@ -97,18 +94,11 @@ class ShardDecay:
 
     def mask(self, device: torch.device) -> torch.Tensor:
         """True at each element that decays (bool, the shard's length): what a kernel taking
-        decay per element reads, one byte per element. Written into one buffer per thread and
-        device, as long as the longest shard masked yet, and valid until the thread's next
-        ``mask``: a mask kept per unit would cost a byte per parameter for the whole run, and
-        one made anew for each update was fresh memory each time (36M elements: 33 ms, against
-        1.5 ms written over the buffer). Its writes and the kernel's reads are the calling
-        thread's, in order on the device's stream."""
-        numel = self.runs[-1][1]
-        buffers = _MASKS.__dict__.setdefault("by_device", {})
-        buffer = buffers.get(device)
-        if buffer is None or buffer.numel() < numel:
-            buffer = buffers[device] = torch.empty(numel, dtype=torch.bool, device=device)
-        mask = buffer[:numel]
+        decay per element reads, one byte per element, valid until the thread's next ``mask``
+        (``engine.runtime.scratch``): a mask kept per unit would cost a byte per parameter for
+        the whole run, and one made anew for each update was fresh memory each time (36M
+        elements: 33 ms, against 1.5 ms written over the last one)."""
+        mask = scratch("decay mask", self.runs[-1][1], torch.bool, device)
         for start, stop, decays in self.runs:
             mask[start:stop] = decays
         return mask

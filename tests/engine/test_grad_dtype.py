@@ -82,4 +82,6 @@ def test_a_bf16_shards_own_norm_is_its_fp32_copys_bit_for_bit(numel: int) -> Non
     narrow, wide = unit_norm(grad), unit_norm(grad.float())
     assert narrow.dtype == torch.float32 and torch.equal(narrow, wide)
     exact = torch.linalg.vector_norm(grad.double()).float()
-    torch.testing.assert_close(wide, exact, rtol=1e-5, atol=0)  # fp32 sums, as torch's whole-shard norm (5e-6 here)
+    whole = torch.linalg.vector_norm(grad.float())  # torch's fp32 sums stray by as much (3e-5 at 3M elements)
+    for norm in (wide, whole):
+        torch.testing.assert_close(norm, exact, rtol=1e-4, atol=0)
