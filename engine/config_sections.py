@@ -90,7 +90,9 @@ class OffloadConfig:
     """Largest zarr chunk in MiB of fp32; ``auto``: the best for the store's disk, from its I/O profile.
 
     A shard is cut into the fewest chunks within it, all of one 4 KiB-aligned size, so padding (read
-    and written every step) stays under 4 KiB a chunk. ``auto`` takes the fastest setting on the
+    and written every step) stays under 4 KiB a chunk; with int8 moments a large chunk is rounded
+    to 2**18 elements, under an eighth of it, so that the packed moments are O_DIRECT-aligned too
+    (docs/store-format.md). ``auto`` takes the fastest setting on the
     store's disk or, among those within 5% of it, the one costing least CPU per byte, from the
     machine's I/O profile (``$XDG_CACHE_HOME/offload-engine/io_profile.json``, measured in a few
     seconds by the first run on a disk, or by ``python -m benchmarks.tiers``), at most a third of
