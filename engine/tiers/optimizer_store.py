@@ -183,11 +183,9 @@ class StoreOptimizerState:
         self._check_chunks()
         self._layout_adopted = stored == layout and self.in_layout(self._read_prefix)
         if not self._layout_adopted:
+            cut = f"for {stored.world_size} rank(s)" if stored.world_size != layout.world_size else "into other chunks"
             logger.info(
-                "store %s holds shards cut for %d rank(s): read as shards of %d until the first step commits its own",
-                path,
-                stored.world_size,
-                layout.world_size,
+                "store %s holds shards cut %s: read as this run cuts them until its first step commits", path, cut
             )
         self._opening = live  # the store changes only once the resume has read its masters: ``_open_for_writes``
         return record

@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.state.forms import FP32_STATE, PackedUnit, StateForm
 from engine.state.partition import ALIGN_ELEMS, COARSE_PADDING, build_layout
-from engine.state.quantize import DIRECT_BLOCKS_ELEMS
+from engine.state.quantize import DIRECT_BLOCKS_ELEMS, packed_bytes
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.store_io import StoreIO
 from offload import DIRECT_ALIGN, IORunner
@@ -103,3 +103,40 @@ def test_the_nvme_tier_reads_and_writes_int8_moments_with_o_direct(tmp_path) -> 
     assert {how for how, *_ in moments} == {"read", "write"}, "the step read and wrote its moments"
     buffered = [(how, path) for how, path, direct in moments if not direct]
     assert not buffered, f"moments through the page cache: {buffered}"
+
+
+def test_a_store_cut_into_the_finer_chunks_resumes_with_its_state(tmp_path) -> None:
+    """A store written before int8 state took the coarse alignment is read as this layout cuts
+    it, then written in its own chunks, its state unchanged."""
+    numel = COARSE_PADDING * DIRECT_BLOCKS_ELEMS + 1000
+    params = {"block": [("w", nn.Parameter(torch.empty(numel, device="meta")))]}
+    fine, coarse = build_layout(params, 1, MAX_CHUNK), build_layout(params, 1, MAX_CHUNK, align=INT8.chunk_align)
+    assert fine.units[0].chunk_numel != coarse.units[0].chunk_numel
+    master = torch.zeros(fine.units[0].shard_numel)
+    master[:numel] = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    moment = torch.randint(1, 255, (packed_bytes(numel - numel % 256),), dtype=torch.uint8)
+    io = StoreIO(IORunner(threads=2), checksum=True, direct_io=True, barrier=lambda: None)
+    try:
+        expected = []
+        for layout, resume in ((fine, False), (coarse, True), (coarse, True)):
+            unit = layout.units[0]
+            tier = StoreOptimizerState(
+                tmp_path / "s", layout, 0, io, buffer_bytes=4 * INT8.unit_bytes(unit), resume=resume, form=INT8
+            )
+            if not resume:
+                tier.add(unit, master)
+                tier.commit({"step": 0})
+            for _, state in tier.read(layout.units):
+                held = (state.master[:numel].clone(), state.exp_avg[: moment.numel()].clone())
+                if not resume:
+                    state.exp_avg[: moment.numel()] = moment
+                    held = (held[0], moment)
+                expected.append(held)
+                tier.write_back(unit, state)
+            tier.commit({"step": 1})
+            tier.close()
+    finally:
+        io.close()
+    first, *resumed = expected
+    for held in resumed:
+        assert torch.equal(held[0], first[0]) and torch.equal(held[1], first[1])
