@@ -35,9 +35,11 @@ DIRECT_BLOCKS_ELEMS = BLOCK * (DIRECT_ALIGN // math.gcd(PACKED, DIRECT_ALIGN))
 """The fewest values whose packed bytes are a whole number of O_DIRECT blocks (2**18): a chunk
 of a multiple of them is read and written with O_DIRECT, any other through the page cache."""
 
-_LEVELS = {True: 127.0, False: 255.0}  # signed: codes -127..127; non-negative: 0..255
+# Integers: a float constant here reached the compiler as a symbolic float, which it then
+# specialised and traced the whole update again (2.8 s more of a process's first update).
+_LEVELS = {True: 127, False: 255}  # signed: codes -127..127; non-negative: 0..255
 _POWER = {True: 2, False: 4}  # value / absmax = (code / levels) ** power
-_FULL_SCALE = {signed: _LEVELS[signed] ** _POWER[signed] for signed in (True, False)}
+_FULL_SCALE = {signed: float(_LEVELS[signed] ** _POWER[signed]) for signed in (True, False)}
 """``levels ** power``, worked out here: written in the update, a compiled kernel raises it
 again for every vector (``std::pow``, half the fused update's time)."""
 
