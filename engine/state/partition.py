@@ -30,9 +30,9 @@ with this suffix: it is gathered like any unit, but has no gradient and no optim
 ALIGN_ELEMS = DIRECT_ALIGN // 2
 COARSE_PADDING = 8
 """A chunk is rounded to a coarser ``align`` (``build_layout``) only where it holds at least this
-many times ``align`` elements: the zeros added stay under 1/8th of it (1/16th on average), every
-kind's bytes growing by as much, against half again as long a step for what the alignment
-saves (``engine.state.forms.StateForm.chunk_align``)."""
+many times ``align`` elements: the zeros added stay under 1/8th of it (1/16th on average), and
+every kind's bytes grow by as much. What the alignment saves is larger: without it, the page
+cache made a step half again as long (``engine.state.forms.StateForm.chunk_align``)."""
 
 
 @dataclass(frozen=True)
