@@ -242,6 +242,8 @@ def build_layout(
     """
     if max_chunk_numel % ALIGN_ELEMS or align % ALIGN_ELEMS:
         raise ValueError(f"chunk size {max_chunk_numel} and alignment {align} must be multiples of {ALIGN_ELEMS}")
+    if max_chunk_numel % align:
+        align = ALIGN_ELEMS  # a chunk rounded to it could exceed the maximum
     units = _unit_layouts(params_by_unit, world_size, max_chunk_numel, align, trainable=True)
     frozen_units = _unit_layouts(frozen or {}, world_size, max_chunk_numel, align, trainable=False)
     names = [u.name for u in units + frozen_units]
@@ -269,8 +271,7 @@ def _unit_layouts(
         shard = math.ceil(offset / world_size)
         chunks = math.ceil(shard / max_chunk_numel)
         chunk = math.ceil(shard / chunks)
-        coarse = chunk >= COARSE_PADDING * align and max_chunk_numel % align == 0  # rounded, still at most the maximum
-        chunk = _round_up(chunk, align if coarse else ALIGN_ELEMS)
+        chunk = _round_up(chunk, align if chunk >= COARSE_PADDING * align else ALIGN_ELEMS)
         shard = chunk * chunks
         units.append(UnitLayout(unit_name, tuple(slots), offset, shard, chunk, shard * world_size, trainable))
     return units
