@@ -1,5 +1,6 @@
 """Import, in a fresh process, a pretrained checkpoint into a stage-3 store with everything on
-nvme, and print what the import added to the process's resident set, as one JSON line.
+nvme, and print what the import added to the process's resident set, and what of it the
+optimizer and parameter tiers' pools staged, as one JSON line.
 
 ``python -m tests.engine.import_probe FOLDER STORE BUFFER_MB``. The high-water mark (VmHWM) is
 reset once the model is built on the meta device, so the peak is the import's alone.
@@ -20,7 +21,7 @@ from engine.run.pretrained import pretrained_model
 from engine.runtime.heap import tune_heap
 from engine.runtime.rss import peak_rss_bytes
 from engine.tiers.sizing import optimizer_buffer_bytes, param_pool_bytes, param_window_bytes
-from engine.tools.estimate import estimate, plan_of, run_shape
+from engine.tools.estimate import construction_staging_bytes, estimate, plan_of, run_shape
 
 
 def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
@@ -32,15 +33,19 @@ def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
         "precision": {"compute_dtype": "fp32"},
     }
     config = Config.from_dict(settings | {"offload": settings["offload"] | {"chunk_mb": 4, "io_threads": 4}})
-    predicted = estimate(run_shape(config, 1, model=model), plan_of(config), baseline_bytes=0)
+    run = run_shape(config, 1, model=model)
+    predicted = estimate(run, plan_of(config), baseline_bytes=0)
     before = psutil.Process().memory_info().rss
     Path("/proc/self/clear_refs").write_text("5")
     eng = Engine(model, config, init_unit=init)
     layout, offload = eng.layout, eng.config.offload
     window = param_window_bytes(eng.config.zero, 1)
+    staged = eng.optimizer_state.pool.allocated_bytes + eng.params.host_bytes()  # the writes behind the build
     eng.close()
     return {
         "added_peak": peak_rss_bytes() - before,
+        "staged": staged,
+        "staging_bound": construction_staging_bytes(run) + param_pool_bytes(layout.all_units, torch.float32, window),
         "largest_unit": max(u.padded_numel for u in layout.all_units) * 4,
         "buffers": optimizer_buffer_bytes(offload, layout.units)
         + param_pool_bytes(layout.all_units, torch.float32, window),

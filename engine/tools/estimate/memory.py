@@ -20,6 +20,7 @@ from engine.tools.estimate.shape import Plan, RunShape, all_plans
 from engine.tools.estimate.terms import (
     HEAP_BUFFER_LIMIT,
     activation_bytes,
+    construction_staging_bytes,
     construction_transient_bytes,
     grad_bucket_bytes,
     grad_dtype,
@@ -92,11 +93,11 @@ def _held_state(run: RunShape, plan: Plan) -> dict[str, Footprint]:
 
 def _construction_end(run: RunShape, plan: Plan) -> dict[str, Footprint]:
     """What ``Engine`` has built when it flattens its last unit: the held state, with the nvme
-    tier's pool having staged only one unit's optimizer state at a time so far."""
+    tier's pool having staged only the initial masters written behind the build so far."""
     built = _held_state(run, plan)
     built.pop("gradient spill staging", None)  # nothing spilled yet
     if plan.tiers.optimizer_in_store:
-        built["optimizer staging"] = Footprint(host=max(run.form.unit_bytes(u) for u in run.layout.units))
+        built["optimizer staging"] = Footprint(host=construction_staging_bytes(run))
     return built
 
 

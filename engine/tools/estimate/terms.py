@@ -21,6 +21,7 @@ from engine.tiers.sizing import (
     param_pool_bytes,
     param_window_bytes,
     prefetch_bytes,
+    read_ahead_bytes,
     spill_buffer_bytes,
     spill_dtype,
 )
@@ -112,6 +113,18 @@ def optimizer_staging_bytes(run: RunShape) -> int:
     """``nvme`` optimizer tier: its buffer pool, which grows up to ``offload.buffer_mb`` (or
     to all of the rank's state, if that is smaller) and keeps what it allocated."""
     return min(optimizer_buffer_bytes(run.config.offload, run.layout.units, run.form), optimizer_state_bytes(run))
+
+
+def construction_staging_bytes(run: RunShape) -> int:
+    """``nvme`` optimizer tier while the engine is built: each unit's initial master waits in
+    the pool while it is written behind the next unit's build (its zero moments are written
+    from never-written memory, not staged). Pending writes hold at most the pool's write
+    window (one always may be pending) and one more master is being filled, so a slow disk
+    fills the window however many units the model has."""
+    budget = optimizer_buffer_bytes(run.config.offload, run.layout.units, run.form)
+    masters = [shard_bytes(u, run.form.dtypes()[0]) for u in run.layout.units]
+    largest = max(masters)
+    return min(budget, max(read_ahead_bytes(budget), largest) + largest, sum(masters))
 
 
 def grad_dtype(run: RunShape) -> torch.dtype:
