@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from benchmarks import copies, optimizer, report, tiers
+from benchmarks import checksum, copies, optimizer, report, tiers
 from engine.state.forms import StateForm
 
 TINY_TIERS = ["--quick", "--mb", "16", "--chunk-mb", "4", "16", "--threads", "2", "--reps", "1"]
@@ -165,6 +166,20 @@ def test_plot_is_skipped_without_matplotlib(tmp_path: Path, monkeypatch: pytest.
     path = tmp_path / "plot.png"
     assert report.bar_chart(path, ["a"], {"s": [1.0]}, ylabel="y", title="t") is None
     assert not path.exists()
+
+
+def test_checksum_quick(tmp_path: Path) -> None:
+    checksum.main(["--out", str(tmp_path), "--quick", "--mb", "4", "--threads", "1", "2"])
+    record = load_record(tmp_path, "checksum")
+    rows = record["rows"]
+    names = {row["checksum"] for row in rows}
+    assert {(row["data"], row["threads"]) for row in rows} == {
+        (d, t) for d in ("from memory", "in cache") for t in (1, 2)
+    }
+    assert len(rows) == 4 * len(names) and all(row["GB/s"] > 0 and row["x copy"] > 0 for row in rows)
+    assert record["copy_gbps"] > 0 and record["cpu_model"]
+    data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
+    assert len({f(data) for f in checksum.checksums().values()}) == 1, "every contestant computes the same CRC-32C"
 
 
 def test_copies_quick(tmp_path: Path) -> None:
