@@ -22,7 +22,7 @@ def scratch(purpose: str, numel: int, dtype: torch.dtype, device: torch.device) 
     longest asked for yet: valid until the thread's next call for the same purpose and device,
     its contents whatever the last use left. Not a view of the buffer but a tensor of its own
     over the buffer's memory: a compiled kernel given a view guards on its base's length too,
-    which grows with the longest asked for yet, and compiled again for every shard shorter
+    which grows with the longest asked for yet, and compiles again for every shard shorter
     than the one the buffer was grown for (the update's mask: 1.4-7.6 s on a step's path)."""
     buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = _BUFFERS.__dict__.setdefault("held", {})
     key = (purpose, dtype, device)
