@@ -39,16 +39,15 @@ def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
     Path("/proc/self/clear_refs").write_text("5")
     eng = Engine(model, config, init_unit=init)
     layout, offload = eng.layout, eng.config.offload
-    window = param_window_bytes(eng.config.zero, 1)
+    param_pool = param_pool_bytes(layout.all_units, torch.float32, param_window_bytes(eng.config.zero, 1))
     staged = eng.optimizer_state.pool.allocated_bytes + eng.params.host_bytes()  # the writes behind the build
     eng.close()
     return {
         "added_peak": peak_rss_bytes() - before,
         "staged": staged,
-        "staging_bound": construction_staging_bytes(run) + param_pool_bytes(layout.all_units, torch.float32, window),
+        "staging_bound": construction_staging_bytes(run) + param_pool,
         "largest_unit": max(u.padded_numel for u in layout.all_units) * 4,
-        "buffers": optimizer_buffer_bytes(offload, layout.units)
-        + param_pool_bytes(layout.all_units, torch.float32, window),
+        "buffers": optimizer_buffer_bytes(offload, layout.units) + param_pool,
         "params": layout.numel + layout.frozen_numel,
         "estimated": predicted.phase_rss_bytes["construction"],
     }
