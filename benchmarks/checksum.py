@@ -29,6 +29,8 @@ from benchmarks.report import Row, base_parser, print_table, save_json, setup_lo
 from offload.chunks import crc32c_of
 
 Checksum = Callable[[np.ndarray], int]
+CRC_FLAGS = ("sse4_2", "pclmulqdq", "avx512f", "vpclmulqdq")
+"""The CPU features a CRC-32C can use: the crc32 instruction, and carry-less multiplies to fold with."""
 
 
 def checksums() -> dict[str, Checksum]:
@@ -40,10 +42,6 @@ def checksums() -> dict[str, Checksum]:
         return found
     found[f"crc32c {crc32c.__version__}"] = lambda buf: crc32c.crc32c(buf.data)
     return found
-
-
-CRC_FLAGS = ("sse4_2", "pclmulqdq", "avx512f", "vpclmulqdq")
-"""The CPU features a CRC-32C can use: the crc32 instruction, and carry-less multiplies to fold with."""
 
 
 def cpu_model() -> str:
