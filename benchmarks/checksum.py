@@ -80,9 +80,10 @@ def rate(checksum: Checksum, buffers: list[list[np.ndarray]], reps: int) -> floa
 def workloads(mb: int, piece_kb: int, threads: int) -> dict[str, list[list[np.ndarray]]]:
     """Per thread: ``mb`` MiB from memory in pieces of a chunk's size, or the same bytes as one
     ``piece_kb`` KiB piece checksummed again and again (in cache)."""
+    data = np.random.default_rng(0).integers(0, 256, mb << 20, dtype=np.uint8)
     per_thread = [page_aligned(mb << 20).numpy() for _ in range(threads)]
     for buf in per_thread:
-        buf[:] = np.random.default_rng(0).integers(0, 256, buf.size, dtype=np.uint8)
+        buf[:] = data
     piece = piece_kb << 10
     cached = [[buf[:piece]] * (buf.size // piece) for buf in per_thread]
     return {"from memory": [pieces_of(buf, 16 << 20) for buf in per_thread], "in cache": cached}
