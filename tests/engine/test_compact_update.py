@@ -16,7 +16,7 @@ from torch.optim.adamw import adamw
 from engine.config import OptimConfig
 from engine.runtime.compiled import LazyCompiled
 from engine.state.quantize import packed_bytes
-from engine.zero import compact_update
+from engine.zero import compact_update, host_update
 from engine.zero.compact_update import compact_step, compile_ahead
 
 N = 1 << 15
@@ -43,6 +43,17 @@ def run(tensors: list[torch.Tensor]) -> None:
     compact_step(OptimConfig(), tensors[0], tensors[1], (tensors[2], tensors[3]), 3, 1e-3, (5, 6, 7))
 
 
+@pytest.fixture
+def torch_kernel(monkeypatch) -> None:
+    """Int8 moments on the host through the torch kernel too, not the host kernel
+    (``host_update``, tested in ``test_host_update``)."""
+    monkeypatch.setattr(host_update, "kernel", lambda: None)
+
+
+KERNELS = {"host": [], "torch": ["torch_kernel"]}
+
+
+@pytest.mark.usefixtures("torch_kernel")
 @pytest.mark.parametrize(("moments", "master"), FORMS)
 def test_the_compiled_update_computes_what_the_function_does(moments: str, master: str, monkeypatch, caplog) -> None:
     compiled, eager = state(moments, master), state(moments, master)
@@ -128,8 +139,16 @@ steady from seed to seed (within 3%)."""
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("form", sorted(FORM_TOLERANCE), ids="-".join)
-def test_each_compact_form_stays_within_its_measured_distance_of_torch(form: tuple[str, str], seed: int) -> None:
+@pytest.mark.parametrize(
+    ("form", "kernel"),
+    [(form, kernel) for form in sorted(FORM_TOLERANCE) for kernel in KERNELS if kernel == "torch" or form[0] == "int8"],
+    ids=lambda value: "-".join(value) if isinstance(value, tuple) else value,
+)
+def test_each_compact_form_stays_within_its_measured_distance_of_torch(
+    form: tuple[str, str], kernel: str, seed: int, request
+) -> None:
+    for fixture in KERNELS[kernel]:
+        request.getfixturevalue(fixture)
     config = OptimConfig(lr=1e-3, betas=HYPER.betas, eps=HYPER.eps, weight_decay=HYPER.weight_decay)
     weights, grads = shard(seed, 0.02, -4)
     expected = torch_adamw(weights, grads, config)[0]
@@ -138,6 +157,7 @@ def test_each_compact_form_stays_within_its_measured_distance_of_torch(form: tup
     assert 0 < error < FORM_TOLERANCE[form], error
 
 
+@pytest.mark.usefixtures("torch_kernel")
 def test_an_update_that_cannot_be_compiled_warns_once_and_runs_uncompiled(monkeypatch, caplog) -> None:
     def cannot_compile(fn, **kwargs):
         def fail(*args):
@@ -158,10 +178,13 @@ def test_an_update_that_cannot_be_compiled_warns_once_and_runs_uncompiled(monkey
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=True))
 
 
-def test_the_compiled_update_lets_other_threads_run() -> None:
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_the_update_lets_other_threads_run(kernel: str, request) -> None:
     """The I/O threads must go on while a unit is updated: the kernel's caller releases the GIL
-    (``engine.runtime.compiled.HOST_CALLER``). A thread that only needs the GIL to tick must
-    tick during the middle half of a large update."""
+    (``engine.runtime.compiled.HOST_CALLER``; ``ctypes`` for the host kernel). A thread that
+    only needs the GIL to tick must tick during the middle half of a large update."""
+    for fixture in KERNELS[kernel]:
+        request.getfixturevalue(fixture)
     numel = 1 << 24
     master, grad = torch.randn(numel).to(torch.bfloat16), torch.randn(numel)
     moments = (torch.zeros(packed_bytes(numel), dtype=torch.uint8), torch.zeros(packed_bytes(numel), dtype=torch.uint8))
@@ -189,6 +212,7 @@ def test_the_compiled_update_lets_other_threads_run() -> None:
 
 
 @pytest.mark.slow  # a compile of its own: 6 s
+@pytest.mark.usefixtures("torch_kernel")
 def test_the_update_compiled_ahead_serves_shards_of_any_length(monkeypatch) -> None:
     """``compile_ahead`` builds the kernel on a thread of its own from two blocks of zeros; a
     shard of another length, the first real update, then compiles nothing more."""

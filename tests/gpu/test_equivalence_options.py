@@ -1,6 +1,6 @@
 """The engine's training options on CUDA against plain PyTorch on the same device: clipping,
 gradient accumulation, fp16 with dynamic loss scaling, gradients spilled to disk, and the
-compact optimizer state's compiled update.
+compact optimizer state's update, compiled for the device or the host's C kernel.
 
 The CPU suite holds the first four to torch bit for bit, or fp16 within a measured bound
 (``tests/engine``); on CUDA nothing makes both sides round alike, so the exact ones are held
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import spills_gradients
-from engine.zero import compact_update
+from engine.zero import compact_update, host_update
 from tests.engine.test_loss_scaling import FP16_CLIP, FP16_TOLERANCE
 from tests.engine.test_master_dtype import STEPS as COMPACT_STEPS
 from tests.engine.test_master_dtype import TRACK_TOLERANCE
@@ -86,16 +86,27 @@ def test_fp16_with_loss_scaling_follows_grad_scaler(stage: int, param: str, tmp_
     assert 0 < error < FP16_TOLERANCE, f"{error:.3g} from GradScaler + clip_grad_norm_ + AdamW under fp16 autocast"
 
 
-def test_compiled_compact_update_on_the_device_tracks_torch_adamw(tmp_path, monkeypatch) -> None:
-    """int8 moments and bf16 masters on the device tier: the update compiled for CUDA (Triton),
-    held to ``tests.engine.test_master_dtype``'s bound for these forms, over its steps."""
+@pytest.mark.parametrize("optimizer", ["device", "cpu"])
+def test_the_compact_update_tracks_torch_adamw(optimizer: str, tmp_path, monkeypatch) -> None:
+    """int8 moments and bf16 masters, held to ``tests.engine.test_master_dtype``'s bound for
+    these forms over its steps: on the device tier, the update compiled for CUDA (Triton); on
+    the cpu tier, the host worker's C kernel (``engine.zero.host_update``), every unit's."""
     monkeypatch.setattr(compact_update.ADAMW, "kernel", None)  # compiled here, for CUDA tensors
+    served = []
+    update = host_update.update
+    monkeypatch.setattr(host_update, "update", lambda *args: served.append(update(*args)) or served[-1])
     compact = {"state_dtype": "int8", "master_dtype": "bf16"}
-    cfg = config(**placed(tmp_path, 2, "device", "device", optim=compact))
+    cfg = config(**placed(tmp_path, 2, optimizer, "device", optim=compact))
     ours = train_engine(cfg, COMPACT_STEPS)
     ref = train_reference(cfg, COMPACT_STEPS, micro_batch=4, device=CUDA)
-    kernel = compact_update.ADAMW.kernel
-    assert kernel is not None and kernel is not compact_update.ADAMW.fn, "ran uncompiled: see the warning logged why"
+    if optimizer == "device":
+        kernel = compact_update.ADAMW.kernel
+        assert kernel is not None and kernel is not compact_update.ADAMW.fn, (
+            "ran uncompiled: see the warning logged why"
+        )
+        assert not any(served)
+    else:
+        assert served and all(served), "the host kernel updated every unit: see the warning logged why not"
     error = change_error(ours["params"], ref["params"], initial_params())
     assert 0 < error < TRACK_TOLERANCE, f"{error:.3g} from torch's fp32 AdamW"
     assert ours["losses"][-1] < ours["losses"][0]
