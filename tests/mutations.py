@@ -28,6 +28,7 @@ IGNORED = shutil.ignore_patterns(".git", "__pycache__", ".mypy_cache", ".ruff_ca
 RESULTS = ROOT / "benchmarks" / "results" / "mutations.json"
 EQUIVALENCE = "tests/engine/test_equivalence.py"
 COMPACT = "tests/engine/test_compact_update.py"
+HOST = "tests/engine/test_host_update.py"
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ FAULTS = [
     fault(
         "compact: beta2 forced to 0.999",
         "engine/zero/compact_update.py",
-        "values = [lr, beta1, beta2,",
-        "values = [lr, beta1, 0.999,",
+        "values = (lr, beta1, beta2,",
+        "values = (lr, beta1, 0.999,",
         COMPACT,
     ),
     fault(
@@ -99,16 +100,37 @@ FAULTS = [
     fault(
         "compact: epsilon 100 times too large",
         "engine/zero/compact_update.py",
-        "values = [lr, beta1, beta2, config.eps,",
-        "values = [lr, beta1, beta2, config.eps * 100,",
+        "values = (lr, beta1, beta2, config.eps,",
+        "values = (lr, beta1, beta2, config.eps * 100,",
         COMPACT,
     ),
     fault(
         "compact: bias correction removed",
         "engine/zero/compact_update.py",
-        "1 - beta1**step, math.sqrt(1 - beta2**step)]",
-        "1.0, 1.0]",
+        "1 - beta1**step, math.sqrt(1 - beta2**step))",
+        "1.0, 1.0)",
         COMPACT,
+    ),
+    fault(
+        "host kernel: the second moment's noise from the period's start in every block",
+        "engine/zero/host_adamw.c",
+        "*restrict noise_v = job->noise_v + e0 % PERIOD;",
+        "*restrict noise_v = job->noise_v;",
+        HOST,
+    ),
+    fault(
+        "host kernel: the decay mask ignored",
+        "engine/zero/host_adamw.c",
+        "w[i] = d[i] ? w[i] * shrink : w[i];",
+        "w[i] = w[i] * shrink;",
+        HOST,
+    ),
+    fault(
+        "host kernel: the last thread's last block left out",
+        "engine/zero/host_adamw.c",
+        "blocks * t / threads, blocks * (t + 1) / threads};",
+        "blocks * t / threads, blocks * (t + 1) / threads - (t == threads - 1)};",
+        HOST,
     ),
     fault(
         "fp32 AdamW: wrong beta1",
