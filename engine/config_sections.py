@@ -95,8 +95,9 @@ class OffloadConfig:
     (docs/store-format.md). ``auto`` takes the fastest setting on the
     store's disk or, among those within 5% of it, the one costing least CPU per byte, from the
     machine's I/O profile (``$XDG_CACHE_HOME/offload-engine/io_profile.json``, measured in a few
-    seconds by the first run on a disk, or by ``python -m benchmarks.tiers``), at most a third of
-    ``buffer_mb``. A resumed store keeps its own chunk size."""
+    seconds by the first run on a disk, and for larger chunks by the first run that may take
+    them, or by ``python -m benchmarks.tiers``), at most a third of ``buffer_mb``. A resumed store
+    keeps its own chunk size."""
     io_threads: int | Literal["auto"] = "auto"
     """Threads doing positional reads and writes, each on its own chunk; ``auto``: from the I/O profile."""
     checksum: bool = True

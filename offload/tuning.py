@@ -6,7 +6,9 @@ measures it: a probe store of `PROBE_BYTES`, written durably and read back with 
 on, for each of a few (chunk MiB, threads) candidates, beside the store's folder (in its
 nearest existing parent on the same disk) and removed after. The measurements are kept in a profile,
 `$XDG_CACHE_HOME/offload-engine/io_profile.json` (`~/.cache` by default), keyed by the
-filesystem the store lives on; later runs read it and measure nothing. `benchmarks.tiers`
+filesystem the store lives on; later runs read it and measure nothing, except a run that may
+take larger chunks than any the profile holds (the first run's units were small): it measures
+those candidates and adds them. `benchmarks.tiers`
 writes its longer measurement there too. A profile that cannot be read is ignored, with a
 warning, and measured again.
 """
@@ -243,8 +245,8 @@ def auto_settings(
     (and recorded) if there is none and ``measure``; the fallback otherwise."""
     key = disk_key(path)
     entry: Mapping[str, Any] | None = load_profile().get(key)
-    if entry is None and measure:
-        entry = _measure(path, key, max_chunk_mb, direct_io)
+    if measure and unmeasured(entry, max_chunk_mb):
+        entry = _measure(path, key, max_chunk_mb, direct_io, entry)
     fallback = (min(FALLBACK[0], max_chunk_mb), FALLBACK[1])
     if entry is None:
         return IOSettings(*fallback, f"defaults: disk {key} not measured yet (the first training run measures it)")
@@ -257,16 +259,31 @@ def auto_settings(
     return IOSettings(chosen[0], chosen[1], why)
 
 
-def _measure(path: str | os.PathLike[str], key: str, max_chunk_mb: int, direct_io: bool) -> dict[str, Any] | None:
-    """Probe the disk and record it; None, with a warning, if the probe cannot run there."""
+def unmeasured(entry: Mapping[str, Any] | None, max_chunk_mb: int) -> list[tuple[int, int]]:
+    """The candidates within ``max_chunk_mb`` that a run should measure before choosing: all of
+    them for a disk with no profile, else those of larger chunks than any the profile holds. A
+    profile measured by a run of small units, which could take only small chunks, then does not
+    bind a later run of large ones to them; it is completed instead."""
+    fitting = [c for c in CANDIDATES if c[0] <= max_chunk_mb] or [(max_chunk_mb, FALLBACK[1])]
+    if entry is None:
+        return fitting
+    largest = max(parse_label(name)[0] for name in entry["measured"])
+    return [c for c in fitting if c[0] > largest]
+
+
+def _measure(
+    path: str | os.PathLike[str], key: str, max_chunk_mb: int, direct_io: bool, known: Mapping[str, Any] | None
+) -> Mapping[str, Any] | None:
+    """Probe the disk for the candidates ``known`` (its profile, if any) lacks and record them
+    beside it; ``known`` as it was, with a warning, if the probe cannot run there."""
     start = time.perf_counter()
-    candidates = [c for c in CANDIDATES if c[0] <= max_chunk_mb] or [(max_chunk_mb, FALLBACK[1])]
     try:
-        measured = probe(path, candidates, direct_io=direct_io)
+        measured = probe(path, unmeasured(known, max_chunk_mb), direct_io=direct_io)
     except OSError as err:
         log.warning("could not measure disk %s under %s (%s): using the default I/O settings", key, path, err)
-        return None
+        return known
     log.info("measured disk %s in %.1f s: %s", key, time.perf_counter() - start, _describe(measured))
+    measured = {**(known["measured"] if known else {}), **measured}
     try:
         record(path, measured, "probe")
     except OSError as err:

@@ -18,7 +18,11 @@ from engine.state.partition import build_layout, max_chunk_numel
 from engine.tiers.store_io import settle_io, stored_chunk_mb
 from tests.training import batches, config, tiny_gpt
 
-MEASURED = {"8x4": {"write": 1.0, "read": 1.0}, "32x8": {"write": 3.0, "read": 3.0}}
+MEASURED = {
+    "8x4": {"write": 1.0, "read": 1.0},
+    "32x8": {"write": 3.0, "read": 3.0},
+    "64x8": {"write": 2.0, "read": 2.0},
+}
 
 
 @pytest.fixture

@@ -92,6 +92,20 @@ def test_auto_stays_within_the_chunk_limit(tmp_path, probes) -> None:
     assert choose(FAKE, max_chunk_mb=4) is None
 
 
+def test_a_profile_of_small_chunks_is_completed_by_a_run_that_can_take_larger(tmp_path, probes) -> None:
+    """A first run of small units measures small chunks only; a later run of large units must
+    not be held to them (a 7.9B fine-tune ran at 1 MiB chunks after a quick benchmark's probe)."""
+    small = auto_settings(tmp_path / "small", max_chunk_mb=8)
+    assert (small.chunk_mb, small.io_threads) == (8, 4)
+    large = auto_settings(tmp_path / "large")
+    assert probes[1][1] == tuple(c for c in tuning.CANDIDATES if c[0] > 8), "only the larger candidates"
+    assert (large.chunk_mb, large.io_threads) == (16, 4)
+    saved = json.loads(profile_path().read_text())["disks"][disk_key(tmp_path)]["measured"]
+    assert set(saved) == set(FAKE), "the larger candidates kept beside the small ones"
+    auto_settings(tmp_path / "again")
+    assert len(probes) == 2, "a complete profile is measured no more"
+
+
 def test_a_real_probe_measures_and_cleans_up(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     store = tmp_path / "store"
