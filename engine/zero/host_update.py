@@ -4,8 +4,8 @@ It computes ``compact_update.compact_adamw_``'s formula for shards whose moments
 blocks and whose master and gradient are bf16 or fp32: the form that moves the fewest bytes,
 whose update on two cores was a third of a 10B step. Inductor's code for the same function
 computes each block's new moments three times (for the update, their maximum and their codes)
-and ran at 7.0 ns per parameter on one core of a 2-core AVX-512 Xeon, 4.4 on two; this loop
-holds a block's values in L1 and runs at 2.3 and 1.2 (``python -m benchmarks.optimizer``).
+and ran at 6.5-7.0 ns per parameter on one core of a 2-core AVX-512 Xeon, 4.4 on two; this loop
+holds a block's values in L1 and runs at 2.2-2.3 and 1.2-1.4 (``python -m benchmarks.optimizer``).
 Other forms, and every accelerator, keep the compiled torch kernel; so does a host where no C
 compiler can build this one (``engine.runtime.native``).
 """
