@@ -267,7 +267,7 @@ def unmeasured(entry: Mapping[str, Any] | None, max_chunk_mb: int) -> list[tuple
     fitting = [c for c in CANDIDATES if c[0] <= max_chunk_mb] or [(max_chunk_mb, FALLBACK[1])]
     if entry is None:
         return fitting
-    largest = max(parse_label(name)[0] for name in entry["measured"])
+    largest = max((parse_label(name)[0] for name in entry["measured"]), default=0)
     return [c for c in fitting if c[0] > largest]
 
 
@@ -280,7 +280,8 @@ def _measure(
     try:
         measured = probe(path, unmeasured(known, max_chunk_mb), direct_io=direct_io)
     except OSError as err:
-        log.warning("could not measure disk %s under %s (%s): using the default I/O settings", key, path, err)
+        then = "choosing among the candidates its profile holds" if known else "using the default I/O settings"
+        log.warning("could not measure disk %s under %s (%s): %s", key, path, err, then)
         return known
     log.info("measured disk %s in %.1f s: %s", key, time.perf_counter() - start, _describe(measured))
     measured = {**(known["measured"] if known else {}), **measured}

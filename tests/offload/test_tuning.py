@@ -106,6 +106,12 @@ def test_a_profile_of_small_chunks_is_completed_by_a_run_that_can_take_larger(tm
     assert len(probes) == 2, "a complete profile is measured no more"
 
 
+def test_a_disk_profiled_with_no_candidate_is_measured_whole(tmp_path, probes) -> None:
+    tuning.record(tmp_path, {}, "probe")
+    settings = auto_settings(tmp_path)
+    assert probes[0][1] == tuning.CANDIDATES and (settings.chunk_mb, settings.io_threads) == (16, 4)
+
+
 def test_a_real_probe_measures_and_cleans_up(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     store = tmp_path / "store"
