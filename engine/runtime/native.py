@@ -17,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import subprocess
 import tempfile
 import threading
@@ -89,6 +90,4 @@ def _cpu_features() -> str:
         with open("/proc/cpuinfo") as info:
             return next((line for line in info if line.startswith(("flags", "Features"))), "")
     except OSError:
-        import platform
-
         return platform.processor()
