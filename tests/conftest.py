@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -13,10 +12,6 @@ def private_cache(tmp_path_factory) -> Iterator[None]:
     """The run's caches (the disk's I/O profile, built kernels, tokenized corpora) in a folder of
     the session's own, never the user's: a test's quick probe of the disk, kept as the machine's
     profile, would set the chunk size of the user's later runs."""
-    before = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if before is None:
-        del os.environ["XDG_CACHE_HOME"]
-    else:
-        os.environ["XDG_CACHE_HOME"] = before
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
