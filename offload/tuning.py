@@ -245,8 +245,9 @@ def auto_settings(
     (and recorded) if there is none and ``measure``; the fallback otherwise."""
     key = disk_key(path)
     entry: Mapping[str, Any] | None = load_profile().get(key)
-    if measure and unmeasured(entry, max_chunk_mb):
-        entry = _measure(path, key, max_chunk_mb, direct_io, entry)
+    missing = unmeasured(entry, max_chunk_mb) if measure else []
+    if missing:
+        entry = _measure(path, key, missing, direct_io, entry)
     fallback = (min(FALLBACK[0], max_chunk_mb), FALLBACK[1])
     if entry is None:
         return IOSettings(*fallback, f"defaults: disk {key} not measured yet (the first training run measures it)")
@@ -272,13 +273,17 @@ def unmeasured(entry: Mapping[str, Any] | None, max_chunk_mb: int) -> list[tuple
 
 
 def _measure(
-    path: str | os.PathLike[str], key: str, max_chunk_mb: int, direct_io: bool, known: Mapping[str, Any] | None
+    path: str | os.PathLike[str],
+    key: str,
+    candidates: Sequence[tuple[int, int]],
+    direct_io: bool,
+    known: Mapping[str, Any] | None,
 ) -> Mapping[str, Any] | None:
-    """Probe the disk for the candidates ``known`` (its profile, if any) lacks and record them
-    beside it; ``known`` as it was, with a warning, if the probe cannot run there."""
+    """Probe the disk for ``candidates``, which ``known`` (its profile, if any) lacks, and record
+    them beside it; ``known`` as it was, with a warning, if the probe cannot run there."""
     start = time.perf_counter()
     try:
-        measured = probe(path, unmeasured(known, max_chunk_mb), direct_io=direct_io)
+        measured = probe(path, candidates, direct_io=direct_io)
     except OSError as err:
         then = "choosing among the candidates its profile holds" if known else "using the default I/O settings"
         log.warning("could not measure disk %s under %s (%s): %s", key, path, err, then)
