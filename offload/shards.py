@@ -13,18 +13,20 @@ unit's content is the first ``numel`` elements of its arrays whatever their padd
 shard is read range by range from the chunks that cover it, its padding zeroed.
 
 Tools that read a whole array without a model (verifying a store, consolidating its weights)
-go one chunk at a time through a ``ChunkReader``, so their memory is one chunk whatever the
+go chunk by chunk through a ``ChunkReader``, so their memory is a few chunks whatever the
 model's size.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
 import torch
 
+from offload.host_memory import host_bytes
 from offload.io import IORunner
 from offload.metadata import ArrayInfo
 from offload.store import ShardStore
@@ -146,30 +148,64 @@ def write_shard(
     IORunner.gather(write_shard_async(store, prefix, unit, rank, views)).result()
 
 
-class ChunkReader:
-    """Reads single chunks into one reused buffer, grown to the largest chunk read so far, so
-    memory stays one chunk whatever the size of the arrays or the model. A chunk's file is
-    checked against its metadata before the buffer grows for it: metadata claiming a huge
-    chunk allocates nothing."""
+READ_AHEAD = 2
+"""Chunks a ``ChunkReader`` has in flight beyond the one it hands out: the disk keeps reading
+while the caller casts and writes that one (an export waited on each read in turn and moved
+0.34 of the disk's raw speed), for two chunks of memory more."""
 
-    def __init__(self, store: ShardStore, names: Iterable[str]):
+
+class ChunkReader:
+    """Reads chunks into a few reused page-aligned buffers (read with O_DIRECT), each grown to
+    the largest chunk it has held, so memory stays a few chunks whatever the size of the arrays
+    or the model. A chunk's file is checked against its metadata before a buffer grows for it:
+    metadata claiming a huge chunk allocates nothing."""
+
+    def __init__(self, store: ShardStore, names: Iterable[str], read_ahead: int = READ_AHEAD):
         self.store = store
         self.infos: dict[str, ArrayInfo] = {name: store.array_info(name) for name in names}
-        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(read_ahead + 1)]
 
     def read(self, name: str, index: int) -> torch.Tensor:
-        """Chunk ``index`` of array ``name``, checksum verified; valid until the next read."""
-        info = self.infos[name]
-        if info.chunk_bytes > self._buffer.numel():
-            self.store.check_chunk_file(name, index)
-            self._buffer = torch.empty(info.chunk_bytes, dtype=torch.uint8)
-        out = self._buffer[: info.chunk_bytes].view(info.dtype)
-        self.store.read_into(name, index * info.chunk_elems, out)
+        """Chunk ``index`` of array ``name``, checksum verified; valid until the next read or piece."""
+        out, future = self._start(0, name, index)
+        future.result()
         return out
 
-    def content(self, name: str, numel: int) -> Iterator[torch.Tensor]:
-        """The first ``numel`` elements of array ``name`` (a unit's content, its padding left
-        out), chunk by chunk; each piece is valid until the next."""
-        size = self.infos[name].chunk_elems
-        for index in range(-(-numel // size)):
-            yield self.read(name, index)[: min(size, numel - index * size)]
+    def contents(self, arrays: Iterable[tuple[str, int]]) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """The first ``numel`` elements of each ``(name, numel)`` (a unit's content, its padding
+        left out), chunk by chunk in order, as ``(name, start, values)``: elements ``[start,
+        start + len(values))`` of array ``name``, valid until the next piece. The next chunks,
+        across arrays, are read meanwhile."""
+        pieces = (
+            (name, index * size, min(size, numel - index * size))
+            for name, numel in arrays
+            for size in (self.infos[name].chunk_elems,)
+            for index in range(-(-numel // size))
+        )
+        in_flight: collections.deque[tuple[str, int, torch.Tensor, Future]] = collections.deque()
+        try:
+            for slot, (name, start, count) in enumerate(pieces):
+                out, future = self._start(slot % len(self._buffers), name, start // self.infos[name].chunk_elems)
+                in_flight.append((name, start, out[:count], future))
+                if len(in_flight) == len(self._buffers):
+                    yield _ready(in_flight.popleft())
+            while in_flight:
+                yield _ready(in_flight.popleft())
+        finally:  # a caller that stops early: no read may still be filling a buffer
+            for *_, future in in_flight:
+                future.exception()
+
+    def _start(self, slot: int, name: str, index: int) -> tuple[torch.Tensor, Future]:
+        """Start reading chunk ``index`` of ``name`` into buffer ``slot``: its values, and the read."""
+        info = self.infos[name]
+        if info.chunk_bytes > self._buffers[slot].numel():
+            self.store.check_chunk_file(name, index)
+            self._buffers[slot] = host_bytes(info.chunk_bytes, huge_pages=True)
+        out = self._buffers[slot][: info.chunk_bytes].view(info.dtype)
+        return out, self.store.read_async(name, index * info.chunk_elems, out)
+
+
+def _ready(piece: tuple[str, int, torch.Tensor, Future]) -> tuple[str, int, torch.Tensor]:
+    name, start, values, future = piece
+    future.result()
+    return name, start, values

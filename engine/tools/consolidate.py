@@ -6,8 +6,8 @@ generation, or of a kept checkpoint, which is all a store of the memory tiers (`
 ``cpu`` or ``device``) holds, in the same layout. The layout saved with the
 store names every parameter and its place, so no model class is needed. The model
 may be larger than memory, so the file is written by streaming: the safetensors header is
-known from the layout alone and goes first, then each unit's master is read one chunk at a
-time and its bytes appended, padding dropped. Units are written in layout order and each
+known from the layout alone and goes first, then each unit's master is read chunk by chunk
+(the next few in flight) and its bytes appended, padding dropped. Units are written in layout order and each
 unit's parameters lie end to end from offset 0, so the file's data section is exactly the
 units' masters cut to their real length, one after another.
 
@@ -53,8 +53,8 @@ HEADER_ALIGN = 8  # safetensors pads its header with spaces so the data starts 8
 
 @dataclass
 class Masters:
-    """The masters of one step of a store (a generation or a checkpoint), read unit by unit, one
-    chunk at a time, and handed out in fp32 (bf16 masters, ``optim.master_dtype``, widened exactly)."""
+    """The masters of one step of a store (a generation or a checkpoint), read chunk by chunk
+    with the next chunks in flight, and handed out in the dtype stored (``optim.master_dtype``)."""
 
     layout: ModelLayout
     prefix: str
@@ -68,28 +68,31 @@ class Masters:
     """The dtype the store records its masters in."""
 
     def pieces(self, units: Iterable[UnitLayout] | None = None) -> Iterator[tuple[UnitLayout, int, torch.Tensor]]:
-        """Each unit's master in layout order, then each frozen unit's values (both cast to fp32),
-        padding dropped, as ``(unit, offset, values)``: the values of elements
-        ``[offset, offset + len(values))`` of the unit, in one reused buffer (valid until the
-        next piece). ``units``: those units alone."""
-        for unit in self.layout.all_units if units is None else units:
-            name = unit_array(self.prefix, unit)
-            info = self.reader.infos[name]
-            if (unit.trainable and info.dtype != self.master_dtype) or not info.dtype.is_floating_point:
-                raise ValueError(
-                    f"array {name!r} in {self.reader.store.path} holds {info.dtype} elements, but unit {unit.name!r} "
-                    f"needs {f'{self.master_dtype} masters' if unit.trainable else 'float values'}; the store does "
-                    f"not match its layout"
-                )
-            if info.numel < unit.numel:
-                raise ValueError(
-                    f"array {name!r} in {self.reader.store.path} holds {info.numel} elements, but unit "
-                    f"{unit.name!r} needs {unit.numel}; the store does not match its layout"
-                )
-            offset = 0
-            for values in self.reader.content(name, unit.numel):
-                yield unit, offset, values.float()
-                offset += values.numel()
+        """Each unit's master in layout order, then each frozen unit's values, padding dropped,
+        as ``(unit, offset, values)``: the values of elements ``[offset, offset + len(values))``
+        of the unit, in the dtype stored (fp32, or bf16 masters: the consumer casts once, as it
+        writes), in a reused buffer valid until the next piece. ``units``: those units alone."""
+        chosen = list(self.layout.all_units if units is None else units)
+        by_array = {unit_array(self.prefix, unit): unit for unit in chosen}
+        for name, unit in by_array.items():
+            self._check(name, unit)
+        for name, offset, values in self.reader.contents((name, unit.numel) for name, unit in by_array.items()):
+            yield by_array[name], offset, values
+
+    def _check(self, name: str, unit: UnitLayout) -> None:
+        """Refuse an array that cannot hold ``unit``'s values, before anything is read."""
+        info = self.reader.infos[name]
+        if (unit.trainable and info.dtype != self.master_dtype) or not info.dtype.is_floating_point:
+            raise ValueError(
+                f"array {name!r} in {self.reader.store.path} holds {info.dtype} elements, but unit {unit.name!r} "
+                f"needs {f'{self.master_dtype} masters' if unit.trainable else 'float values'}; the store does "
+                f"not match its layout"
+            )
+        if info.numel < unit.numel:
+            raise ValueError(
+                f"array {name!r} in {self.reader.store.path} holds {info.numel} elements, but unit "
+                f"{unit.name!r} needs {unit.numel}; the store does not match its layout"
+            )
 
 
 def unit_values(masters: Masters, unit: UnitLayout) -> torch.Tensor:
@@ -260,5 +263,5 @@ def _write_masters(masters: Masters, out: StreamedFile) -> None:
     total = (masters.layout.numel + masters.layout.frozen_numel) * FP32
     with tqdm(total=total, desc="consolidate", unit="B", unit_scale=True, disable=None) as bar:
         for _, _, values in masters.pieces():
-            out.write(values)
+            out.write(values, torch.float32)
             bar.update(values.numel() * FP32)

@@ -12,12 +12,13 @@ names and layout on disk come from transformers' conversion rules reversed
 written one tensor per expert, under the names its checkpoints use.
 
 The model may be larger than memory, so nothing is held whole that need not be: each shard's
-header follows from the store's layout alone, and the masters are read one chunk at a time
-(``engine.tools.consolidate.open_masters``), cast and appended to the shard they belong to. A
-unit whose stored tensors are not slices of its parameters (split experts are copies) is read
-whole, one unit at a time. Tied weights are written once, under the name the layout records,
-as ``save_pretrained`` does. Each shard is written under a temporary name and renamed when
-complete, and the index and config come last: an export cut short leaves no folder that loads.
+header follows from the store's layout alone, and the masters are read chunk by chunk, the
+next few in flight (``engine.tools.consolidate.open_masters``), and cast once as they are
+appended to the shard they belong to. A unit whose stored tensors are not slices of its
+parameters (split experts are copies) is read whole, one unit at a time. Tied weights are
+written once, under the name the layout records, as ``save_pretrained`` does. Each shard is
+written under a temporary name and renamed when complete, and the index and config come
+last: an export cut short leaves no folder that loads.
 
 A run that trained LoRA adapters (``lora.r > 0``) exports its adapter alone, as peft's
 ``save_pretrained`` writes it (``export_adapter``): the adapters are small, read whole; the

@@ -138,15 +138,15 @@ def test_checkpoints_are_listed_by_step(store_copy) -> None:
 
 
 def record_read_sizes(monkeypatch) -> list[int]:
-    """Make every ``ShardStore.read_into`` note how many elements it read."""
+    """Make every ``ShardStore.read_async`` (which ``read_into`` calls) note how many elements it reads."""
     read_sizes: list[int] = []
-    read_into = ShardStore.read_into
+    read_async = ShardStore.read_async
 
     def recording(self, name, start, out):
         read_sizes.append(out.numel())
-        return read_into(self, name, start, out)
+        return read_async(self, name, start, out)
 
-    monkeypatch.setattr(ShardStore, "read_into", recording)
+    monkeypatch.setattr(ShardStore, "read_async", recording)
     return read_sizes
 
 

@@ -3,10 +3,13 @@ and read back from another cutting."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
+from offload.chunks import FileOps
 from offload.io import IORunner
 from offload.shards import (
     TOP,
@@ -100,16 +103,77 @@ def test_arrays_at_the_top_are_read_ahead_and_named_back(tmp_path) -> None:
         assert array_bytes(unit, torch.float32) == 4 * unit.padded_numel == store.array_info("blocks.0/param").nbytes
 
 
-def test_a_chunk_reader_gives_a_units_content_chunk_by_chunk(tmp_path) -> None:
+def test_a_chunk_reader_gives_units_content_chunk_by_chunk(tmp_path) -> None:
     with IORunner(threads=2) as runner:
         store = ShardStore.create(tmp_path / "store", {}, runner=runner)
-        unit = Unit("root", numel=2500, chunk_numel=1024, ranks=2)  # 4 chunks, the content ends in the third
-        create_arrays(store, "gen-0", [unit], ("master",), torch.float32)
-        write_shard(store, "gen-0", unit, 0, [("master", values(unit, "master")[: unit.shard_numel].clone())])
-        write_shard(store, "gen-0", unit, 1, [("master", values(unit, "master")[unit.shard_numel :].clone())])
-        name = array_name("gen-0", "root", "master")
-        reader = ChunkReader(store, [name])
-        pieces = [piece.clone() for piece in reader.content(name, unit.numel)]
-        assert [p.numel() for p in pieces] == [1024, 1024, 452]
-        assert torch.equal(torch.cat(pieces), values(unit, "master")[: unit.numel])
-        assert torch.equal(reader.read(name, 3), torch.zeros(1024)), "padding reads as zeros"
+        units = [Unit("root", numel=2500, chunk_numel=1024, ranks=2), Unit("head", numel=700, chunk_numel=512, ranks=1)]
+        names = [written(store, unit) for unit in units]
+        reader = ChunkReader(store, names)
+        pieces = [
+            (name, start, piece.clone()) for name, start, piece in reader.contents(zip(names, [2500, 700], strict=True))
+        ]
+        assert [(n, start, p.numel()) for n, start, p in pieces] == [
+            (names[0], 0, 1024),
+            (names[0], 1024, 1024),
+            (names[0], 2048, 452),  # the content ends in the third chunk of four
+            (names[1], 0, 512),
+            (names[1], 512, 188),
+        ]
+        for name, unit in zip(names, units, strict=True):
+            content = torch.cat([p for n, _, p in pieces if n == name])
+            assert torch.equal(content, values(unit, "master")[: unit.numel])
+        assert torch.equal(reader.read(names[0], 3), torch.zeros(1024)), "padding reads as zeros"
+
+
+def written(store: ShardStore, unit: Unit) -> str:
+    """The name of ``unit``'s master array in generation 0, written by each rank in turn."""
+    create_arrays(store, "gen-0", [unit], ("master",), torch.float32)
+    for rank in range(unit.ranks):
+        write_shard(store, "gen-0", unit, rank, [("master", values(unit, "master")[unit.shard_slice(rank)].clone())])
+    return array_name("gen-0", unit.name, "master")
+
+
+class SlowReads(FileOps):
+    """Reads that take a while, so that a read ahead is still running when a piece is handed out."""
+
+    def preadv(self, fd, buf, offset):
+        time.sleep(0.01)
+        return super().preadv(fd, buf, offset)
+
+
+def recorded_reads(store: ShardStore) -> list[Future]:
+    """Every read ``store`` is asked for from now on, as its future."""
+    started: list[Future] = []
+    read_async = store.read_async
+
+    def recording(*args) -> Future:
+        started.append(read_async(*args))
+        return started[-1]
+
+    store.read_async = recording  # type: ignore[method-assign]
+    return started
+
+
+def test_a_chunk_reader_reads_ahead_without_touching_the_piece_handed_out(tmp_path) -> None:
+    with IORunner(threads=4) as runner:
+        store = ShardStore.create(tmp_path / "store", {}, runner=runner, file_ops=SlowReads())
+        unit = Unit("root", numel=10 * 1024, chunk_numel=1024, ranks=1)
+        name = written(store, unit)
+        started = recorded_reads(store)
+        reader = ChunkReader(store, [name], read_ahead=2)
+        for k, (_, start, piece) in enumerate(reader.contents([(name, unit.numel)])):
+            assert len(started) == min(k + 3, 10), "the piece and the two chunks after it are asked for, no more"
+            time.sleep(0.05)  # the reads ahead finish meanwhile, into other buffers
+            assert torch.equal(piece, values(unit, "master")[start : start + 1024]), f"piece {k} was overwritten"
+
+
+def test_a_chunk_reader_left_early_waits_for_its_reads(tmp_path) -> None:
+    with IORunner(threads=4) as runner:
+        store = ShardStore.create(tmp_path / "store", {}, runner=runner, file_ops=SlowReads())
+        unit = Unit("root", numel=8 * 1024, chunk_numel=1024, ranks=1)
+        name = written(store, unit)
+        started = recorded_reads(store)
+        pieces = ChunkReader(store, [name], read_ahead=3).contents([(name, unit.numel)])
+        next(pieces)
+        pieces.close()
+        assert len(started) == 4 and all(f.done() for f in started), "no read is left filling a buffer"
