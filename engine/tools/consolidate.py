@@ -4,12 +4,12 @@ The masters in the store are the weights (sharded and padded per unit), with the
 units' values stored once beside them (``engine.tiers.frozen``): those of the committed
 generation, or of a kept checkpoint, which is all a store of the memory tiers (``offload.optimizer``
 ``cpu`` or ``device``) holds, in the same layout. The layout saved with the
-store names every parameter and its place, so no model class is needed. The model
-may be larger than memory, so the file is written by streaming: the safetensors header is
-known from the layout alone and goes first, then each unit's master is read chunk by chunk
-(the next few in flight) and its bytes appended, padding dropped. Units are written in layout order and each
-unit's parameters lie end to end from offset 0, so the file's data section is exactly the
-units' masters cut to their real length, one after another.
+store names every parameter and its place, so no model class is needed. The model may be
+larger than memory, so the file is written by streaming: the safetensors header is known
+from the layout alone and goes first, then each unit's master is read chunk by chunk (the
+next few in flight) and its bytes appended, padding dropped. Units are written in layout
+order and each unit's parameters lie end to end from offset 0, so the file's data section is
+exactly the units' masters cut to their real length, one after another.
 
 Tied weights: a parameter shared by several modules is stored once, under the name the
 layout records (the first name ``named_parameters`` gives, e.g. ``tok_emb.weight`` for a
