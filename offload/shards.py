@@ -177,15 +177,15 @@ class ChunkReader:
         start + len(values))`` of array ``name``, valid until the next piece. The next chunks,
         across arrays, are read meanwhile."""
         pieces = (
-            (name, index * size, min(size, numel - index * size))
+            (name, index, index * size, min(size, numel - index * size))
             for name, numel in arrays
             for size in (self.infos[name].chunk_elems,)
             for index in range(-(-numel // size))
         )
         in_flight: collections.deque[tuple[str, int, torch.Tensor, Future]] = collections.deque()
         try:
-            for slot, (name, start, count) in enumerate(pieces):
-                out, future = self._start(slot % len(self._buffers), name, start // self.infos[name].chunk_elems)
+            for slot, (name, index, start, count) in enumerate(pieces):
+                out, future = self._start(slot % len(self._buffers), name, index)
                 in_flight.append((name, start, out[:count], future))
                 if len(in_flight) == len(self._buffers):
                     yield _ready(in_flight.popleft())

@@ -72,8 +72,7 @@ class Masters:
         as ``(unit, offset, values)``: the values of elements ``[offset, offset + len(values))``
         of the unit, in the dtype stored (fp32, or bf16 masters: the consumer casts once, as it
         writes), in a reused buffer valid until the next piece. ``units``: those units alone."""
-        chosen = list(self.layout.all_units if units is None else units)
-        by_array = {unit_array(self.prefix, unit): unit for unit in chosen}
+        by_array = {unit_array(self.prefix, unit): unit for unit in (self.layout.all_units if units is None else units)}
         for name, unit in by_array.items():
             self._check(name, unit)
         for name, offset, values in self.reader.contents((name, unit.numel) for name, unit in by_array.items()):

@@ -4,9 +4,11 @@ and read back from another cutting."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from offload.chunks import FileOps
@@ -110,7 +112,8 @@ def test_a_chunk_reader_gives_units_content_chunk_by_chunk(tmp_path) -> None:
         names = [written(store, unit) for unit in units]
         reader = ChunkReader(store, names)
         pieces = [
-            (name, start, piece.clone()) for name, start, piece in reader.contents(zip(names, [2500, 700], strict=True))
+            (name, start, piece.clone())
+            for name, start, piece in reader.contents((n, u.numel) for n, u in zip(names, units, strict=True))
         ]
         assert [(n, start, p.numel()) for n, start, p in pieces] == [
             (names[0], 0, 1024),
@@ -154,26 +157,29 @@ def recorded_reads(store: ShardStore) -> list[Future]:
     return started
 
 
-def test_a_chunk_reader_reads_ahead_without_touching_the_piece_handed_out(tmp_path) -> None:
+@pytest.fixture
+def slow_chunks(tmp_path) -> Iterator[tuple[ShardStore, Unit, str, list[Future]]]:
+    """A one-rank array of ten chunks in a store whose reads take a while: the store, the unit,
+    the array's name, and every read asked for from then on."""
     with IORunner(threads=4) as runner:
         store = ShardStore.create(tmp_path / "store", {}, runner=runner, file_ops=SlowReads())
         unit = Unit("root", numel=10 * 1024, chunk_numel=1024, ranks=1)
         name = written(store, unit)
-        started = recorded_reads(store)
-        reader = ChunkReader(store, [name], read_ahead=2)
-        for k, (_, start, piece) in enumerate(reader.contents([(name, unit.numel)])):
-            assert len(started) == min(k + 3, 10), "the piece and the two chunks after it are asked for, no more"
-            time.sleep(0.05)  # the reads ahead finish meanwhile, into other buffers
-            assert torch.equal(piece, values(unit, "master")[start : start + 1024]), f"piece {k} was overwritten"
+        yield store, unit, name, recorded_reads(store)
 
 
-def test_a_chunk_reader_left_early_waits_for_its_reads(tmp_path) -> None:
-    with IORunner(threads=4) as runner:
-        store = ShardStore.create(tmp_path / "store", {}, runner=runner, file_ops=SlowReads())
-        unit = Unit("root", numel=8 * 1024, chunk_numel=1024, ranks=1)
-        name = written(store, unit)
-        started = recorded_reads(store)
-        pieces = ChunkReader(store, [name], read_ahead=3).contents([(name, unit.numel)])
-        next(pieces)
-        pieces.close()
-        assert len(started) == 4 and all(f.done() for f in started), "no read is left filling a buffer"
+def test_a_chunk_reader_reads_ahead_without_touching_the_piece_handed_out(slow_chunks) -> None:
+    store, unit, name, started = slow_chunks
+    reader = ChunkReader(store, [name], read_ahead=2)
+    for k, (_, start, piece) in enumerate(reader.contents([(name, unit.numel)])):
+        assert len(started) == min(k + 3, 10), "the piece and the two chunks after it are asked for, no more"
+        time.sleep(0.05)  # the reads ahead finish meanwhile, into other buffers
+        assert torch.equal(piece, values(unit, "master")[start : start + 1024]), f"piece {k} was overwritten"
+
+
+def test_a_chunk_reader_left_early_waits_for_its_reads(slow_chunks) -> None:
+    store, unit, name, started = slow_chunks
+    pieces = ChunkReader(store, [name], read_ahead=3).contents([(name, unit.numel)])
+    next(pieces)
+    pieces.close()
+    assert len(started) == 4 and all(f.done() for f in started), "no read is left filling a buffer"
