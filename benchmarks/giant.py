@@ -20,7 +20,9 @@ same command then resumes from the store and finishes the steps.
 Per step it prints the engine's own statistics (``train.metrics``): loss; seconds split into
 compute, exposed parameter I/O and exposed optimizer I/O; bytes read and written; disk GB/s
 achieved; peak RSS of the process tree (polled with psutil, and the kernel's high-water mark);
-the device budget's high-water mark. And the bound it is held against, measured in this run:
+the device budget's high-water mark; and each phase's seconds and waits (forward, backward,
+update, the loop's own), in a table and drawn to ``giant_phases.png`` (``benchmarks.phase_plot``,
+which also draws several saved runs one above the other). And the bound it is held against, measured in this run:
 max(compute-only time, read bytes / raw read bandwidth + written bytes / raw write
 bandwidth), the raw bandwidths from ``benchmarks.bandwidth.raw_disk_gbps`` on the store's
 disk, the compute-only time from one block's forward and backward (and the root's) at this
@@ -48,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bandwidth import mixed_disk_gbps, raw_disk_gbps
+from benchmarks.phase_plot import phase_bars, phase_rows, phase_steps
 from benchmarks.report import Row, base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import disk_usage
 from engine.config import Config, ZeroConfig
@@ -347,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bound = with_mixed_bound(bound, records, work, args.quick)
     rows = step_rows(records, runs, bound)
     print_table(f"giant: {n_params / 1e9:.2f}B params, store.mode = {args.mode!r}", rows)
+    phases = phase_steps(records, runs)
+    print_table("phases", phase_rows(phases))
     peak_rss = max(first["peak_rss_bytes"], resumed["peak_rss_bytes"], *(r["peak_rss_bytes"] for r in records))
     summary = {
         "params": n_params,
@@ -364,9 +369,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **{f"raw_{k}": v for k, v in bound.items()},
     }
     print_table("summary", [summary])
-    save_json(args.out, "giant", {"summary": summary, "steps": rows, "train_log_tail": _tail(log).splitlines()})
+    save_json(
+        args.out,
+        "giant",
+        {"summary": summary, "steps": rows, "phases": phases, "train_log_tail": _tail(log).splitlines()},
+    )
+    phase_bars(args.out / "giant_phases.png", {f"{n_params / 1e9:.2f}B": phases}, "giant: a step's phases")
     shutil.rmtree(work, ignore_errors=True)
-    return {"summary": summary, "steps": rows}
+    return {"summary": summary, "steps": rows, "phases": phases}
 
 
 def _tail(log: Path, lines: int = 20) -> str:

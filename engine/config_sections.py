@@ -406,7 +406,9 @@ class TrainConfig:
     seconds, tokens/s, exposed parameter and optimizer waits, bytes read and written, prefetch hit
     rate, device high-water, peak RSS, the step's CPU seconds (``cpu_s``), and the stores' I/O
     CPU-seconds per GB moved by stage (``io_cpu_s_per_gb``: system calls, CRC-32C, open/close,
-    fsync, copies, casts, zeroing, and their ``total``) with the bytes they are per (``io_bytes``)."""
+    fsync, copies, casts, zeroing, and their ``total``) with the bytes they are per (``io_bytes``);
+    and the seconds and waits again by phase (``phases``: forward, backward, update, and the loop's
+    own time, ``other``; ``python -m benchmarks.phase_plot`` draws them)."""
     tensorboard: str = ""
     """A folder that gets the same scalars as TensorBoard events (needs ``tensorboard``); empty: none."""
     eval_every: int = 0

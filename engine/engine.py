@@ -46,7 +46,7 @@ from engine.zero.optim import lr_factor, schedule_change
 from engine.zero.order import TracedOrder, adopt_orders, adopt_predicted, saved_orders
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect
 from engine.zero.precision import LossScaler
-from engine.zero.stats import StepClock, StepStats, measure_step
+from engine.zero.stats import PhaseClock, StepClock, StepStats, measure_step
 from engine.zero.step import StepControl
 from offload import StoreLock
 
@@ -172,6 +172,7 @@ class Engine:
         self._saving: PendingCheckpoint | None = None
         """A checkpoint still being written in the background, committed by the next step."""
         self._step_started: StepClock | None = None
+        self._phases = PhaseClock(self.params, self.step_control)
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -278,7 +279,8 @@ class Engine:
             self.step_control.compile_ahead()
         self.params.begin_iteration()
         move = lambda v: v.to(self.device.device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
-        output = self.module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
+        with self._phases.timing("forward"):
+            output = self.module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
         self._phase = StepPhase.FORWARD
         return output
 
@@ -298,7 +300,7 @@ class Engine:
             )
         accum = self.config.zero.grad_accum_steps
         last = self._micro_batches + 1 >= accum
-        with self._within_step():
+        with self._within_step(), self._phases.timing("backward"):
             self.grads.start_backward(last)  # first: it makes the last step's order the record
             if last:
                 self.optimizer_state.flush()
@@ -327,23 +329,27 @@ class Engine:
         if self._phase is StepPhase.ACCUMULATING:
             return False
         with self._within_step():
-            grads = self.grads.final_shards()
-            overflow = self.scaler.unscale_and_check(grads, self.comm, self.step_control.found_inf)
-            self.scaler.update(overflow)
-            if overflow:
-                self.step_control.abandon()
-                self.skipped_steps += 1
-                logger.warning(
-                    "step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale
-                )
-            else:
-                self._update_and_commit()
-            self.global_step += 1
-            self._drop_grads()
-            self._commit_checkpoint()
+            with self._phases.timing("update"):
+                overflow = self._update()
             self._record_stats()
         self._phase = self._between_steps()
         return not overflow
+
+    def _update(self) -> bool:
+        """The step's update and commit, or its skip; True if its gradients overflowed."""
+        grads = self.grads.final_shards()
+        overflow = self.scaler.unscale_and_check(grads, self.comm, self.step_control.found_inf)
+        self.scaler.update(overflow)
+        if overflow:
+            self.step_control.abandon()
+            self.skipped_steps += 1
+            logger.warning("step %d skipped: inf/nan gradients; loss scale now %g", self.global_step, self.scaler.scale)
+        else:
+            self._update_and_commit()
+        self.global_step += 1
+        self._drop_grads()
+        self._commit_checkpoint()
+        return overflow
 
     def _update_and_commit(self) -> None:
         """Update every unit (``StepControl.apply``: a step that diverged stops here), store the
@@ -377,7 +383,14 @@ class Engine:
     def _record_stats(self) -> None:
         started, self._step_started = self._step_started or StepClock.now(), None
         self.last_step_stats = measure_step(
-            started, self.step_control, self.optimizer_state, self.params, self.budget, self.device, self.io.costs
+            started,
+            self.step_control,
+            self.optimizer_state,
+            self.params,
+            self.budget,
+            self.device,
+            self.io.costs,
+            self._phases,
         )
 
     def gathered(self):

@@ -133,6 +133,8 @@ class StepControl:
         """The step's spill of its gradients, when it spills them."""
         self._waited = 0.0
         """Seconds this step was blocked on spilling gradients and on its commit."""
+        self._wait_taken = 0.0
+        """Of ``wait_s``, what ``take_wait_s`` has handed out."""
 
     def update_order(self) -> list[UnitLayout]:
         """The units in the order the next step updates them (``engine.zero.update.update_order``)."""
@@ -153,7 +155,7 @@ class StepControl:
         in memory)."""
         self._update = Update(self.update_order(), self._state, self.unit_work, self.worker)
         self.unit_work.begin(lr)
-        self._spilling, self._waited = None, 0.0
+        self._spilling, self._waited, self._wait_taken = None, 0.0, 0.0
         if self.overlap:
             return self._update.ready
         if self.spill is None:
@@ -230,6 +232,12 @@ class StepControl:
         not ready, writes backed up, the worker's update not done, spilling, its commit."""
         spilled = self._spilling.waited_s if self._spilling is not None else 0.0
         return self._waited + spilled + (self._update.wait_s if self._update is not None else 0.0)
+
+    def take_wait_s(self) -> float:
+        """Of ``wait_s``, the seconds not handed out by an earlier call (a phase's share)."""
+        total = self.wait_s
+        taken, self._wait_taken = total - self._wait_taken, total
+        return taken
 
     @property
     def compute_s(self) -> float:

@@ -61,6 +61,9 @@ def test_stop_resume_and_finish_within_the_predicted_memory(
         assert committed in (first[-1] - 1, first[-1]), "the store resumes at one of the last two finished steps"
     assert resumed == list(range(committed + 1, 4)) and summary["resumed_exit_code"] == 0
     assert all(math.isfinite(row["loss"]) for row in steps)
+    assert [(p["run"], p["step"]) for p in result["phases"]] == [(row["run"], row["step"]) for row in steps]
+    for split, row in zip(result["phases"], steps, strict=True):
+        assert sum(phase["seconds"] for phase in split["phases"].values()) == pytest.approx(row["step s"], rel=1e-9)
     assert summary["peak_rss_bytes"] <= RSS_TOLERANCE * summary["predicted_peak_rss_bytes"], summary
     assert summary["store_bytes"] == pytest.approx(summary["predicted_store_bytes"], rel=0.15)
     expected_losses, expected_masters = uninterrupted

@@ -1,0 +1,96 @@
+"""A step's seconds and waits split by phase (``StepStats.phases``): each wait lands in the phase
+it held up, and the phases add up to the step.
+
+Parameter gathers and optimizer write-backs are slowed by a fixed delay each, so every phase's
+share is known from what runs in it: gathers in the forward and backward (none in the update:
+prefetching is off), write-backs in the update after clipping, in the backward when each unit is
+updated as its gradient is reduced.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.engine import Engine
+from engine.zero.stats import OTHER, PHASES, StepStats
+from engine.zero.unit_params import UnitParams
+from tests.training import batches, config, tiny_gpt
+
+DELAY_S = 0.01
+LOOP_S = 0.1
+"""The training loop's own pause between backward and step, which only ``OTHER`` may hold."""
+
+
+def slowed_step(tmp_path: Path, monkeypatch, grad_clip: float) -> tuple[StepStats, int]:
+    """The second step of a stage-3 nvme run whose gathers and optimizer write-backs each wait
+    ``DELAY_S`` more, and how many units it has."""
+    cfg = config(
+        zero={"stage": 3, "prefetch_mb": 0},
+        offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path / "store")},
+        optim={"grad_clip": grad_clip},
+    )
+    eng = Engine(tiny_gpt(), cfg, total_steps=2)
+    complete = UnitParams.complete
+
+    def slow_complete(entry: UnitParams) -> None:
+        time.sleep(DELAY_S)
+        complete(entry)
+
+    write_back = eng.optimizer_state.write_back
+
+    def slow_write_back(*args) -> None:
+        time.sleep(DELAY_S)
+        write_back(*args)
+
+    monkeypatch.setattr(UnitParams, "complete", slow_complete)
+    monkeypatch.setattr(eng.optimizer_state, "write_back", slow_write_back)
+    data = batches(2)
+    try:
+        for _ in range(2):
+            x, y = data.next()
+            eng.backward(eng(x, y))
+            time.sleep(LOOP_S)
+            eng.step()
+        return eng.last_step_stats, len(eng.layout.units)
+    finally:
+        eng.close()
+
+
+def assert_adds_up(stats: StepStats) -> None:
+    phases = stats.phases
+    assert set(phases) == {*PHASES, OTHER}
+    assert sum(p.seconds for p in phases.values()) == pytest.approx(stats.seconds, abs=1e-9)
+    assert sum(p.param_wait_s for p in phases.values()) == pytest.approx(stats.param_wait_s, abs=1e-9)
+    assert sum(p.optimizer_wait_s for p in phases.values()) == pytest.approx(stats.optimizer_wait_s, abs=1e-9)
+    assert phases[OTHER].seconds >= LOOP_S
+    for phase in phases.values():
+        assert phase.seconds >= phase.param_wait_s + phase.optimizer_wait_s - 1e-9
+        assert phase.to_dict()["compute_s"] == pytest.approx(phase.compute_s)
+    assert stats.to_dict()["phases"]["update"]["seconds"] == phases["update"].seconds
+
+
+def test_clipped_steps_wait_for_parameters_in_forward_and_backward_and_for_the_optimizer_in_the_update(
+    tmp_path, monkeypatch
+) -> None:
+    stats, units = slowed_step(tmp_path, monkeypatch, grad_clip=1.0)
+    assert_adds_up(stats)
+    phases = stats.phases
+    # The root unit persists (it is never gathered); every other unit is, once each way.
+    assert phases["forward"].param_wait_s >= (units - 1) * DELAY_S
+    assert phases["backward"].param_wait_s >= (units - 1) * DELAY_S
+    assert phases["update"].param_wait_s < DELAY_S
+    assert phases["update"].optimizer_wait_s >= units * DELAY_S
+    assert phases["forward"].optimizer_wait_s == 0.0
+    assert phases["backward"].optimizer_wait_s < DELAY_S
+
+
+def test_units_updated_inside_backward_wait_for_the_optimizer_there(tmp_path, monkeypatch) -> None:
+    stats, units = slowed_step(tmp_path, monkeypatch, grad_clip=0.0)
+    assert_adds_up(stats)
+    phases = stats.phases
+    # Each unit is handed on when the next one's gradient is ready: all but the last in backward.
+    assert phases["backward"].optimizer_wait_s >= (units - 2) * DELAY_S
+    assert phases["forward"].optimizer_wait_s == 0.0
