@@ -56,7 +56,7 @@ def phase_bars(path: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]], titl
     from matplotlib.patches import Patch
 
     bars = [(f"{label}: step {s['step']} ({s['run']})", s["phases"]) for label, steps in runs.items() for s in steps]
-    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.42 * len(bars)))
+    fig, ax = plt.subplots(figsize=(11, 2.2 + 0.42 * len(bars)))
     for y, (_, phases) in enumerate(bars):
         left = 0.0
         for name in (*PHASES, OTHER):
@@ -70,7 +70,7 @@ def phase_bars(path: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]], titl
     ax.set_title(title)
     handles = [Patch(color=COLORS[name], label=name) for name in (*PHASES, OTHER)]
     handles += [Patch(facecolor="white", edgecolor="black", hatch=hatch, label=label) for _, label, hatch in PARTS]
-    ax.legend(handles=handles, fontsize="small", loc="lower right")
+    ax.legend(handles=handles, fontsize="small", ncol=len(handles), loc="upper center", bbox_to_anchor=(0.5, -0.2))
     return save_figure(fig, path)
 
 
