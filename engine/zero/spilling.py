@@ -11,6 +11,7 @@ training thread, which owns their bookkeeping, once their spill has run.
 from __future__ import annotations
 
 import collections
+import time
 from concurrent.futures import Future
 
 import torch
@@ -43,7 +44,9 @@ class Spilling:
         self.piece_norms: dict[str, torch.Tensor] = {}
         """The norms of the spilled gradients' pieces, by parameter or unit, once ``finish`` has returned."""
         self.waited_s = 0.0
-        """Seconds the spills waited for room in the spill's buffers."""
+        """Seconds the training thread was blocked on the spills: waiting for room in the spill's
+        buffers where it spills inline, or for the worker's spills at ``finish``. (What the worker
+        waits meanwhile is not counted: the training thread goes on.)"""
         self._running: collections.deque[tuple[str, Future]] = collections.deque()
         spill.begin()
 
@@ -59,12 +62,14 @@ class Spilling:
 
     def finish(self) -> None:
         """Wait until every shard handed over is spilled (raising a spill's error), and free them."""
+        start = time.perf_counter()
         while self._running:
             self._free_oldest()
+        self.waited_s += time.perf_counter() - start
 
     def _free_oldest(self) -> None:
         unit_name, spilled = self._running.popleft()
-        self.waited_s += spilled.result()
+        spilled.result()
         self._grads.release_shard(unit_name)
 
     def _run(self, unit: UnitLayout, pending: PendingShard) -> float:

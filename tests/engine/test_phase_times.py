@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine.engine import Engine
+from engine.tiers.grad_spill import GradSpill
 from engine.zero.stats import OTHER, PHASES, StepStats
 from engine.zero.unit_params import UnitParams
 from tests.training import batches, config, tiny_gpt
@@ -94,3 +95,26 @@ def test_units_updated_inside_backward_wait_for_the_optimizer_there(tmp_path, mo
     # Each unit is handed on when the next one's gradient is ready: all but the last in backward.
     assert phases["backward"].optimizer_wait_s >= (units - 2) * DELAY_S
     assert phases["forward"].optimizer_wait_s == 0.0
+
+
+def test_a_spills_wait_on_the_worker_is_not_the_training_threads(tmp_path, monkeypatch) -> None:
+    """Gradients spilled on the host worker: the room the worker waited for is its own time, which
+    the training thread spends going on. Each spill here reports an hour's wait."""
+    write = GradSpill.write
+    monkeypatch.setattr(GradSpill, "write", lambda self, unit, grad: write(self, unit, grad) + 3600.0)
+    cfg = config(
+        zero={"stage": 3},
+        offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path / "store")},
+        optim={"grad_clip": 1.0},
+    )
+    eng = Engine(tiny_gpt(), cfg, total_steps=1)
+    try:
+        assert eng.step_control.worker is not None and eng.step_control.spill is not None
+        eng.backward(eng(*batches(2).next()))
+        eng.step()
+        stats = eng.last_step_stats
+    finally:
+        eng.close()
+    assert stats.optimizer_wait_s < stats.seconds
+    for phase in stats.phases.values():
+        assert phase.optimizer_wait_s <= phase.seconds
