@@ -55,8 +55,9 @@ from engine.tiers.store_io import StoreIO
 from engine.zero.buffers import materialize_buffers_
 from engine.zero.decay import no_decay_names
 from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
-from engine.zero.params import Params, ReplicatedParams, ShardedParams
+from engine.zero.params import Params, ShardedParams
 from engine.zero.recompute import checkpoint_forward, outermost
+from engine.zero.replicated_params import ReplicatedParams
 from engine.zero.step import StepControl
 
 logger = logging.getLogger(__name__)

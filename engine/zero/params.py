@@ -4,7 +4,8 @@ Each unit's parameters are views into one flat buffer; a step hands each rank's 
 master shard to ``write_back`` (then ``flush``), except for frozen units. What differs is when
 the full buffer exists:
 
-- ``ReplicatedParams`` keeps every unit gathered and all-gathers each after its update.
+- ``ReplicatedParams`` (``engine.zero.replicated_params``) keeps every unit gathered and
+  all-gathers each after its update.
 - ``ShardedParams`` keeps only the rank's shard, on its tier (``engine.tiers.parameters``). A
   unit is gathered just before its forward and its backward and released right after each;
   releasing frees the buffer's storage (resized to zero bytes) while the parameter views,
@@ -27,22 +28,22 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from engine.runtime.budget import DeviceBudget, DeviceMemoryError
-from engine.runtime.comm import Comm, Work
+from engine.runtime.comm import Comm
 from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
 from engine.runtime.staging import StagingRing
 from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout, nested_in
 from engine.tiers.parameters import ParamTier
 from engine.zero.order import TracedOrder
-from engine.zero.unit_params import UnitParams, UnitState
+from engine.zero.unit_params import UnitParams, UnitState, copy_and_gather
 
 logger = logging.getLogger(__name__)
 
 
 class Params(Protocol):
     """The compute-dtype parameters on the device, whatever the stage: what building the units,
-    the gradients' hooks, the step and the engine ask of them (``ReplicatedParams``,
-    ``ShardedParams``)."""
+    the gradients' hooks, the step and the engine ask of them (``ReplicatedParams`` in
+    ``engine.zero.replicated_params``, ``ShardedParams``)."""
 
     @property
     def order(self) -> TracedOrder | None:
@@ -102,92 +103,6 @@ class Params(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-class ReplicatedParams:
-    """Stage 1/2: full compute-dtype parameters on every rank, refreshed by all-gather."""
-
-    order = None  # every unit stays gathered: there is no order of gathers to predict
-
-    def __init__(
-        self, layout: ModelLayout, comm: Comm, budget: DeviceBudget, device: Device, uploads: StagingRing | None
-    ):
-        """``uploads``: where host masters are rounded to the compute dtype on their way up
-        (None: the masters are on the device, or the device is the host)."""
-        self._layout, self._comm, self._budget, self._device = layout, comm, budget, device
-        self._uploads = uploads
-        self._flats: dict[str, torch.Tensor] = {}
-        self._gathers: list[Work] = []
-
-    def add(self, unit: UnitLayout, flat: torch.Tensor) -> None:
-        """Take the unit's full initial buffer (the module's parameters are views of it)."""
-        self._budget.charge(flat.nbytes, f"the parameters of unit {unit.name!r}")
-        self._flats[unit.name] = flat
-
-    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """The unit's master shard holds new values: share them with every rank (asynchronously).
-        ``master`` may be reused once this returns."""
-        self._gathers.append(
-            copy_and_gather(self._device, self._comm, self._flats[unit.name], unit, master, self._uploads)
-        )
-
-    def flush(self) -> None:
-        """Wait for the gathers of the written-back shards: the parameters hold the new values."""
-        for work in self._gathers:
-            work.wait()
-        self._gathers.clear()
-
-    def begin_iteration(self) -> None:
-        return None
-
-    def frozen_shards(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
-        """This rank's shard of each frozen unit (compute dtype), to store once."""
-        for unit in self._layout.frozen:
-            yield unit, self._flats[unit.name][unit.shard_slice(self._comm.rank)]
-
-    @contextmanager
-    def gathered(self) -> Iterator[None]:
-        yield
-
-    def release_after_backward(self, unit_name: str) -> None:
-        return None
-
-    def hook(self, modules: dict[str, nn.Module], needs: dict[str, list[str]]) -> None:
-        return None  # every unit stays gathered: nothing to do around forward and backward
-
-    def check_fits(self, grad_bucket_bytes: dict[str, int], in_flight: int) -> None:
-        return None  # the parameters were charged whole when added
-
-    def take_wait_s(self) -> float:
-        return 0.0
-
-    def prefetch_counts(self) -> tuple[int, int]:
-        return 0, 0
-
-    def take_io_bytes(self) -> tuple[int, int]:
-        return 0, 0
-
-    def host_bytes(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        return None
-
-
-def copy_and_gather(
-    device: Device, comm: Comm, flat: torch.Tensor, unit: UnitLayout, master: torch.Tensor, uploads: StagingRing | None
-) -> Work:
-    """Put the rank's new master into its shard of ``flat`` (in the compute dtype), then
-    all-gather ``flat`` once it is there. A host master is rounded in ``uploads`` and copied
-    from there on the copy stream, so that its buffer may be reused when this returns and
-    nothing here waits for the copy; a master on the device (or where the device is the host,
-    ``uploads`` None) is cast in place on the compute stream."""
-    own = flat[unit.shard_slice(comm.rank)]
-    if uploads is None:
-        own.copy_(master)
-    else:
-        device.wait_for(uploads.upload(own, master))  # the all-gather reads ``own``
-    return comm.all_gather(flat, own)
 
 
 class ShardedParams:

@@ -14,6 +14,7 @@ import torch
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm, Work
 from engine.runtime.device import Device, Event
+from engine.runtime.staging import StagingRing
 from engine.state.partition import UnitLayout
 from engine.tiers.parameters import Fetch, ParamTier
 
@@ -161,3 +162,19 @@ class UnitParams:
             if self.state is not UnitState.FETCHING:
                 self.flat.untyped_storage().resize_(0)
                 self._budget.credit(self.nbytes)
+
+
+def copy_and_gather(
+    device: Device, comm: Comm, flat: torch.Tensor, unit: UnitLayout, master: torch.Tensor, uploads: StagingRing | None
+) -> Work:
+    """Put the rank's new master into its shard of ``flat`` (in the compute dtype), then
+    all-gather ``flat`` once it is there. A host master is rounded in ``uploads`` and copied
+    from there on the copy stream, so that its buffer may be reused when this returns and
+    nothing here waits for the copy; a master on the device (or where the device is the host,
+    ``uploads`` None) is cast in place on the compute stream."""
+    own = flat[unit.shard_slice(comm.rank)]
+    if uploads is None:
+        own.copy_(master)
+    else:
+        device.wait_for(uploads.upload(own, master))  # the all-gather reads ``own``
+    return comm.all_gather(flat, own)

@@ -31,7 +31,7 @@ from engine.runtime.sim_device import CopyRaceError, SimDevice
 from engine.runtime.sizes import MIB
 from engine.runtime.staging import StagingRing
 from engine.tiers.parameters import MemoryParamTier
-from engine.zero import params as params_module
+from engine.zero import replicated_params
 from engine.zero.divergence import DivergedError
 from engine.zero.grads import GradientShards, PendingShard
 from engine.zero.unit_params import UnitParams, UnitState
@@ -267,7 +267,7 @@ GUARDS = {
     ),
     "gather before the shard's copy": Guard(UnitParams, "start_gather", gather_before_the_copy, (3, "nvme", "nvme"), 2),
     "gather before the new master's copy": Guard(
-        params_module, "copy_and_gather", gather_before_the_master_copy, (2, "nvme", "device"), 2
+        replicated_params, "copy_and_gather", gather_before_the_master_copy, (2, "nvme", "device"), 2
     ),
     "update before the gradient copy": Guard(PendingShard, "wait", gradient_not_waited_for, (2, "nvme", "device")),
     "addition before the staging copy": Guard(
