@@ -46,7 +46,10 @@ class ZeroConfig:
     """Stage 3: MiB of the units next in the traced order gathered while the current one computes.
 
     The next unit is gathered ahead whatever its size (a window smaller than a unit would
-    otherwise gather none ahead); 0 gathers each unit only when it is needed."""
+    otherwise gather none ahead); 0 gathers each unit only when it is needed. With the parameter
+    shards in memory (``offload.param`` = ``cpu`` or ``device``) and an update that waits for
+    every gradient (clipping), the same window of the next forward's first units starts on its
+    way to the device during the update, each unit as soon as it is updated."""
     persistence_threshold: int = 0
     """Stage 3: units with fewer parameters than this stay gathered for the whole run.
 

@@ -87,6 +87,10 @@ class ParamTier(Protocol):
     ``write_back`` each step's new values, ``flush`` them, ``close``. Nothing is committed:
     the shards derive from the masters, which a resume reads."""
 
+    reads_in_memory: bool
+    """Whether ``read`` hands out the shard held in memory, as the last ``write_back`` left it
+    (else it reads the shard from disk, where a write may still be on its way)."""
+
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
         """Take the unit's initial shard (compute dtype, copied)."""
         ...
@@ -119,6 +123,8 @@ class ParamTier(Protocol):
 class MemoryParamTier:
     """Shards held in memory for the whole run: on the device (``device``, charged to the
     device budget) or in host memory (``cpu``, pinned where an accelerator exists)."""
+
+    reads_in_memory = True
 
     def __init__(
         self, on_device: bool, device: Device, dtype: torch.dtype, budget: DeviceBudget, uploads: StagingRing | None
@@ -184,6 +190,8 @@ class StoreParamTier:
     or with ``read_master`` read from their masters (no store of its own then); the frozen
     units' are read with ``read_frozen`` from where the run keeps them.
     """
+
+    reads_in_memory = False
 
     def __init__(
         self,

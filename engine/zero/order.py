@@ -68,6 +68,11 @@ class TracedOrder:
             )
             self._following = False
 
+    def iteration(self) -> list[str]:
+        """This iteration's order as far as it is known: the record while it follows it, else
+        what it visited so far (which the next iteration is predicted to follow)."""
+        return list(self._record if self._following else self._current)
+
     def upcoming(self) -> list[str]:
         """What the record says comes after the last visit (nothing once the iteration departed)."""
         return self._record[self._position :] if self._following else []

@@ -17,6 +17,7 @@ the full buffer exists:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -64,6 +65,11 @@ class Params(Protocol):
 
     def begin_iteration(self) -> None:
         """A forward starts."""
+        ...
+
+    def ahead_order(self) -> list[str] | None:
+        """The order the next forward gathers the units in, where their new values are sent
+        ahead of it as they are stored; None where they are not."""
         ...
 
     def frozen_shards(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
@@ -135,6 +141,11 @@ class ShardedParams:
         self._units: dict[str, UnitParams] = {}
         self.order = TracedOrder("the order units run in")
         self._handles: list = []
+        self._written: set[str] = set()
+        """Units whose new values were stored since the iteration began."""
+        self._ahead: set[str] = set()
+        """Units on their way for the next iteration since their new values were stored, which
+        its start keeps (``_prefetch_updated``)."""
         self._wait_s = 0.0
         self.hits = 0
         self.misses = 0
@@ -241,10 +252,13 @@ class ShardedParams:
     # ----------------------------------------------------- the life cycle
 
     def begin_iteration(self) -> None:
-        """A forward is about to start: what the last iteration gathered ahead is dropped."""
-        for entry in self._units.values():
-            if not entry.persistent:
+        """A forward is about to start: what the last iteration gathered ahead is dropped, but
+        not what the update started on its way for this one."""
+        for name, entry in self._units.items():
+            if not entry.persistent and name not in self._ahead:
                 entry.free()
+        self._ahead.clear()
+        self._written.clear()
         self.order.start()
 
     def gather(self, name: str) -> None:
@@ -263,11 +277,18 @@ class ShardedParams:
         self._prefetch()
 
     def _prefetch(self) -> None:
-        """Move each unit next in the traced order one stage on, while their bytes fit the
-        window and the device budget: fetch it, copy a fetched one into place, all-gather a
-        copied one (a copy is given a pass to land before its gather waits for it, unless
-        copies are synchronous, as on the CPU, where it is gathered at once); a shard held in
-        memory is copied in the pass that fetches it, queued from the step's first gather.
+        """Move the units next in the traced order on (``_advance``)."""
+        self._advance(self.order.upcoming())
+
+    def _advance(self, names: list[str], gather: bool = True) -> None:
+        """Move each unit of ``names`` one stage on, in turn, while their bytes fit the
+        window and the device budget: fetch it, copy a fetched one into place, and (with
+        ``gather``) all-gather the first one copied, the next to run. A copy is given a pass to
+        land before its gather waits for it; one gather a pass, because where waiting for a
+        copy holds the host (the simulated device) gathering every copied unit at once would
+        hold it until the last copy landed, with nothing computed meanwhile. Where copies are
+        synchronous, as on the CPU, a unit is gathered as it is copied. A shard held in memory
+        is copied in the pass that fetches it, queued from the step's first gather.
 
         The next unit is moved on whatever its size: a window smaller than one unit (a 7B
         model's layers are over 400 MB in bf16) would otherwise prefetch nothing at all, and
@@ -279,7 +300,7 @@ class ShardedParams:
             return
         window = 0
         seen: set[str] = set()
-        for name in self.order.upcoming():
+        for name in names:
             entry = self._units[name]
             if name in seen or entry.persistent:
                 continue
@@ -288,7 +309,9 @@ class ShardedParams:
             if window > self._prefetch_bytes and len(seen) > 1:
                 return
             if entry.state is UnitState.COPYING:
-                entry.start_gather()
+                if gather:
+                    entry.start_gather()
+                    gather = False
             elif entry.state is UnitState.SHARDED:
                 entry.start_fetch()
                 if not (entry.fetch and entry.fetch.in_memory):
@@ -329,11 +352,34 @@ class ShardedParams:
     # ---------------------------------------------------------- the update
 
     def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """Store the unit's new shard on its tier; a persistent unit is re-gathered at once."""
+        """Store the unit's new shard on its tier; a persistent unit is re-gathered at once, and
+        the next iteration's first units whose new values are stored start on their way."""
         self._tier.write_back(unit, master)
+        self._written.add(unit.name)
         entry = self._units[unit.name]
         if entry.persistent:
             entry.work = copy_and_gather(self._device, self._comm, entry.flat, unit, master, self._uploads)
+        else:
+            self._prefetch_updated()
+
+    def ahead_order(self) -> list[str] | None:
+        """This iteration's order of gathers, which the next follows, where the tier holds the
+        shards in memory (``_prefetch_updated``)."""
+        return self.order.iteration() if self._tier.reads_in_memory else None
+
+    def _prefetch_updated(self) -> None:
+        """Move the next iteration's first units on (``_advance``) as far as their new values are
+        stored (or they are frozen), so that their copies to the device run beside the update
+        of the units after them: after clipping the units are updated in the order the next
+        forward uses them (``StepControl.update_order``). Only from a tier that holds the shards
+        in memory: a read from disk could overtake the write of the values it is to read."""
+        order = self.ahead_order()
+        if order is None:
+            return
+        ready = lambda name: name in self._written or not self._units[name].layout.trainable  # noqa: E731
+        leading = list(itertools.takewhile(ready, order))
+        self._advance(leading, gather=False)  # gathered one a pass in the forward, behind its compute
+        self._ahead |= {n for n in leading if self._units[n].state is not UnitState.SHARDED}
 
     def flush(self) -> None:
         """The tier's writes complete and the persistent units' gathers done: the new values are in place."""
@@ -394,6 +440,9 @@ class ShardedParams:
                 self.release(name)
 
     def close(self) -> None:
+        """Remove the hooks; the gathers started for an iteration that never came land first."""
         for handle in self._handles:
             handle.remove()
+        for name in self._ahead:
+            self._units[name].free()
         self._tier.close()

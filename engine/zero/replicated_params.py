@@ -53,6 +53,9 @@ class ReplicatedParams:
     def begin_iteration(self) -> None:
         return None
 
+    def ahead_order(self) -> None:
+        return None  # every unit stays gathered, its new values gathered as they are stored
+
     def frozen_shards(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """This rank's shard of each frozen unit (compute dtype), to store once."""
         for unit in self._layout.frozen:

@@ -36,7 +36,7 @@ from engine.zero.params import Params
 from engine.zero.precision import LossScaler
 from engine.zero.spilling import Spilling
 from engine.zero.step_math import GradNorms, UnitAdamW
-from engine.zero.update import Update, update_order
+from engine.zero.update import Update, first_use_order, update_order
 
 
 class UnitWork:
@@ -122,6 +122,7 @@ class StepControl:
         self.overlap = overlaps_backward(config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
         self.unit_work = UnitWork(self._adamw, grads, params, self.overlap)
+        self._params = params
         self._takes_norm = not (config.optim.grad_clip == 0 and config.precision.loss_scaling != "none")
         """Whether a step waiting for every gradient takes their norm (see ``_check_norm``)."""
         self.last_grad_norm: float | None = None
@@ -137,8 +138,14 @@ class StepControl:
         """Of ``wait_s``, what ``take_wait_s`` has handed out."""
 
     def update_order(self) -> list[UnitLayout]:
-        """The units in the order the next step updates them (``engine.zero.update.update_order``)."""
-        return update_order(self._grads.order.recorded, self._layout)
+        """The units in the order the next step updates them. Updated inside backward, in the
+        order their gradients complete (``engine.zero.update.update_order``). Where every
+        gradient must be final first (clipping, loss scaling) and the parameters can be sent
+        ahead of the next forward, in the order it uses them, so that the first units' new
+        parameters go up to the device while the rest are updated (``Params.ahead_order``)."""
+        ahead = None if self.overlap else self._params.ahead_order()
+        first_use = first_use_order(ahead, self._layout) if ahead is not None else None
+        return first_use if first_use is not None else update_order(self._grads.order.recorded, self._layout)
 
     def compile_ahead(self) -> None:
         """At a training forward: start building the update's kernel behind it, once

@@ -1,8 +1,11 @@
 """One optimizer step over every unit, applied as each unit's gradient becomes final.
 
-The step's optimizer state is read in the order the gradient shards completed in the
-last step (``GradientShards.order``), and the read-ahead starts before backward so its
-first reads overlap backward's compute. Without clipping or loss scaling nothing needs
+The step's optimizer state is read in the order the units are updated, and the read-ahead
+starts before backward so its first reads overlap backward's compute. Updated inside backward,
+they go in the order their gradient shards completed in the last step
+(``GradientShards.order``); when every gradient must be final first, at stage 3 with the
+parameters in memory, in the order the next forward uses them (``StepControl.update_order``), so
+that the first units' new parameters go up to the device beside the update of the rest. Without clipping or loss scaling nothing needs
 every gradient first, so each unit is updated as soon as its shard is final and the ones
 before it in the order are done: the update runs inside backward, hidden behind the
 backward of the units still to come. Otherwise the units wait for ``apply_remaining``, after
@@ -55,6 +58,14 @@ def update_order(recorded: Sequence[str], layout: ModelLayout) -> list[UnitLayou
         return [layout.unit(name) for name in recorded]
     units = layout.units
     return [u for u in reversed(units) if u.name != ROOT_UNIT] + [u for u in units if u.name == ROOT_UNIT]
+
+
+def first_use_order(used: Sequence[str], layout: ModelLayout) -> list[UnitLayout] | None:
+    """The trained units in the order ``used`` (an iteration's gathers) first uses them: the
+    order the next forward needs their new parameters in. None unless it uses every one."""
+    trained = {u.name for u in layout.units}
+    names = [name for name in dict.fromkeys(used) if name in trained]
+    return [layout.unit(name) for name in names] if len(names) == len(trained) else None
 
 
 class UnitUpdate(Protocol):

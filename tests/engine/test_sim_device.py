@@ -164,6 +164,18 @@ def test_every_plan_is_bit_identical_with_late_copies(stage, optimizer, param, s
     assert all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"])
 
 
+@pytest.mark.parametrize(("stage", "optimizer", "param"), [plan for plan in PLANS if plan[0] == 3])
+def test_clipped_stage3_plans_are_bit_identical_with_late_copies(stage, optimizer, param, tmp_path, monkeypatch) -> None:
+    """After clipping the units are updated in the order the next forward uses them, and the
+    first ones go up to the device while the rest are updated: they must carry the new values."""
+    cfg = plan_config(stage, optimizer, param, str(tmp_path / "store"), optim={"grad_clip": 0.05})
+    monkeypatch.setenv(SIM_ENV, "seed=5,delay_ms=1")
+    ours = train_engine(cfg, STEPS)
+    ref = train_reference(cfg, STEPS, micro_batch=4)
+    assert ours["losses"] == ref["losses"]
+    assert all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"])
+
+
 def test_gradient_accumulation_with_late_copies(monkeypatch) -> None:
     monkeypatch.setenv(SIM_ENV, "seed=3,delay_ms=1")
     accumulated = train_engine(config(zero={"stage": 2, "grad_accum_steps": 3}), STEPS, micro_batch=2)
