@@ -157,7 +157,8 @@ class Update:
         assert arrived is unit, f"the optimizer state read {arrived.name!r} where {unit.name!r} was due"
         spilled = self._grads is not None
         if self._grads is not None:
-            self._await(*(future for *_, future in self._running))  # the next read frees the shard before
+            for *_, future in self._running:  # the next read frees the shard before (timed with the rest here)
+                future.result()
             arrived, grad = next(self._grads)
             assert arrived is unit, f"the spilled gradient read {arrived.name!r} where {unit.name!r} was due"
             pending = PendingShard(grad)

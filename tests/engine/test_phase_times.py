@@ -17,6 +17,7 @@ import pytest
 from engine.engine import Engine
 from engine.tiers.grad_spill import GradSpill
 from engine.zero.stats import OTHER, PHASES, StepStats
+from engine.zero.step import UnitWork
 from engine.zero.unit_params import UnitParams
 from tests.training import batches, config, tiny_gpt
 
@@ -97,11 +98,14 @@ def test_units_updated_inside_backward_wait_for_the_optimizer_there(tmp_path, mo
     assert phases["forward"].optimizer_wait_s == 0.0
 
 
-def test_a_spills_wait_on_the_worker_is_not_the_training_threads(tmp_path, monkeypatch) -> None:
-    """Gradients spilled on the host worker: the room the worker waited for is its own time, which
-    the training thread spends going on. Each spill here reports an hour's wait."""
+def test_waits_on_the_worker_are_counted_once_and_only_the_training_threads(tmp_path, monkeypatch) -> None:
+    """Gradients spilled and units updated on the host worker: the room the worker waited for is
+    its own time, which the training thread spends going on (each spill here reports an hour's
+    wait), and the training thread's wait for a slow update is counted once."""
     write = GradSpill.write
     monkeypatch.setattr(GradSpill, "write", lambda self, unit, grad: write(self, unit, grad) + 3600.0)
+    compute = UnitWork.compute
+    monkeypatch.setattr(UnitWork, "compute", lambda *args: time.sleep(0.05) or compute(*args))
     cfg = config(
         zero={"stage": 3},
         offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path / "store")},
