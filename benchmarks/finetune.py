@@ -49,7 +49,6 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -58,19 +57,17 @@ import torch
 from benchmarks.bandwidth import drop_page_cache, raw_disk_gbps
 from benchmarks.chat import save_chat_tokenizer, write_chat_jsonl
 from benchmarks.giant import POLL_S, TreeRSS, step_rows, steps_recorded, with_mixed_bound
+from benchmarks.llama_checkpoint import meta_of, model_config, random_values, write_checkpoint
+from benchmarks.phase_plot import phase_rows, phase_steps
 from benchmarks.pretrained import CHECKED, read_tensor, row
 from benchmarks.report import base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import REPO_ROOT, disk_usage
 from benchmarks.sft import TOKENIZER_VOCAB, AnonymousPeak
-from engine.run.pretrained import INDEX_FILE, SOURCE_FOLDER, Pretrained, meta_model
+from engine.run.pretrained import SOURCE_FOLDER, Pretrained, meta_model
 from engine.runtime.rss import peak_rss_bytes
 from engine.runtime.sizes import GIB, MIB
 
 GB = 1e9
-WIDTHS = ((3e9, 4096), (3e8, 2048), (1e7, 512), (0, 256))
-"""The hidden size by parameters (a mixture of experts' divided by its experts): Llama-3-8B's
-4096 from 3B up; heads of 128, a quarter as many key/value heads, a feed-forward of 3.5x."""
-EXPERTS, ROUTED = 8, 2
 MOE_UNITS = '["MixtralDecoderLayer", "MixtralExperts"]'
 LLAMA_UNITS = '["LlamaDecoderLayer", "Linear"]'
 """Each projection a unit of its own inside its layer's: every buffer the engine sizes by the
@@ -80,7 +77,6 @@ parameters at 8B) to the largest projection (59M), which takes the peak RSS from
 SLACK_BYTES, MARGIN = 64 * MIB, 1.03
 """The plan's allowance for small files (config, tokenizer, records, logs), and its factor for
 the store's metadata and padding beyond the estimate (1% here at 20M parameters)."""
-SHARD_BYTES = 2 * GIB
 PROMPT = [{"role": "system", "content": "You continue lines of Shakespeare."}]
 PROMPT += [{"role": "user", "content": "To be, or not to be, that is the question:"}]
 PLAN_SECTIONS = ("zero.", "offload.", "store.", "precision.", "optim.")
@@ -97,69 +93,11 @@ UNWRITTEN = ("model.hf", "data.source")
 """The keys the plan leaves out: it is made before their files are written."""
 
 
-def model_config(params: float, vocab: int, moe: bool, positions: int) -> Any:
-    """A Llama (or a Mixtral with ``moe``) of about ``params`` parameters: width from ``WIDTHS``, depth to make up the rest."""
-    from transformers import LlamaConfig, MixtralConfig
-
-    hidden = next(h for floor, h in WIDTHS if params / (EXPERTS if moe else 1) >= floor)
-    heads, ffn = hidden // 128, hidden * 7 // 2
-    layer = 2 * hidden * hidden + 2 * hidden * (hidden // 4) + (EXPERTS if moe else 1) * 3 * hidden * ffn
-    layers = max(1, round((params - 2 * vocab * hidden) / layer))
-    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers)
-    shape |= dict(num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), max_position_embeddings=positions)
-    if moe:
-        return MixtralConfig(**shape, num_local_experts=EXPERTS, num_experts_per_tok=ROUTED)
-    return LlamaConfig(**shape)
-
-
-def meta_of(settings: Any) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(settings, dtype=torch.float32)
-
-
-def random_values(name: str, shape: tuple[int, ...], dtype: Any) -> Any:
-    """A tensor's random initial values, drawn from its name: norms 1, others N(0, 0.02)."""
-    if len(shape) == 1 and "norm" in name:
-        return torch.ones(shape, dtype=dtype)
-    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    return torch.empty(shape).normal_(0.0, 0.02, generator=generator).to(dtype)
-
-
-def write_checkpoint(settings: Any, folder: Path) -> int:
-    """Random bf16 weights in ``folder`` as ``save_pretrained`` shards them, one shard in memory
-    at a time, with the index and config; the parameters written."""
-    from safetensors.torch import save_file
-
-    from engine.run.conversion import stored_tensors
-
-    model = meta_of(settings)  # the tensors save_pretrained writes: names on disk, shapes
-    shapes = {name: tuple(t.shape) for name, t in stored_tensors(model, dict(model.state_dict())).items()}
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, shape in shapes.items():
-        nbytes = 2 * torch.Size(shape).numel()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards, size = [*shards, []], 0
-        shards[-1].append(name)
-        size += nbytes
-    weight_map = {}
-    for index, names in enumerate(shards, 1):
-        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: random_values(n, shapes[n], torch.bfloat16) for n in names}, folder / file, {"format": "pt"})
-        weight_map |= dict.fromkeys(names, file)
-    count = sum(torch.Size(s).numel() for s in shapes.values())
-    index_record = {"metadata": {"total_size": 2 * count}, "weight_map": weight_map}
-    (folder / INDEX_FILE).write_text(json.dumps(index_record, indent=2) + "\n")
-    settings.save_pretrained(folder)
-    return count
-
-
 def run_settings(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The ``python -m engine train`` settings of both runs (and of the import)."""
     paths = {"offload.nvme_path": work / "store", "model.hf": work / "model", "data.source": work / "chat.jsonl"}
     data = {"data.seq_len": args.seq_len, "data.micro_batch": args.micro_batch, "train.eval_every": args.stop_after}
+    data |= {"zero.prefetch_mb": args.prefetch_mb}
     steps_and_metrics = {"train.steps": args.steps, "train.metrics": work / "metrics.jsonl"}
     settings = PLAN | FORMS | TRAINING | paths | data | steps_and_metrics
     return settings | {"zero.unit_classes": MOE_UNITS if args.moe else LLAMA_UNITS}
@@ -444,6 +382,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--moe", action="store_true", help="a Mixtral-style mixture of experts from its config")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens a sequence (default 256)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences a step (default 1)")
+    parser.add_argument(
+        "--prefetch-mb",
+        type=float,
+        default=256.0,
+        help="zero.prefetch_mb (default 256: the engine's 64 holds half of a 7.9B Llama's MLP projection)",
+    )
     parser.add_argument("--records", type=int, help="chat records generated (default 400; --quick 60)")
     parser.add_argument("--tokens", type=int, default=8, help="tokens generate samples (default 8)")
     parser.add_argument("--phase", choices=["import"], help=argparse.SUPPRESS)
@@ -479,9 +423,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table(
         title + "all of them at the disk's speed reading and writing at once; a validation counts in its step)", steps
     )
+    phases = phase_steps(tuned["records"], runs)
+    print_table("each step's phases", phase_rows(phases))
     verdicts = summary(result, args)
     print_table("summary", [verdicts])
-    payload = {"params": result["params"], "moe": args.moe, "rows": result["rows"], "steps": steps}
+    payload = {"params": result["params"], "moe": args.moe, "rows": result["rows"], "steps": steps, "phases": phases}
     payload |= {
         "disk_plan": result["plan"],
         "disk": result["disk"],
