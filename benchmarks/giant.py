@@ -22,8 +22,8 @@ compute, exposed parameter I/O and exposed optimizer I/O; bytes read and written
 achieved; peak RSS of the process tree (polled with psutil, and the kernel's high-water mark);
 the device budget's high-water mark; and each phase's seconds and waits (forward, backward,
 update, the loop's own), in a table and drawn to ``giant_phases.png`` (``benchmarks.phase_plot``,
-which also draws several saved runs one above the other). And the bound it is held against, measured in this run:
-max(compute-only time, read bytes / raw read bandwidth + written bytes / raw write
+which also draws several saved runs one above the other). And the bound it is held against,
+measured in this run: max(compute-only time, read bytes / raw read bandwidth + written bytes / raw write
 bandwidth), the raw bandwidths from ``benchmarks.bandwidth.raw_disk_gbps`` on the store's
 disk, the compute-only time from one block's forward and backward (and the root's) at this
 width, timed and multiplied out, with no I/O at all. The estimator's predictions of peak RSS

@@ -3,8 +3,9 @@ loop's own time in turn, each split into compute and the waits it exposed (``Ste
 
     python -m benchmarks.phase_plot RUN.json [RUN.json ...] [--labels A B ...] [--out DIR]
 
-Each RUN.json is one that `benchmarks.giant` saved; several, drawn one above the other (the same
-command on the code before a change and after it), show which phase a change took time out of.
+Each RUN.json is one that `benchmarks.giant` or `benchmarks.finetune` saved; several, drawn one
+above the other (the same command on the code before a change and after it), show which phase a
+change took time out of.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def phase_bars(path: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]], titl
 
 def main(argv: list[str] | None = None) -> Path | None:
     parser = base_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="JSON files benchmarks.giant saved")
+    parser.add_argument("runs", nargs="+", type=Path, help="JSON files benchmarks.giant or benchmarks.finetune saved")
     parser.add_argument("--labels", nargs="+", help="a label for each file (default its name)")
     args = parser.parse_args(argv)
     setup_logging(args.verbose)

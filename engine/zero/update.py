@@ -1,17 +1,18 @@
 """One optimizer step over every unit, applied as each unit's gradient becomes final.
 
 The step's optimizer state is read in the order the units are updated, and the read-ahead
-starts before backward so its first reads overlap backward's compute. Updated inside backward,
-they go in the order their gradient shards completed in the last step
+starts before backward so its first reads overlap backward's compute. Updated inside
+backward, they go in the order their gradient shards completed in the last step
 (``GradientShards.order``); when every gradient must be final first, at stage 3 with the
-parameters in memory, in the order the next forward uses them (``StepControl.update_order``), so
-that the first units' new parameters go up to the device beside the update of the rest. Without clipping or loss scaling nothing needs
-every gradient first, so each unit is updated as soon as its shard is final and the ones
-before it in the order are done: the update runs inside backward, hidden behind the
-backward of the units still to come. Otherwise the units wait for ``apply_remaining``, after
-clipping; with the optimizer on nvme their gradient shards wait on disk meanwhile, and are
-read back beside the state (``read_grads``, ``engine.tiers.grad_spill``). Every unit sees the
-same arithmetic either way, so the result is the same.
+parameters in memory, in the order the next forward uses them (``StepControl.update_order``),
+so that the first units' new parameters go up to the device beside the update of the rest.
+Without clipping or loss scaling nothing needs every gradient first, so each unit is updated
+as soon as its shard is final and the ones before it in the order are done: the update runs
+inside backward, hidden behind the backward of the units still to come. Otherwise the units
+wait for ``apply_remaining``, after clipping; with the optimizer on nvme their gradient
+shards wait on disk meanwhile, and are read back beside the state (``read_grads``,
+``engine.tiers.grad_spill``). Every unit sees the same arithmetic either way, so the result
+is the same.
 
 With a host optimizer worker (``engine.runtime.host_worker``) each unit's AdamW runs there
 while the training thread goes on: the worker waits for the gradient shard's copy event
