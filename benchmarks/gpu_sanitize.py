@@ -38,6 +38,15 @@ TRAININGS: dict[str, tuple[str, ...]] = {
         "--offload.optimizer",
         "nvme",
     ),
+    # Clipped (the default), so each unit's new shard goes up for the next forward during the update.
+    "stage 3, parameters cpu, optimizer nvme": (
+        "--zero.stage",
+        "3",
+        "--offload.param",
+        "cpu",
+        "--offload.optimizer",
+        "nvme",
+    ),
     "stage 1, optimizer cpu": ("--zero.stage", "1", "--offload.optimizer", "cpu"),
 }
 """The sanitized trainings by name: their options on top of ``COMMON`` (a store of their own is added)."""
