@@ -117,13 +117,32 @@ def config_of(arguments: list[str]) -> Any:
     return Config.from_dict({}, [f"{key[2:].replace('-', '_')}={value}" for key, value in pairs])
 
 
+def planned_run(model: Any, settings: dict[str, Any]) -> tuple[Any, Any]:
+    """The runs' config (the paths not yet written left out) and ``engine.tools.estimate``'s shape of them."""
+    from engine.tools.estimate import run_shape
+
+    config = config_of(cli_args({k: v for k, v in settings.items() if k not in UNWRITTEN}))
+    return config, run_shape(config, 1, model=model)
+
+
+def estimated_peak(folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """What ``engine.tools.estimate`` predicts for the fine-tune's processes (their baseline
+    measured with the model's code and tokenizer loaded): the peak RSS and its phase, and the
+    largest unit, which sizes every buffer a unit is staged through."""
+    from engine.tools.estimate import estimate, measured_baseline_bytes, plan_of
+
+    config, run = planned_run(meta_model(str(folder)), settings)
+    predicted = estimate(run, plan_of(config), baseline_bytes=measured_baseline_bytes(str(folder)))
+    largest = max(u.numel for u in run.layout.all_units)
+    return {"peak_rss_bytes": predicted.peak_rss_bytes, "phase": predicted.peak_phase, "largest_unit": largest}
+
+
 def disk_plan(model: Any, settings: dict[str, Any], probe: int, moe: bool) -> list[dict[str, Any]]:
     """The bytes on disk in each phase: the store as the engine estimates it (its spilled
     gradients only while training), checkpoint and export at 2 B/param, with ``MARGIN`` and ``SLACK_BYTES``."""
-    from engine.tools.estimate import plan_of, run_shape, scratch_bytes, store_bytes
+    from engine.tools.estimate import plan_of, scratch_bytes, store_bytes
 
-    config = config_of(cli_args({k: v for k, v in settings.items() if k not in UNWRITTEN}))
-    run = run_shape(config, 1, model=model)
+    config, run = planned_run(model, settings)
     store, scratch = store_bytes(run, plan_of(config)), scratch_bytes(run, plan_of(config))
     weights = 2 * sum(p.numel() for p in model.parameters())
     checkpoint = 0 if moe else weights
@@ -323,6 +342,7 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         rows.append(row("write checkpoint", written, 0, 2 * params, raw))
         initial = read_tensor(folder, CHECKED)
         drop_page_cache()  # the import reads the checkpoint from disk, as a downloaded one
+    estimated = estimated_peak(folder, run_settings(work, args))
     train_args = cli_args(run_settings(work, args))
     imported = in_process(train_args, work / "import.log", args.moe)
     rows.append(phase_row("initialise" if args.moe else "import", imported, raw))
@@ -343,7 +363,7 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     sizes = {"free": free, "planned_peak": max(p["on disk GB"] for p in plan) * GB, "measured_peak": disk.stop()}
     sizes |= {"store_after_fine_tune": store_bytes, "export": export_bytes}
     result = {"rows": rows, "plan": plan, "disk": sizes, "raw": raw, "bound": bound, "tuned": tuned, "check": check}
-    return result | {"gen": generated, "params": count}
+    return result | {"gen": generated, "params": count, "estimated": estimated}
 
 
 def phase_row(phase: str, result: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
@@ -353,8 +373,9 @@ def phase_row(phase: str, result: dict[str, Any], raw: dict[str, Any]) -> dict[s
 def summary(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The verdicts: stopped and resumed where it was stopped, finished, exported as stored,
     text generated, the disk within its plan."""
-    tuned, check, disk = result["tuned"], result["check"], result["disk"]
+    tuned, check, disk, estimated = result["tuned"], result["check"], result["disk"], result["estimated"]
     records = tuned["records"]
+    training = [r["peak RSS GiB"] for r in result["rows"] if r["phase"] in ("fine-tune (stopped)", "resumed")]
     steps = [r["step"] for r in records]
     return {
         "stopped_by": tuned["first"]["signal"],
@@ -370,6 +391,10 @@ def summary(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "planned_peak_GB": disk["planned_peak"] / GB,
         "measured_peak_GB": disk["measured_peak"] / GB,
         "within_plan": disk["measured_peak"] <= disk["planned_peak"],
+        "training_peak_RSS_GiB": max(training),
+        "estimated_peak_RSS_GiB": estimated["peak_rss_bytes"] / GIB,
+        "estimated_peak_at": estimated["phase"],
+        "largest_unit_M": estimated["largest_unit"] / 1e6,
     }
 
 

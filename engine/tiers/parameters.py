@@ -16,6 +16,9 @@ than keeping a second copy.
 With bf16 masters and a bf16 compute dtype (``optim.master_dtype``) a trained unit's shard is
 its master, bit for bit: the ``nvme`` tier then keeps no copy at all, and reads each shard from
 the optimizer tier (``OptimizerState.read_master_async``), which writes it each step anyway.
+``write_back`` hands the new shard back in memory (the ``nvme`` tier: its write's own staging
+buffer), so that the next forward's first units start up during the update without a read
+that could overtake the write.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from engine.tiers.store_io import StoreIO
 from offload import (
     TOP,
     BufferPool,
+    HostBuffer,
     ShardStore,
     create_arrays,
     read_shard_async,
@@ -87,16 +91,18 @@ class ParamTier(Protocol):
     ``write_back`` each step's new values, ``flush`` them, ``close``. Nothing is committed:
     the shards derive from the masters, which a resume reads."""
 
-    reads_in_memory: bool
-    """Whether ``read`` hands out the shard held in memory, as the last ``write_back`` left it
-    (else it reads the shard from disk, where a write may still be on its way)."""
+    hands_back_writes: bool
+    """Whether ``write_back`` returns the new shard in memory: what the next forward's first
+    units may start up from during the update, before ``flush`` (a ``read`` then could overtake
+    the write)."""
 
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
         """Take the unit's initial shard (compute dtype, copied)."""
         ...
 
-    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """Store the unit's new shard, cast from its master (copied before returning)."""
+    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> Fetch | None:
+        """Store the unit's new shard, cast from its master (copied before returning); the new
+        shard in memory, to be released by the caller, where ``hands_back_writes``."""
         ...
 
     def flush(self) -> None:
@@ -124,7 +130,7 @@ class MemoryParamTier:
     """Shards held in memory for the whole run: on the device (``device``, charged to the
     device budget) or in host memory (``cpu``, pinned where an accelerator exists)."""
 
-    reads_in_memory = True
+    hands_back_writes = True
 
     def __init__(
         self, on_device: bool, device: Device, dtype: torch.dtype, budget: DeviceBudget, uploads: StagingRing | None
@@ -148,7 +154,7 @@ class MemoryParamTier:
             self._budget.charge(held.nbytes, f"the parameter shard of unit {unit.name!r}")
         self._shards[unit.name] = held.copy_(shard)
 
-    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
+    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> Fetch:
         held = self._shards[unit.name]
         if not self._on_device:
             self._unread[unit.name].wait()  # a copy to the device still reading the old values
@@ -159,6 +165,7 @@ class MemoryParamTier:
             self._copier.copy(held, master, to_device=True)
         else:  # a host master, rounded on the host and copied up behind those gathers
             self._uploads.upload(held, master)
+        return self.read(unit)
 
     def flush(self) -> None:
         return None
@@ -190,8 +197,6 @@ class StoreParamTier:
     or with ``read_master`` read from their masters (no store of its own then); the frozen
     units' are read with ``read_frozen`` from where the run keeps them.
     """
-
-    reads_in_memory = False
 
     def __init__(
         self,
@@ -242,24 +247,37 @@ class StoreParamTier:
             path, runner=self.runner, direct_io=io.direct_io, costs=io.costs, stripes=io.stripes_of(path.name)
         )
 
+    @property
+    def hands_back_writes(self) -> bool:
+        """True but where a trained unit's shard is read from its master, which the optimizer
+        tier writes: this tier writes nothing then."""
+        return self._read_master is None
+
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
         if self.store is not None and unit.trainable:  # else stored already, where it is read from
             self._write(self.store, unit, shard)
 
-    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
+    def write_back(self, unit: UnitLayout, master: torch.Tensor) -> Fetch | None:
+        """The new shard is handed back in its write's staging buffer, which stays leased until
+        both the write and the caller let go of it."""
         # A frozen unit's are only handed back on resume, as stored; a shared master is written
         # by the optimizer tier.
-        if self.store is not None and unit.trainable:
-            self._write(self.store, unit, master)
+        if self.store is None or not unit.trainable:
+            return None
+        shared = self._write(self.store, unit, master, holders=2)
+        return Fetch(shared.buffer.view(self._dtype, unit.shard_numel), None, shared.drop)
 
-    def _write(self, store: ShardStore, unit: UnitLayout, values: torch.Tensor) -> None:
+    def _write(self, store: ShardStore, unit: UnitLayout, values: torch.Tensor, holders: int = 1) -> SharedBuffer:
+        """Write the shard from a staging buffer leased to the write and ``holders - 1`` others."""
         buf = self.pool.acquire(shard_bytes(unit, self._dtype))
         staged = buf.view(self._dtype, unit.shard_numel)
         staged.copy_(values)
+        shared = SharedBuffer(buf, self.pool, holders)
         [future] = write_shard_async(store, TOP, unit, self._rank, [(PARAM_KIND, staged)])
-        future.add_done_callback(lambda _: self.pool.release(buf))  # the next write may need it at once
+        future.add_done_callback(lambda _: shared.drop())  # the next write may need it at once
         self._writes.append(future)
         self._bytes_written += buf.nbytes
+        return shared
 
     def flush(self) -> None:
         """Wait for the step's writes (fsynced with them: cheap after direct I/O, and it keeps
@@ -296,3 +314,20 @@ class StoreParamTier:
         """Nothing to release: the shared I/O runner, which the engine closes after every tier,
         finishes the writes still in flight."""
         return None
+
+
+class SharedBuffer:
+    """A pool buffer with several holders (a write and what shares its values), handed back to
+    the pool when the last lets go."""
+
+    def __init__(self, buffer: HostBuffer, pool: BufferPool, holders: int):
+        self.buffer, self._pool = buffer, pool
+        self._holders = holders
+        self._lock = threading.Lock()
+
+    def drop(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = self._holders == 0
+        if last:
+            self._pool.release(self.buffer)

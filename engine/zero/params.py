@@ -34,7 +34,7 @@ from engine.runtime.device import Device
 from engine.runtime.sizes import MIB
 from engine.runtime.staging import StagingRing
 from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout, nested_in
-from engine.tiers.parameters import ParamTier
+from engine.tiers.parameters import Fetch, ParamTier
 from engine.zero.order import TracedOrder
 from engine.zero.unit_params import UnitParams, UnitState, copy_and_gather
 
@@ -143,6 +143,11 @@ class ShardedParams:
         self._handles: list = []
         self._written: set[str] = set()
         """Units whose new values were stored since the iteration began."""
+        self._fresh: dict[str, Fetch] = {}
+        """The new shards the tier handed back from ``write_back``, until ``_advance`` takes them."""
+        self._passed: set[str] = set()
+        """Written units whose new shard was let go untaken (the window was full): never read
+        again before the iteration begins, when their writes have landed."""
         self._ahead: set[str] = set()
         """Units on their way for the next iteration since their new values were stored, which
         its start keeps (``_prefetch_updated``)."""
@@ -259,6 +264,7 @@ class ShardedParams:
                 entry.free()
         self._ahead.clear()
         self._written.clear()
+        self._passed.clear()
         self.order.start()
 
     def gather(self, name: str) -> None:
@@ -313,7 +319,9 @@ class ShardedParams:
                     entry.start_gather()
                     gather = False
             elif entry.state is UnitState.SHARDED:
-                entry.start_fetch()
+                if name in self._fresh and not self._budget.fits(entry.nbytes + self._reserve):
+                    return  # a new shard is taken only to be copied at once (the tier's writes may need its buffer)
+                entry.start_fetch(self._fresh.pop(name, None))
                 if not (entry.fetch and entry.fetch.in_memory):
                     continue  # a read from disk: copied at a later call (on every rank alike: gathers follow)
             if entry.state is UnitState.FETCHING:
@@ -354,32 +362,42 @@ class ShardedParams:
     def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """Store the unit's new shard on its tier; a persistent unit is re-gathered at once, and
         the next iteration's first units whose new values are stored start on their way."""
-        self._tier.write_back(unit, master)
+        fresh = self._tier.write_back(unit, master)
         self._written.add(unit.name)
         entry = self._units[unit.name]
         if entry.persistent:
+            if fresh is not None:
+                fresh.release()  # gathered from the master instead
             entry.work = copy_and_gather(self._device, self._comm, entry.flat, unit, master, self._uploads)
-        else:
-            self._prefetch_updated()
+            return
+        if fresh is not None:
+            self._fresh[unit.name] = fresh
+        self._prefetch_updated()
 
     def ahead_order(self) -> list[str] | None:
-        """This iteration's order of gathers, which the next follows, where the tier holds the
-        shards in memory (``_prefetch_updated``)."""
-        return self.order.iteration() if self._tier.reads_in_memory else None
+        """This iteration's order of gathers, which the next follows, where the tier hands back
+        the shards it writes (``_prefetch_updated``)."""
+        return self.order.iteration() if self._tier.hands_back_writes else None
 
     def _prefetch_updated(self) -> None:
         """Move the next iteration's first units on (``_advance``) as far as their new values are
         stored (or they are frozen), so that their copies to the device run beside the update
         of the units after them: after clipping the units are updated in the order the next
-        forward uses them (``StepControl.update_order``). Only from a tier that holds the shards
-        in memory: a read from disk could overtake the write of the values it is to read."""
+        forward uses them (``StepControl.update_order``). A trained unit goes from the new shard
+        its tier handed back (``write_back``), never from a read, which on disk could overtake
+        the write; one whose new shard was let go (the window full) stops the leading units, so
+        every rank sends the same units ahead, each one in memory."""
         order = self.ahead_order()
-        if order is None:
-            return
-        ready = lambda name: name in self._written or not self._units[name].layout.trainable  # noqa: E731
-        leading = list(itertools.takewhile(ready, order))
-        self._advance(leading, gather=False)  # gathered one a pass in the forward, behind its compute
-        self._ahead |= {n for n in leading if self._units[n].state is not UnitState.SHARDED}
+        if order is not None:
+            trained = lambda name: self._units[name].layout.trainable  # noqa: E731
+            ready = lambda name: name not in self._passed and (name in self._written or not trained(name))  # noqa: E731
+            leading = list(itertools.takewhile(ready, order))
+            self._advance(leading, gather=False)  # gathered one a pass in the forward, behind its compute
+            self._ahead |= {n for n in leading if self._units[n].state is not UnitState.SHARDED}
+        for name, fetch in self._fresh.items():
+            fetch.release()
+            self._passed.add(name)
+        self._fresh.clear()
 
     def flush(self) -> None:
         """The tier's writes complete and the persistent units' gathers done: the new values are in place."""

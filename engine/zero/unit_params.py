@@ -93,15 +93,16 @@ class UnitParams:
         """This rank's shard of the full buffer."""
         return self.flat[self.layout.shard_slice(self._comm.rank)]
 
-    def start_fetch(self) -> None:
-        """Start reading the shard from its tier."""
+    def start_fetch(self, fetch: Fetch | None = None) -> None:
+        """Start reading the shard from its tier, or take ``fetch``, the shard already in hand."""
         with self.becoming(UnitState.FETCHING):
-            self.fetch = self._tier.read(self.layout)
+            self.fetch = fetch if fetch is not None else self._tier.read(self.layout)
 
     def start_copy(self) -> None:
         """The shard is fetched: give the full buffer its memory and queue the shard's copy into
-        place on the copy stream. The fetch's buffer is released only once the copy's event
-        has completed (``release_fetch``): the copy may still be reading it."""
+        place on the copy stream. The fetch's buffer goes back once the copy's event has
+        completed (``release_fetch``), on the device's completion thread: what a tier's writes
+        wait for never waits for this thread."""
         if self.state is UnitState.SHARDED:
             self.start_fetch()
         with self.becoming(UnitState.COPYING):
@@ -109,6 +110,7 @@ class UnitParams:
             self.flat.untyped_storage().resize_(self.nbytes)
             assert self.fetch is not None  # FETCHING holds it
             self.copied = self._device.copy(self.own(), self.fetch.wait(), to_device=True)
+            self.release_fetch()
 
     def start_gather(self) -> None:
         """All-gather the full buffer once the shard's copy is done (asynchronously)."""

@@ -383,6 +383,27 @@ def test_written_back_masters_read_back_cast_after_flush(param_kind, tmp_path, i
     tier.close()
 
 
+def test_written_back_shards_are_handed_back_in_memory(param_kind, tmp_path, io) -> None:
+    """What the next forward's first units go up from during the update: the new values, before
+    any flush; the nvme tier's staging buffer goes back to its pool once the write has landed
+    and the caller has let go, in either order."""
+    tier, layout = added_param_tier(param_kind, tmp_path, io)
+    assert tier.hands_back_writes
+    first, *rest = layout.units
+    kept = tier.write_back(first, master_of(first, 2))
+    for unit in rest:
+        fresh = tier.write_back(unit, master_of(unit, 2))
+        assert fresh is not None and fresh.in_memory
+        assert torch.equal(fresh.wait().cpu(), master_of(unit, 2).to(DTYPE))
+        fresh.release()
+    tier.flush()
+    assert kept is not None and torch.equal(kept.wait().cpu(), master_of(first, 2).to(DTYPE))
+    kept.release()
+    if isinstance(tier, StoreParamTier):
+        assert tier.pool.in_use_bytes == 0
+    tier.close()
+
+
 def test_param_io_counters_count_and_reset_when_taken(param_kind, tmp_path, io) -> None:
     tier, layout = added_param_tier(param_kind, tmp_path, io)
     shard_bytes = sum(u.shard_numel for u in layout.units) * DTYPE.itemsize
