@@ -22,7 +22,10 @@ phase's disk use is planned (the store as the engine estimates it, ``engine.tool
 checkpoint and export at 2 B/param) and a plan over the free space refused: the checkpoint is
 deleted once imported (the store keeps the model's config and tokenizer, and every later run
 resumes from it), the export once checked. The
-work folder's size is sampled throughout; its peak is reported beside the plan's.
+work folder's size is sampled throughout; its peak is reported beside the plan's. The training
+processes' peak RSS is reported beside the engine's estimate of it (``engine.tools.estimate``,
+the baseline measured with the model's code loaded), with the phase the estimate puts it in and
+the largest unit, which sizes every buffer a unit is staged through.
 
 ``--moe``: a Mixtral-style mixture of experts (8 experts, 2 a token), 10.5B parameters by
 default, from its config with random weights and no checkpoint (initialised in a process of its

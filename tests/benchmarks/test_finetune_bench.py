@@ -41,6 +41,8 @@ def check_run(result: dict[str, Any], tmp_path: Path) -> None:
     assert summary["export_equals_store"] and summary["export_tensors_checked"] > 0, "the first shard is the store's"
     assert summary["generated"], "generate added text"
     assert 0 < summary["measured_peak_GB"] <= summary["planned_peak_GB"], "the work folder stayed within its plan"
+    assert summary["training_peak_RSS_GiB"] > 0 and summary["largest_unit_M"] > 0
+    assert summary["estimated_peak_at"] in ("construction", "backward start", "backward end", "optimizer step")
     assert all(step["bound s"] > 0 and step["step/bound"] > 0 for step in result["steps"])
     assert all(step["mixed bound s"] > 0 and step["step/mixed"] > 0 for step in result["steps"])
     assert [step["run"] for step in result["steps"]].count("resumed") == 3 - summary["committed_at_stop"]
