@@ -91,10 +91,12 @@ class ParamTier(Protocol):
     ``write_back`` each step's new values, ``flush`` them, ``close``. Nothing is committed:
     the shards derive from the masters, which a resume reads."""
 
-    hands_back_writes: bool
-    """Whether ``write_back`` returns the new shard in memory: what the next forward's first
-    units may start up from during the update, before ``flush`` (a ``read`` then could overtake
-    the write)."""
+    @property
+    def hands_back_writes(self) -> bool:
+        """Whether ``write_back`` returns the new shard in memory: what the next forward's first
+        units may start up from during the update, before ``flush`` (a ``read`` then could
+        overtake the write)."""
+        ...
 
     def add(self, unit: UnitLayout, shard: torch.Tensor) -> None:
         """Take the unit's initial shard (compute dtype, copied)."""
