@@ -345,8 +345,9 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         rows.append(row("write checkpoint", written, 0, 2 * params, raw))
         initial = read_tensor(folder, CHECKED)
         drop_page_cache()  # the import reads the checkpoint from disk, as a downloaded one
-    estimated = estimated_peak(folder, run_settings(work, args))
-    train_args = cli_args(run_settings(work, args))
+    runs = run_settings(work, args)
+    estimated = estimated_peak(folder, runs)
+    train_args = cli_args(runs)
     imported = in_process(train_args, work / "import.log", args.moe)
     rows.append(phase_row("initialise" if args.moe else "import", imported, raw))
     shutil.rmtree(folder)  # the store keeps the config and tokenizer: every later run reads them there

@@ -141,13 +141,12 @@ class ShardedParams:
         self._units: dict[str, UnitParams] = {}
         self.order = TracedOrder("the order units run in")
         self._handles: list = []
-        self._written: set[str] = set()
-        """Units whose new values were stored since the iteration began."""
+        self._sendable: set[str] = set()
+        """Units updated since the iteration began that may go ahead from their new values in
+        memory: a unit whose new shard was let go untaken (the window full) leaves it, as it must
+        not be read before the iteration begins, when its write has landed."""
         self._fresh: dict[str, Fetch] = {}
         """The new shards the tier handed back from ``write_back``, until ``_advance`` takes them."""
-        self._passed: set[str] = set()
-        """Written units whose new shard was let go untaken (the window was full): never read
-        again before the iteration begins, when their writes have landed."""
         self._ahead: set[str] = set()
         """Units on their way for the next iteration since their new values were stored, which
         its start keeps (``_prefetch_updated``)."""
@@ -263,8 +262,7 @@ class ShardedParams:
             if not entry.persistent and name not in self._ahead:
                 entry.free()
         self._ahead.clear()
-        self._written.clear()
-        self._passed.clear()
+        self._sendable.clear()
         self.order.start()
 
     def gather(self, name: str) -> None:
@@ -363,7 +361,7 @@ class ShardedParams:
         """Store the unit's new shard on its tier; a persistent unit is re-gathered at once, and
         the next iteration's first units whose new values are stored start on their way."""
         fresh = self._tier.write_back(unit, master)
-        self._written.add(unit.name)
+        self._sendable.add(unit.name)
         entry = self._units[unit.name]
         if entry.persistent:
             if fresh is not None:
@@ -389,14 +387,13 @@ class ShardedParams:
         every rank sends the same units ahead, each one in memory."""
         order = self.ahead_order()
         if order is not None:
-            trained = lambda name: self._units[name].layout.trainable  # noqa: E731
-            ready = lambda name: name not in self._passed and (name in self._written or not trained(name))  # noqa: E731
+            ready = lambda name: name in self._sendable or not self._units[name].layout.trainable  # noqa: E731
             leading = list(itertools.takewhile(ready, order))
             self._advance(leading, gather=False)  # gathered one a pass in the forward, behind its compute
             self._ahead |= {n for n in leading if self._units[n].state is not UnitState.SHARDED}
         for name, fetch in self._fresh.items():
             fetch.release()
-            self._passed.add(name)
+            self._sendable.discard(name)
         self._fresh.clear()
 
     def flush(self) -> None:

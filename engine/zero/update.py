@@ -3,9 +3,10 @@
 The step's optimizer state is read in the order the units are updated, and the read-ahead
 starts before backward so its first reads overlap backward's compute. Updated inside
 backward, they go in the order their gradient shards completed in the last step
-(``GradientShards.order``); when every gradient must be final first, at stage 3 with the
-parameters in memory, in the order the next forward uses them (``StepControl.update_order``),
-so that the first units' new parameters go up to the device beside the update of the rest.
+(``GradientShards.order``); when every gradient must be final first, at stage 3 where the
+parameter tier hands back the shards it writes, in the order the next forward uses them
+(``StepControl.update_order``), so that the first units' new parameters go up to the device
+beside the update of the rest.
 Without clipping or loss scaling nothing needs every gradient first, so each unit is updated
 as soon as its shard is final and the ones before it in the order are done: the update runs
 inside backward, hidden behind the backward of the units still to come. Otherwise the units
