@@ -135,6 +135,12 @@ def spills_gradients(config: Config) -> bool:
     return config.offload.optimizer == "nvme" and config.zero.stage >= 2 and not overlaps_backward(config)
 
 
+def defers_update(config: Config) -> bool:
+    """Whether each unit of a step is updated in the next forward, just before it runs
+    (``optim.defer_update``; the config refuses it where it cannot be)."""
+    return config.optim.defer_update
+
+
 def validate(config: Config) -> None:
     """Ranges and combinations; raises ConfigError naming the key and the fix."""
     _check_finite(config)
@@ -205,6 +211,14 @@ def _check_optim(config: Config) -> None:
         "or fnmatch patterns over parameter names; [] decays every parameter)",
     )
     _check(opt.grad_clip >= 0, "optim.grad_clip", opt.grad_clip, "must be >= 0 (0 disables clipping)")
+    _check(
+        not opt.defer_update or (config.zero.stage == 3 and spills_gradients(config)),
+        "optim.defer_update",
+        opt.defer_update,
+        "updates each unit in the next forward, which needs zero.stage = 3 and the gradients spilled to the "
+        'store until the update (offload.optimizer = "nvme" with clipping or loss scaling, offload.grad_spill '
+        '= "auto"); set those, or defer_update = false',
+    )
     _check(opt.warmup_steps >= 0, "optim.warmup_steps", opt.warmup_steps, "must be >= 0")
     _check(opt.decay_steps >= 0, "optim.decay_steps", opt.decay_steps, "must be >= 0")
     _check(0 <= opt.min_lr_ratio <= 1, "optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")

@@ -282,6 +282,15 @@ class OptimConfig:
 
     On the last micro-batch, overlapped with the rest of backward; the result is bit-identical
     either way. With clipping (``grad_clip > 0``) every gradient must be reduced first."""
+    defer_update: bool = False
+    """With clipping or loss scaling, update each unit in the next forward, just before it runs.
+
+    The update's disk reads and writes then go on behind the forward's compute instead of
+    after backward, and each unit's new values go straight to the device from its master, with
+    no read. The step commits once its last unit is updated (or at ``save``, ``flush``, the next
+    ``backward`` or ``close``), so a crash before that resumes from the step before, as with
+    ``store.defer_commit``. Needs ``zero.stage = 3`` and the gradients spilled to the store
+    (``offload.optimizer = "nvme"``); the result is bit-identical either way."""
     state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """AdamW's moments: ``fp32`` (bit-exact with torch), ``bf16`` or ``int8`` (8-bit blocks of 256).
 

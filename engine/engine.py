@@ -264,7 +264,8 @@ class Engine:
 
     def _between_steps(self) -> StepPhase:
         """The phase with no step in progress: COMMIT_PENDING while the last step's commit is deferred, else IDLE."""
-        return StepPhase.COMMIT_PENDING if self.optimizer_state.commit_pending else StepPhase.IDLE
+        pending = self.optimizer_state.commit_pending or self.step_control.deferred
+        return StepPhase.COMMIT_PENDING if pending else StepPhase.IDLE
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward, with tensor arguments moved to the compute device: a step's
@@ -301,6 +302,7 @@ class Engine:
         accum = self.config.zero.grad_accum_steps
         last = self._micro_batches + 1 >= accum
         with self._within_step(), self._phases.timing("backward"):
+            self._finish_update()
             self.grads.start_backward(last)  # first: it makes the last step's order the record
             if last:
                 self.optimizer_state.flush()
@@ -353,13 +355,20 @@ class Engine:
 
     def _update_and_commit(self) -> None:
         """Update every unit (``StepControl.apply``: a step that diverged stops here), store the
-        new parameters and commit the step on the optimizer tier."""
+        new parameters and commit the step on the optimizer tier; with ``optim.defer_update``
+        the units are left to the next forward, each updated just before it runs."""
         diverged = self.step_control.apply()
         if diverged is not None:
             self._diverge(diverged)
-        self.params.flush()
-        record = lambda: self._commit_record(self.global_step + 1)  # noqa: E731
-        self.step_control.commit(record, defer=self.config.store.defer_commit)
+        record = self._commit_record(self.global_step + 1)  # the random states and client state of now
+        self.step_control.complete(record, self._within_step)
+
+    def _finish_update(self) -> None:
+        """Update what a deferred update has not reached (before a backward, ``save``, ``flush``,
+        ``gathered`` or ``close``) and commit its step; nothing after a step failed or diverged."""
+        if self._phase not in (StepPhase.FAILED, StepPhase.DIVERGED):
+            with self._within_step():
+                self.step_control.finish_deferred()
 
     def abandon_step(self, what: str) -> NoReturn:
         """Stop the step whose backward has run, instead of ``step()``, because ``what`` is not
@@ -399,6 +408,7 @@ class Engine:
         update is open: the parameters are half updated then; after a step that diverged or
         failed they may be, and are shown as they are."""
         self._expect("gathered()", *BETWEEN_UPDATES, StepPhase.DIVERGED, StepPhase.FAILED)
+        self._finish_update()
         return self.params.gathered()
 
     def zero_grad(self) -> None:
@@ -446,6 +456,7 @@ class Engine:
     def _flush(self) -> None:
         """Commit the last step now if its commit was deferred. A commit that fails loses that
         step: its state is in the parameters but not in the store."""
+        self._finish_update()
         with self._within_step():
             self.optimizer_state.flush()
         if self._phase is StepPhase.COMMIT_PENDING:
@@ -474,6 +485,7 @@ class Engine:
             return
         try:
             self._commit_checkpoint()
+            self._finish_update()
             self.optimizer_state.close()
         finally:
             self._phase = StepPhase.CLOSED

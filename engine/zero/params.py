@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
@@ -70,6 +70,15 @@ class Params(Protocol):
     def ahead_order(self) -> list[str] | None:
         """The order the next forward gathers the units in, where their new values are sent
         ahead of it as they are stored; None where they are not."""
+        ...
+
+    def update_in_forward(self, units: Iterable[str], until: Callable[[str], None]) -> None:
+        """A step's update is deferred (``optim.defer_update``): each of ``units`` is updated,
+        with those due before it, by ``until`` when the next forward first needs it."""
+        ...
+
+    def end_update_in_forward(self) -> None:
+        """The deferred update is done, or goes on outside a forward: gathers no longer drive it."""
         ...
 
     def frozen_shards(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
@@ -130,8 +139,15 @@ class ShardedParams:
         persistence_threshold: int,
         reserve_bytes: int,
         uploads: StagingRing | None,
+        defers_update: bool = False,
     ):
         self._layout, self._comm, self._tier, self._budget = layout, comm, tier, budget
+        self._defers_update = defers_update
+        self._due: set[str] = set()
+        """Units a deferred update has not handed on yet: their stored values are the step before's."""
+        self._until: Callable[[str], None] | None = None
+        self._wanted: str | None = None
+        """The unit whose gather waits for its deferred update: it goes up from its new master."""
         self._device, self._uploads = device, uploads
         self._prefetch_bytes = prefetch_bytes
         self._persistence_threshold = persistence_threshold
@@ -143,8 +159,7 @@ class ShardedParams:
         self._handles: list = []
         self._sendable: set[str] = set()
         """Units updated since the iteration began that may go ahead from their new values in
-        memory: a unit whose new shard was let go untaken (the window full) leaves it, as it must
-        not be read before the iteration begins, when its write has landed."""
+        memory (not one whose new shard was let go untaken: its write may not have landed)."""
         self._fresh: dict[str, Fetch] = {}
         """The new shards the tier handed back from ``write_back``, until ``_advance`` takes them."""
         self._ahead: set[str] = set()
@@ -265,10 +280,28 @@ class ShardedParams:
         self._sendable.clear()
         self.order.start()
 
+    def update_in_forward(self, units: Iterable[str], until: Callable[[str], None]) -> None:
+        """Nothing is sent ahead during a deferred update, and a unit whose gather waits for its
+        update goes up from its new master at once (``write_back``)."""
+        self._due, self._until = set(units), until
+
+    def end_update_in_forward(self) -> None:
+        self._due, self._until = set(), None
+
     def gather(self, name: str) -> None:
-        """Give the unit its full parameters, then start gathering the units that follow it."""
+        """Give the unit its full parameters (updated first, if a deferred update has not
+        reached it), then start gathering the units that follow it."""
+        if self._until is not None and name in self._due:
+            self._wanted = name
+            try:
+                self._until(name)
+            finally:
+                self._wanted = None
         entry = self._units[name]
         self.order.visit(name)
+        if entry.persistent and entry.work is not None:  # regathered from its new master
+            entry.work.wait()
+            entry.work = None
         if entry.persistent or entry.state is UnitState.GATHERED:
             self.hits += not entry.persistent
         else:
@@ -294,17 +327,16 @@ class ShardedParams:
         synchronous, as on the CPU, a unit is gathered as it is copied. A shard held in memory
         is copied in the pass that fetches it, queued from the step's first gather.
 
-        The next unit is moved on whatever its size: a window smaller than one unit (a 7B
-        model's layers are over 400 MB in bf16) would otherwise prefetch nothing at all, and
-        every gather would wait for its read.
-
-        Every rank takes the same decisions from the same trace and the same byte counts,
+        The next unit is moved on whatever its size (a 7B model's layers are over 400 MB in
+        bf16): a smaller window would otherwise prefetch nothing. Every rank takes the same decisions from the same trace and the same byte counts,
         so the all-gathers are issued in the same order everywhere."""
         if self._prefetch_bytes == 0:
             return
         window = 0
         seen: set[str] = set()
         for name in names:
+            if name in self._due:
+                return  # its stored values are the step before's until it is updated
             entry = self._units[name]
             if name in seen or entry.persistent:
                 continue
@@ -362,11 +394,16 @@ class ShardedParams:
         the next iteration's first units whose new values are stored start on their way."""
         fresh = self._tier.write_back(unit, master)
         self._sendable.add(unit.name)
+        self._due.discard(unit.name)
         entry = self._units[unit.name]
-        if entry.persistent:
+        if entry.persistent or self._defers_update:
             if fresh is not None:
-                fresh.release()  # gathered from the master instead
-            entry.work = copy_and_gather(self._device, self._comm, entry.flat, unit, master, self._uploads)
+                fresh.release()  # gathered from the master instead, or read when it is next used
+            if entry.persistent:
+                entry.work = copy_and_gather(self._device, self._comm, entry.flat, unit, master, self._uploads)
+            elif unit.name == self._wanted:
+                entry.free()  # what went up before this update carries the values before it
+                entry.gather_from(master, self._uploads)
             return
         if fresh is not None:
             self._fresh[unit.name] = fresh

@@ -33,7 +33,8 @@ class StepPhase(enum.Enum):
 
     IDLE = ("between steps, no commit pending", "call eng(...) first")
     COMMIT_PENDING = (
-        "between steps, the last step's commit deferred to the next step's last backward (store.defer_commit)",
+        "between steps, the last step's commit deferred to the next step's last backward (store.defer_commit), "
+        "its update perhaps to the next forward (optim.defer_update)",
         "call eng(...) first",
     )
     FORWARD = ("a forward ran and its loss awaits backward", "call backward(loss) first")

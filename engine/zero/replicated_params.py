@@ -3,7 +3,7 @@ run (``engine.zero.params`` has the protocol they meet and stage 3's sharded one
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -55,6 +55,12 @@ class ReplicatedParams:
 
     def ahead_order(self) -> None:
         return None  # every unit stays gathered, its new values gathered as they are stored
+
+    def update_in_forward(self, units: Iterable[str], until: Callable[[str], None]) -> None:
+        raise ValueError("a deferred update needs zero.stage = 3: here every unit stays gathered")
+
+    def end_update_in_forward(self) -> None:
+        return None  # none is ever open
 
     def frozen_shards(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """This rank's shard of each frozen unit (compute dtype), to store once."""

@@ -185,7 +185,7 @@ def measure_step(
         seconds=ended.wall - started.wall,
         param_wait_s=sum(p.param_wait_s for p in split.values()),
         optimizer_wait_s=sum(p.optimizer_wait_s for p in split.values()),
-        optimizer_s=step.compute_s,
+        optimizer_s=step.take_compute_s(),
         bytes_read=reads + param_reads,
         bytes_written=writes + param_writes,
         prefetch_hits=hits,

@@ -10,7 +10,9 @@ first); spill it to disk (``engine.tiers.grad_spill``), after taking what the st
 (its unscaling and overflow flag with loss scaling, its pieces' norms); or leave it in memory.
 At ``step()`` ``apply`` checks the global norm (or, after updates inside backward, each
 unit's), clips, and updates the units still pending, spilled gradients read back beside their
-state and clipped as they come; ``commit`` makes the step the one a run resumes from.
+state and clipped as they come; ``commit`` makes the step the one a run resumes from. With
+``optim.defer_update`` ``complete`` leaves the units to the next forward, each updated as it is
+gathered, and the step commits once the last one is (``finish_deferred`` ends it sooner).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
 
-from engine.config import Config, overlaps_backward
+from engine.config import Config, defers_update, overlaps_backward
 from engine.runtime.comm import Comm
 from engine.runtime.host_worker import HostWorker
 from engine.state.forms import ShardState
@@ -121,6 +124,9 @@ class StepControl:
         self._norms = GradNorms(layout, comm, model)
         self.overlap = overlaps_backward(config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
+        self.defers = defers_update(config)
+        """Whether a step's units are updated in the next forward, each just before it runs
+        (``optim.defer_update``): ``apply`` leaves them to ``update_until`` and ``finish``."""
         self.unit_work = UnitWork(self._adamw, grads, params, self.overlap)
         self._params = params
         self._takes_norm = not (config.optim.grad_clip == 0 and config.precision.loss_scaling != "none")
@@ -136,14 +142,26 @@ class StepControl:
         """Seconds this step was blocked on spilling gradients and on its commit."""
         self._wait_taken = 0.0
         """Of ``wait_s``, what ``take_wait_s`` has handed out."""
+        self._compute_taken = 0.0
+        """Of the open update's ``compute_s``, what ``take_compute_s`` has handed out."""
+        self._compute_carried = 0.0
+        """The last update's ``compute_s`` not handed out when the next one opened."""
+        self._deferred_record: dict | None = None
+        """The record of the step whose update is deferred to the next forward, until it is done."""
 
     def update_order(self) -> list[UnitLayout]:
         """The units in the order the next step updates them. Updated inside backward, in the
         order their gradients complete (``engine.zero.update.update_order``). Where every
         gradient must be final first (clipping, loss scaling) and the parameters can be sent
         ahead of the next forward, in the order it uses them, so that the first units' new
-        parameters go up to the device while the rest are updated (``Params.ahead_order``)."""
-        ahead = None if self.overlap else self._params.ahead_order()
+        parameters go up to the device while the rest are updated (``Params.ahead_order``).
+        A deferred update goes in the order the next forward uses the units, whatever their tier."""
+        ahead: list[str] | None = None
+        if self.defers:
+            assert self._params.order is not None  # stage 3
+            ahead = self._params.order.iteration()
+        elif not self.overlap:
+            ahead = self._params.ahead_order()
         first_use = first_use_order(ahead, self._layout) if ahead is not None else None
         return first_use if first_use is not None else update_order(self._grads.order.recorded, self._layout)
 
@@ -160,7 +178,10 @@ class StepControl:
         gradient shard becomes final (``GradientShards.on_ready``) is returned: its update
         inside backward, its spill (unscaled by ``scaler`` first), or nothing (the shards wait
         in memory)."""
+        if self._update is not None:  # a deferred update's AdamW seconds count in the step that ran them
+            self._compute_carried += self._update.compute_s - self._compute_taken
         self._update = Update(self.update_order(), self._state, self.unit_work, self.worker)
+        self._compute_taken = 0.0
         self.unit_work.begin(lr)
         self._spilling, self._waited, self._wait_taken = None, 0.0, 0.0
         if self.overlap:
@@ -195,9 +216,46 @@ class StepControl:
             self.last_grad_norm, diverged = self._norms.of_unit_norms(self.unit_work.unit_norms)
             return diverged
         diverged = self._check_norm()
-        if diverged is None:
+        if diverged is None and not self.defers:
             update.apply_remaining()
         return diverged
+
+    def complete(self, record: dict, guard: Callable[[], AbstractContextManager]) -> None:
+        """After ``apply``: store the new parameters and commit the step with ``record``; or,
+        deferring the update, leave each unit to the next forward's gather of it
+        (``ShardedParams.update_in_forward``), which updates it and those due before it inside
+        ``guard`` (what marks the step lost if that raises), and commit once the last is."""
+        if not self.defers:
+            self._end_update(record)
+            return
+        self._deferred_record = record
+
+        def until(unit_name: str) -> None:
+            with guard():
+                if self._opened().until(unit_name):
+                    self.finish_deferred()
+
+        self._params.update_in_forward([u.name for u in self._layout.units], until)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the last step's update is deferred and not done: its commit is still to come."""
+        return self._deferred_record is not None
+
+    def finish_deferred(self) -> None:
+        """Update the units a deferred update has not reached, and commit its step (nothing if none is open)."""
+        record, self._deferred_record = self._deferred_record, None
+        if record is None:
+            return
+        self._params.end_update_in_forward()
+        self._opened().apply_remaining()
+        self._end_update(record)
+
+    def _end_update(self, record: dict) -> None:
+        """Every unit is updated: store the new parameters and commit the step."""
+        self._params.flush()
+        record["optimizer_steps"] = self.optimizer_steps()  # counted by the update itself
+        self.commit(record, defer=self._config.store.defer_commit)
 
     def _check_norm(self) -> str | None:
         """Before any unit is updated: the global gradient norm; what is not finite (the step
@@ -221,11 +279,11 @@ class StepControl:
             update.read_grads(self.spill.read(update.order))
         return None
 
-    def commit(self, record: Callable[[], dict], *, defer: bool) -> None:
-        """Make the step, every unit updated and handed on, the one a run resumes from, with the
-        record ``record`` makes (``OptimizerState.commit``)."""
+    def commit(self, record: dict, *, defer: bool) -> None:
+        """Make the step, every unit updated and handed on, the one a run resumes from, with
+        ``record`` (``OptimizerState.commit``)."""
         start = time.perf_counter()
-        self._state.commit(record(), defer=defer)
+        self._state.commit(record, defer=defer)
         self._waited += time.perf_counter() - start
 
     def abandon(self) -> None:
@@ -246,10 +304,12 @@ class StepControl:
         taken, self._wait_taken = total - self._wait_taken, total
         return taken
 
-    @property
-    def compute_s(self) -> float:
-        """Seconds in the last step's AdamW itself (on the worker, or the training thread)."""
-        return self._update.compute_s if self._update is not None else 0.0
+    def take_compute_s(self) -> float:
+        """Seconds in AdamW itself (on the worker, or the training thread) since the last call."""
+        total = self._update.compute_s if self._update is not None else 0.0
+        taken = total - self._compute_taken + self._compute_carried
+        self._compute_taken, self._compute_carried = total, 0.0
+        return taken
 
     def take_spill_io_bytes(self) -> tuple[int, int]:
         """Bytes the spilled gradients read back and wrote since the last call."""

@@ -42,12 +42,13 @@ class UnitState(enum.Enum):
 COMES_FROM = {
     UnitState.FETCHING: frozenset({UnitState.SHARDED}),
     UnitState.COPYING: frozenset({UnitState.FETCHING}),
-    UnitState.GATHERING: frozenset({UnitState.COPYING}),
+    UnitState.GATHERING: frozenset({UnitState.COPYING, UnitState.SHARDED}),
     UnitState.GATHERED: frozenset({UnitState.GATHERING}),
     UnitState.SHARDED: frozenset({UnitState.FETCHING, UnitState.COPYING, UnitState.GATHERING, UnitState.GATHERED}),
 }
 """The states each state is entered from: a unit is fetched, copied, gathered and completed
-in turn, and freed from any of them."""
+in turn (or gathered at once from its new master in hand, ``gather_from``), and freed from
+any of them."""
 
 
 class UnitParams:
@@ -118,6 +119,15 @@ class UnitParams:
             assert self.copied is not None  # COPYING holds it
             self._device.wait_for(self.copied)  # the all-gather reads the shard
             self.work = self.all_gather()
+
+    def gather_from(self, master: torch.Tensor, uploads: StagingRing | None) -> None:
+        """Give the full buffer its memory, put the rank's new master into its shard and start
+        the all-gather: a deferred update hands each unit on just before its forward, which
+        then needs no read of the values just written (``copy_and_gather``)."""
+        with self.becoming(UnitState.GATHERING):
+            self._budget.charge(self.nbytes, f"gathering unit {self.layout.name!r}")
+            self.flat.untyped_storage().resize_(self.nbytes)
+            self.work = copy_and_gather(self._device, self._comm, self.flat, self.layout, master, uploads)
 
     def all_gather(self) -> Work:
         """The all-gather of the full buffer from every rank's shard, started."""

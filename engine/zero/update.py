@@ -26,6 +26,11 @@ clipping, ``apply_remaining`` keeps ``IN_FLIGHT`` units started: the next unit's
 taken and its AdamW queued on the worker before the one before it is handed on, so the
 worker's update of one unit runs beside the hand-on of the unit before it and the reads of
 the unit after it, in the same order of hand-ons as one at a time.
+
+A deferred update (``optim.defer_update``) is not applied after clipping: the next forward's
+gather of each unit calls ``until``, which updates the units due up to it and hands it on, the
+next one's AdamW started on the worker beside its forward. The state's reads and writes then
+run behind the forward's compute.
 """
 
 from __future__ import annotations
@@ -99,6 +104,8 @@ class Update:
         self._worker = worker
         self._running: collections.deque[tuple[UnitLayout, ShardState, bool, Future]] = collections.deque()
         """Units whose AdamW the worker was handed, in order, not yet handed on."""
+        self._unhanded = {unit.name for unit in order}
+        """Units not handed on yet."""
         self._grads: Iterator[tuple[UnitLayout, torch.Tensor]] | None = None
         """Spilled gradient shards read back in ``order`` (``read_grads``), else None: the
         gradient shards are in memory."""
@@ -123,6 +130,16 @@ class Update:
         """Take each unit's gradient shard from ``grads`` (spilled ones read back in ``order``)
         beside its optimizer state, rather than from memory."""
         self._grads = grads
+
+    def until(self, unit_name: str) -> bool:
+        """A forward is about to use the unit (``optim.defer_update``): update the units due
+        before it and the unit itself, and hand them on, leaving the next one started (its AdamW
+        runs on the worker beside the unit's forward); True once no unit is left to update."""
+        while unit_name in self._unhanded:
+            if self._pending:
+                self._start_next()
+            self._hand_on_running(keep=IN_FLIGHT - 1 if self._pending else 0)
+        return not self._pending and not self._running
 
     def apply_remaining(self) -> None:
         """Every gradient is final: update the units still pending. A worker's error is raised
@@ -198,6 +215,7 @@ class Update:
         self.wait_s += time.perf_counter() - start
 
     def _hand_on(self, unit: UnitLayout, state: ShardState, spilled: bool) -> None:
+        self._unhanded.discard(unit.name)
         self._unit.hand_on(unit, state, spilled)
         start = time.perf_counter()
         self._state.write_back(unit, state)
