@@ -100,7 +100,7 @@ def run_settings(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The ``python -m engine train`` settings of both runs (and of the import)."""
     paths = {"offload.nvme_path": work / "store", "model.hf": work / "model", "data.source": work / "chat.jsonl"}
     data = {"data.seq_len": args.seq_len, "data.micro_batch": args.micro_batch, "train.eval_every": args.stop_after}
-    data |= {"zero.prefetch_mb": args.prefetch_mb}
+    data |= {"zero.prefetch_mb": args.prefetch_mb, "optim.defer_update": str(args.defer_update).lower()}
     steps_and_metrics = {"train.steps": args.steps, "train.metrics": work / "metrics.jsonl"}
     settings = PLAN | FORMS | TRAINING | paths | data | steps_and_metrics
     return settings | {"zero.unit_classes": MOE_UNITS if args.moe else LLAMA_UNITS}
@@ -416,6 +416,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         type=float,
         default=256.0,
         help="zero.prefetch_mb (default 256: the engine's 64 holds half of a 7.9B Llama's MLP projection)",
+    )
+    parser.add_argument(
+        "--defer-update",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="optim.defer_update: each unit updated in the next forward, just before it runs (default on)",
     )
     parser.add_argument("--records", type=int, help="chat records generated (default 400; --quick 60)")
     parser.add_argument("--tokens", type=int, default=8, help="tokens generate samples (default 8)")

@@ -82,6 +82,7 @@ def run_config(args: argparse.Namespace, store: Path, metrics: Path) -> list[str
         "optim.state_dtype": args.state_dtype,
         "optim.master_dtype": args.master_dtype,
         "offload.grad_spill_dtype": args.grad_spill_dtype,
+        "optim.defer_update": str(args.defer_update).lower(),
         "optim.lr": args.lr,
         "optim.warmup_steps": 0,
         "optim.schedule": "constant",
@@ -269,6 +270,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32", help="optim.master_dtype")
     parser.add_argument(
         "--grad-spill-dtype", choices=("fp32", "bf16"), default="fp32", help="offload.grad_spill_dtype (with clipping)"
+    )
+    parser.add_argument(
+        "--defer-update",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="optim.defer_update: with --grad-clip, each unit updated in the next forward (default off)",
     )
     # Adam's first steps move every weight by about lr: at d_model 2560, 3e-5 already overshoots;
     # at 10B (d_model 3776, 59 layers) 1e-6 does, and 3e-7 does not.
