@@ -10,7 +10,7 @@ first); spill it to disk (``engine.tiers.grad_spill``), after taking what the st
 (its unscaling and overflow flag with loss scaling, its pieces' norms); or leave it in memory.
 At ``step()`` ``apply`` checks the global norm (or, after updates inside backward, each
 unit's), clips, and updates the units still pending, spilled gradients read back beside their
-state and clipped as they come; ``commit`` makes the step the one a run resumes from. With
+state and clipped as they come; ``complete`` makes the step the one a run resumes from. With
 ``optim.defer_update`` ``complete`` leaves the units to the next forward, each updated as it is
 gathered, and the step commits once the last one is (``finish_deferred`` ends it sooner).
 """
@@ -126,7 +126,7 @@ class StepControl:
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
         self.defers = defers_update(config)
         """Whether a step's units are updated in the next forward, each just before it runs
-        (``optim.defer_update``): ``apply`` leaves them to ``update_until`` and ``finish``."""
+        (``optim.defer_update``): ``complete`` leaves them to its gathers, ``finish_deferred`` to itself."""
         self.unit_work = UnitWork(self._adamw, grads, params, self.overlap)
         self._params = params
         self._takes_norm = not (config.optim.grad_clip == 0 and config.precision.loss_scaling != "none")
@@ -252,10 +252,13 @@ class StepControl:
         self._end_update(record)
 
     def _end_update(self, record: dict) -> None:
-        """Every unit is updated: store the new parameters and commit the step."""
+        """Every unit is updated and handed on: store the new parameters and make the step the
+        one a run resumes from, with ``record`` (``OptimizerState.commit``)."""
         self._params.flush()
         record["optimizer_steps"] = self.optimizer_steps()  # counted by the update itself
-        self.commit(record, defer=self._config.store.defer_commit)
+        start = time.perf_counter()
+        self._state.commit(record, defer=self._config.store.defer_commit)
+        self._waited += time.perf_counter() - start
 
     def _check_norm(self) -> str | None:
         """Before any unit is updated: the global gradient norm; what is not finite (the step
@@ -278,13 +281,6 @@ class StepControl:
             update = self._opened()
             update.read_grads(self.spill.read(update.order))
         return None
-
-    def commit(self, record: dict, *, defer: bool) -> None:
-        """Make the step, every unit updated and handed on, the one a run resumes from, with
-        ``record`` (``OptimizerState.commit``)."""
-        start = time.perf_counter()
-        self._state.commit(record, defer=defer)
-        self._waited += time.perf_counter() - start
 
     def abandon(self) -> None:
         """Give the step's update up (skipped, or diverged): let the worker finish what it holds,
