@@ -7,7 +7,8 @@
 - import: the checkpoint streamed into a stage-3 store unit by unit (``model.hf``'s path);
 - fine-tune: ``python -m engine train`` on generated chat records, everything on nvme, the loss
   on the assistant's replies, packed, bf16, activations recomputed, clipped at 1.0, int8
-  moments, bf16 masters and spilled gradients, a validation loss every ``--stop-after`` steps; stopped by SIGTERM once
+  moments, bf16 masters and spilled gradients, each unit updated in the next forward
+  (``--no-defer-update``: after backward), a validation loss every ``--stop-after`` steps; stopped by SIGTERM once
   step ``--stop-after`` is recorded (the step in flight finishes and commits), then resumed
   from the store to ``--steps``;
 - export: ``python -m engine export`` (bf16, the checkpoint's layout), its first shard read back

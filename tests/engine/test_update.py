@@ -101,6 +101,22 @@ def test_apply_remaining_updates_every_unit_still_pending(worker) -> None:
     assert update.compute_s >= 0 and update.wait_s >= 0
 
 
+def test_until_hands_on_the_units_due_up_to_one_and_starts_the_next(worker) -> None:
+    """A deferred update driven by the next forward's gathers: ``until`` hands on the units
+    due before and at the one asked for, the worker left updating the one after it."""
+    _, tier, update, recorder = opened(("a", "b", "c", "d"), ["a", "b", "c", "d"], worker)
+    assert not update.until("b")
+    assert tier.written == recorder.handed_on == ["a", "b"]
+    assert recorder.applied[:2] == ["a", "b"]
+    assert [unit.name for unit, *_ in update._running] == (["c"] if worker else [])
+    assert not update.until("a"), "a unit handed on already: nothing to do"
+    assert tier.written == ["a", "b"]
+    assert update.until("d")
+    assert tier.written == recorder.handed_on == ["a", "b", "c", "d"] == recorder.applied
+    update.apply_remaining()
+    assert tier.written == ["a", "b", "c", "d"], "nothing is left, and nothing is updated twice"
+
+
 def test_abandon_updates_nothing(worker) -> None:
     _, tier, update, recorder = opened(("a", "b"), ["a", "b"], worker)
     update.abandon()
