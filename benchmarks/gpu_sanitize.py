@@ -47,6 +47,17 @@ TRAININGS: dict[str, tuple[str, ...]] = {
         "--offload.optimizer",
         "nvme",
     ),
+    # Each unit updated in the next forward, going up from its new master before its gather.
+    "stage 3, parameters and optimizer on nvme, update deferred": (
+        "--zero.stage",
+        "3",
+        "--offload.param",
+        "nvme",
+        "--offload.optimizer",
+        "nvme",
+        "--optim.defer-update",
+        "true",
+    ),
     "stage 1, optimizer cpu": ("--zero.stage", "1", "--offload.optimizer", "cpu"),
 }
 """The sanitized trainings by name: their options on top of ``COMMON`` (a store of their own is added)."""

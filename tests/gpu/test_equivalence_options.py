@@ -1,6 +1,6 @@
 """The engine's training options on CUDA against plain PyTorch on the same device: clipping,
-gradient accumulation, fp16 with dynamic loss scaling, gradients spilled to disk, and the
-compact optimizer state's update, compiled for the device or the host's C kernel.
+gradient accumulation, fp16 with dynamic loss scaling, gradients spilled to disk, the update
+deferred to the next forward, and the compact optimizer state's update, compiled for the device or the host's C kernel.
 
 The CPU suite holds the first four to torch bit for bit, or fp16 within a measured bound
 (``tests/engine``); on CUDA nothing makes both sides round alike, so the exact ones are held
@@ -14,6 +14,8 @@ import pytest
 
 from engine.config import spills_gradients
 from engine.zero import compact_update, host_update
+from tests.engine.test_defer_update import STEPS as DEFER_STEPS
+from tests.engine.test_defer_update import train as train_deferred
 from tests.engine.test_loss_scaling import FP16_CLIP, FP16_TOLERANCE
 from tests.engine.test_master_dtype import STEPS as COMPACT_STEPS
 from tests.engine.test_master_dtype import TRACK_TOLERANCE
@@ -68,6 +70,18 @@ def test_spilled_gradients_follow_clip_grad_norm(stage: int, param: str, tmp_pat
     ref = train_reference(cfg, STEPS, micro_batch=4, device=CUDA)
     assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], rel=NORM_TOLERANCE)
     follows(ours, ref, "torch AdamW + clip_grad_norm_")
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_a_deferred_update_follows_clip_grad_norm(param: str, tmp_path) -> None:
+    """Each unit updated in the next forward and sent up from its new master (through the
+    staging ring, on the copy stream) before its gather."""
+    cfg = config(**placed(tmp_path, 3, "nvme", param, optim={"grad_clip": CLIP, "defer_update": True}))
+    ours = train_deferred(cfg)  # nothing between the steps: each update runs in the next forward
+    ref = train_reference(cfg, DEFER_STEPS, micro_batch=4, device=CUDA)
+    assert {doing for doing, _ in ours["updated"]} == {"forward", "end"}
+    assert ours["losses"] == pytest.approx(ref["losses"], rel=TOLERANCE)
+    assert rel_diff(ours["params"], ref["params"]) <= TOLERANCE
 
 
 @pytest.mark.parametrize(("stage", "param"), [(1, "device"), (3, "cpu")])
