@@ -28,14 +28,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from engine.runtime.budget import DeviceBudget, DeviceMemoryError
+from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
-from engine.runtime.sizes import MIB
 from engine.runtime.staging import StagingRing
-from engine.state.partition import ROOT_UNIT, ModelLayout, UnitLayout, nested_in
+from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.parameters import Fetch, ParamTier
 from engine.zero.order import TracedOrder
+from engine.zero.unit_fits import check_units_fit
 from engine.zero.unit_params import UnitParams, UnitState, copy_and_gather
 
 logger = logging.getLogger(__name__)
@@ -146,8 +146,8 @@ class ShardedParams:
         self._due: set[str] = set()
         """Units a deferred update has not handed on yet: their stored values are the step before's."""
         self._until: Callable[[str], None] | None = None
-        self._wanted: str | None = None
-        """The unit whose gather waits for its deferred update: it goes up from its new master."""
+        self._wanted: set[str] = set()
+        """Units whose deferred update a gather waits for: they go up from their new masters."""
         self._device, self._uploads = device, uploads
         self._prefetch_bytes = prefetch_bytes
         self._persistence_threshold = persistence_threshold
@@ -201,37 +201,11 @@ class ShardedParams:
                 self._handles.append(module.register_forward_hook(self._post_forward(units)))
 
     def check_fits(self, grad_bucket_bytes: dict[str, int], in_flight: int) -> None:
-        """Refuse, before the first forward, a limit that even one unit at a time cannot meet: what
-        stays resident, the root's working set, the largest other unit's parameters and gradient
-        bucket with those of the units it runs inside, and the buckets still being reduced."""
-        budget = self._budget
-        if not budget.limit:
-            return
-        root = ROOT_UNIT if ROOT_UNIT in self._units else None
-
-        def working_set(name: str) -> int:
-            entry = self._units[name]
-            return (0 if entry.persistent else entry.nbytes) + grad_bucket_bytes[name]
-
-        if not (others := [n for n in self._units if n != root]):
-            return
-
-        def running(name: str) -> list[str]:  # the unit and those it runs inside (experts in their layer)
-            return [o for o in others if o == name or nested_in(name, o)]
-
-        largest = max(others, key=lambda n: sum(working_set(o) for o in running(n)))
-        held, inside = sum(working_set(o) for o in running(largest)), [o for o in running(largest) if o != largest]
-        resident = budget.used + (working_set(root) if root else 0)
-        need = resident + held + (in_flight - 1) * max(grad_bucket_bytes.values())
-        if need > budget.limit:
-            raise DeviceMemoryError(
-                f"unit {largest!r}{f' (inside {inside[0]!r})' if inside else ''} needs {held / MIB:.2f} MiB of device "
-                f"memory while it runs (gathered parameters and gradient buckets) on top of {resident / MIB:.2f} MiB "
-                f"held throughout (shards, persistent units, the root unit) and buckets being reduced: "
-                f"{need / MIB:.2f} MiB in all, over zero.device_memory_limit_mb = {budget.limit / MIB:.4g}; raise the "
-                f"limit to at least {need / MIB:.1f}, or split the unit (zero.unit_classes: name a class inside it "
-                f"too, such as a mixture-of-experts layer's experts, to make that a unit of its own)"
-            )
+        """Refuse, before the first forward, a limit that even one unit at a time cannot meet
+        (``engine.zero.unit_fits``)."""
+        resident = {name: entry.persistent for name, entry in self._units.items()}
+        sizes = {name: entry.nbytes for name, entry in self._units.items()}
+        check_units_fit(self._budget, sizes, resident, grad_bucket_bytes, in_flight)
 
     # --------------------------------------------------------------- hooks
 
@@ -291,12 +265,14 @@ class ShardedParams:
     def gather(self, name: str) -> None:
         """Give the unit its full parameters (updated first, if a deferred update has not
         reached it), then start gathering the units that follow it."""
-        if self._until is not None and name in self._due:
-            self._wanted = name
+        following = self._due_next(name) if self._until is not None else None
+        self._wanted = {n for n in (name, following) if n in self._due}
+        if self._wanted:
+            assert self._until is not None  # units are due only while a deferred update is open
             try:
-                self._until(name)
+                self._until(following or name)
             finally:
-                self._wanted = None
+                self._wanted = set()
         entry = self._units[name]
         self.order.visit(name)
         if entry.persistent and entry.work is not None:  # regathered from its new master
@@ -312,6 +288,16 @@ class ShardedParams:
             entry.complete()
             self._wait_s += time.perf_counter() - start
         self._prefetch()
+
+    def _due_next(self, name: str) -> str | None:
+        """The unit after ``name`` in the traced order, if a deferred update has not reached it
+        and the window and the device budget let it go up with ``name``: it is then updated and
+        sent up ahead, its copy beside ``name``'s forward (on every rank alike)."""
+        after = [n for n in self.order.upcoming() if n != name and not self._units[n].persistent][:1]
+        both = self._units[name].nbytes + sum(self._units[n].nbytes for n in after)
+        if self._prefetch_bytes and after and after[0] in self._due and self._budget.fits(both + self._reserve):
+            return after[0]
+        return None
 
     def _prefetch(self) -> None:
         """Move the units next in the traced order on (``_advance``)."""
@@ -401,7 +387,7 @@ class ShardedParams:
                 fresh.release()  # gathered from the master instead, or read when it is next used
             if entry.persistent:
                 entry.work = copy_and_gather(self._device, self._comm, entry.flat, unit, master, self._uploads)
-            elif unit.name == self._wanted:
+            elif unit.name in self._wanted:
                 entry.free()  # what went up before this update carries the values before it
                 entry.gather_from(master, self._uploads)
             return
