@@ -290,7 +290,9 @@ class OptimConfig:
     no read. The step commits once its last unit is updated (or at ``save``, ``flush``, the next
     ``backward`` or ``close``), so a crash before that resumes from the step before, as with
     ``store.defer_commit``. Needs ``zero.stage = 3`` and the gradients spilled to the store
-    (``offload.optimizer = "nvme"``); the result is bit-identical either way."""
+    (``offload.optimizer = "nvme"``); the result is bit-identical either way. It pays where the
+    disk is the limit: a unit's copy to the device cannot start before its update, so where
+    copies are slower than the disk the update after backward overlaps them better."""
     state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """AdamW's moments: ``fp32`` (bit-exact with torch), ``bf16`` or ``int8`` (8-bit blocks of 256).
 
