@@ -290,9 +290,10 @@ class ShardedParams:
         self._prefetch()
 
     def _due_next(self, name: str) -> str | None:
-        """The unit after ``name`` in the traced order, if a deferred update has not reached it
-        and the window and the device budget let it go up with ``name``: it is then updated and
-        sent up ahead, its copy beside ``name``'s forward (on every rank alike)."""
+        """The unit after ``name`` in the traced order, if a deferred update has not reached it,
+        prefetching is on and the device budget lets it go up with ``name`` (whatever its size,
+        as ``_advance`` moves the next unit): it is then updated and sent up ahead, its copy
+        beside ``name``'s forward. The same on every rank: the trace and the byte counts are."""
         after = [n for n in self.order.upcoming() if n != name and not self._units[n].persistent][:1]
         both = self._units[name].nbytes + sum(self._units[n].nbytes for n in after)
         if self._prefetch_bytes and after and after[0] in self._due and self._budget.fits(both + self._reserve):
@@ -313,8 +314,11 @@ class ShardedParams:
         synchronous, as on the CPU, a unit is gathered as it is copied. A shard held in memory
         is copied in the pass that fetches it, queued from the step's first gather.
 
-        The next unit is moved on whatever its size (a 7B model's layers are over 400 MB in
-        bf16): a smaller window would otherwise prefetch nothing. Every rank takes the same decisions from the same trace and the same byte counts,
+        The next unit is moved on whatever its size: a window smaller than one unit (a 7B
+        model's layers are over 400 MB in bf16) would otherwise prefetch nothing at all, and
+        every gather would wait for its read.
+
+        Every rank takes the same decisions from the same trace and the same byte counts,
         so the all-gathers are issued in the same order everywhere."""
         if self._prefetch_bytes == 0:
             return
