@@ -29,15 +29,9 @@ RACE_MARK = "CSAN detected a possible data race"
 STEPS = 3
 COMMON = ("--model.preset", "tiny", "--train.steps", str(STEPS), "--train.log-every", "1")
 COMMON += ("--precision.compute-dtype", "bf16")
+ALL_ON_NVME = ("--zero.stage", "3", "--offload.param", "nvme", "--offload.optimizer", "nvme")
 TRAININGS: dict[str, tuple[str, ...]] = {
-    "stage 3, parameters and optimizer on nvme": (
-        "--zero.stage",
-        "3",
-        "--offload.param",
-        "nvme",
-        "--offload.optimizer",
-        "nvme",
-    ),
+    "stage 3, parameters and optimizer on nvme": ALL_ON_NVME,
     # Clipped (the default), so each unit's new shard goes up for the next forward during the update.
     "stage 3, parameters cpu, optimizer nvme": (
         "--zero.stage",
@@ -48,16 +42,7 @@ TRAININGS: dict[str, tuple[str, ...]] = {
         "nvme",
     ),
     # Each unit updated in the next forward, going up from its new master before its gather.
-    "stage 3, parameters and optimizer on nvme, update deferred": (
-        "--zero.stage",
-        "3",
-        "--offload.param",
-        "nvme",
-        "--offload.optimizer",
-        "nvme",
-        "--optim.defer-update",
-        "true",
-    ),
+    "stage 3, parameters and optimizer on nvme, update deferred": (*ALL_ON_NVME, "--optim.defer-update", "true"),
     "stage 1, optimizer cpu": ("--zero.stage", "1", "--offload.optimizer", "cpu"),
 }
 """The sanitized trainings by name: their options on top of ``COMMON`` (a store of their own is added)."""

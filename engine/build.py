@@ -15,7 +15,7 @@ import psutil
 import torch
 from torch import nn
 
-from engine.config import Config, defers_update, shares_master, spills_gradients
+from engine.config import Config, shares_master, spills_gradients
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
@@ -279,7 +279,7 @@ def parameters(
         persistence_threshold=zero.persistence_threshold,
         reserve_bytes=required_headroom(layout, dtype, gradient_dtype(config, comm.world_size)),
         uploads=uploads,
-        defers_update=defers_update(config),
+        defers_update=config.optim.defer_update,
     )
 
 

@@ -135,12 +135,6 @@ def spills_gradients(config: Config) -> bool:
     return config.offload.optimizer == "nvme" and config.zero.stage >= 2 and not overlaps_backward(config)
 
 
-def defers_update(config: Config) -> bool:
-    """Whether each unit of a step is updated in the next forward, just before it runs
-    (``optim.defer_update``; the config refuses it where it cannot be)."""
-    return config.optim.defer_update
-
-
 def validate(config: Config) -> None:
     """Ranges and combinations; raises ConfigError naming the key and the fix."""
     _check_finite(config)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
@@ -72,9 +73,10 @@ class Params(Protocol):
         ahead of it as they are stored; None where they are not."""
         ...
 
-    def update_in_forward(self, units: Iterable[str], until: Callable[[str], None]) -> None:
-        """A step's update is deferred (``optim.defer_update``): each of ``units`` is updated,
-        with those due before it, by ``until`` when the next forward first needs it."""
+    def update_in_forward(self, due: AbstractSet[str], until: Callable[[str], None]) -> None:
+        """A step's update is deferred (``optim.defer_update``): each unit of ``due`` (the
+        update's live set of those not handed on yet) is updated, with those due before it, by
+        ``until`` when the next forward first needs it."""
         ...
 
     def end_update_in_forward(self) -> None:
@@ -143,8 +145,9 @@ class ShardedParams:
     ):
         self._layout, self._comm, self._tier, self._budget = layout, comm, tier, budget
         self._defers_update = defers_update
-        self._due: set[str] = set()
-        """Units a deferred update has not handed on yet: their stored values are the step before's."""
+        self._due: AbstractSet[str] = frozenset()
+        """Units a deferred update has not handed on yet (its own live set): their stored values
+        are the step before's."""
         self._until: Callable[[str], None] | None = None
         self._wanted: set[str] = set()
         """Units whose deferred update a gather waits for: they go up from their new masters."""
@@ -203,9 +206,9 @@ class ShardedParams:
     def check_fits(self, grad_bucket_bytes: dict[str, int], in_flight: int) -> None:
         """Refuse, before the first forward, a limit that even one unit at a time cannot meet
         (``engine.zero.unit_fits``)."""
-        resident = {name: entry.persistent for name, entry in self._units.items()}
+        persistent = {name: entry.persistent for name, entry in self._units.items()}
         sizes = {name: entry.nbytes for name, entry in self._units.items()}
-        check_units_fit(self._budget, sizes, resident, grad_bucket_bytes, in_flight)
+        check_units_fit(self._budget, sizes, persistent, grad_bucket_bytes, in_flight)
 
     # --------------------------------------------------------------- hooks
 
@@ -254,19 +257,19 @@ class ShardedParams:
         self._sendable.clear()
         self.order.start()
 
-    def update_in_forward(self, units: Iterable[str], until: Callable[[str], None]) -> None:
+    def update_in_forward(self, due: AbstractSet[str], until: Callable[[str], None]) -> None:
         """Nothing is sent ahead during a deferred update, and a unit whose gather waits for its
         update goes up from its new master at once (``write_back``)."""
-        self._due, self._until = set(units), until
+        self._due, self._until = due, until
 
     def end_update_in_forward(self) -> None:
-        self._due, self._until = set(), None
+        self._due, self._until = frozenset(), None
 
     def gather(self, name: str) -> None:
         """Give the unit its full parameters (updated first, if a deferred update has not
         reached it), then start gathering the units that follow it."""
         following = self._due_next(name) if self._until is not None else None
-        self._wanted = {n for n in (name, following) if n in self._due}
+        self._wanted = {n for n in (name, following) if n is not None and n in self._due}
         if self._wanted:
             assert self._until is not None  # units are due only while a deferred update is open
             try:
@@ -384,7 +387,6 @@ class ShardedParams:
         the next iteration's first units whose new values are stored start on their way."""
         fresh = self._tier.write_back(unit, master)
         self._sendable.add(unit.name)
-        self._due.discard(unit.name)
         entry = self._units[unit.name]
         if entry.persistent or self._defers_update:
             if fresh is not None:

@@ -3,7 +3,8 @@ run (``engine.zero.params`` has the protocol they meet and stage 3's sharded one
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 
 import torch
@@ -56,7 +57,7 @@ class ReplicatedParams:
     def ahead_order(self) -> None:
         return None  # every unit stays gathered, its new values gathered as they are stored
 
-    def update_in_forward(self, units: Iterable[str], until: Callable[[str], None]) -> None:
+    def update_in_forward(self, due: AbstractSet[str], until: Callable[[str], None]) -> None:
         raise ValueError("a deferred update needs zero.stage = 3: here every unit stays gathered")
 
     def end_update_in_forward(self) -> None:

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
-from engine.config import Config, defers_update, overlaps_backward
+from engine.config import Config, overlaps_backward
 from engine.runtime.comm import Comm
 from engine.runtime.host_worker import HostWorker
 from engine.state.forms import ShardState
@@ -124,7 +124,7 @@ class StepControl:
         self._norms = GradNorms(layout, comm, model)
         self.overlap = overlaps_backward(config)
         """Whether each unit is updated as its gradient is reduced (nothing waits for all of them)."""
-        self.defers = defers_update(config)
+        self.defers = config.optim.defer_update
         """Whether a step's units are updated in the next forward, each just before it runs
         (``optim.defer_update``): ``complete`` leaves them to its gathers, ``finish_deferred`` to itself."""
         self.unit_work = UnitWork(self._adamw, grads, params, self.overlap)
@@ -235,7 +235,7 @@ class StepControl:
                 if self._opened().until(unit_name):
                     self.finish_deferred()
 
-        self._params.update_in_forward([u.name for u in self._layout.units], until)
+        self._params.update_in_forward(self._opened().unhanded, until)
 
     @property
     def deferred(self) -> bool:

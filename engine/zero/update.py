@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -130,6 +131,11 @@ class Update:
         """Take each unit's gradient shard from ``grads`` (spilled ones read back in ``order``)
         beside its optimizer state, rather than from memory."""
         self._grads = grads
+
+    @property
+    def unhanded(self) -> AbstractSet[str]:
+        """The units not handed on yet (a live view: it shrinks as they are)."""
+        return self._unhanded
 
     def until(self, unit_name: str) -> bool:
         """A forward is about to use the unit (``optim.defer_update``): update the units due
