@@ -6,13 +6,14 @@ including the `offload_store` format marker). Arrays are 1-D, named by slash-sep
 paths such as `gen-0/blocks.0/master`; each is a directory with its own `zarr.json` (shape
 `(numel,)`, a regular grid of `chunk_elems`, fill value 0, the `bytes` codec little-endian,
 then `crc32c` when checksummed; bfloat16 is stored as uint16 with the attribute
-`torch_dtype: "bfloat16"`). zarr writes this metadata, so the format stays zarr's and any
-zarr reader can open the store; the fast route (`offload.chunks`) only reads it back, and
-only what it can read exactly.
+`torch_dtype: "bfloat16"`). zarr makes this metadata (once per dtype, each array filling in
+its numbers), so the format stays zarr's and any zarr reader can open the store; the fast
+route (`offload.chunks`) only reads it back, and only what it can read exactly.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -22,7 +23,9 @@ from typing import Any
 import torch
 import zarr
 from zarr.codecs import BytesCodec, Crc32cCodec
-from zarr.storage import LocalStore
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+from zarr.storage import LocalStore, MemoryStore
 
 FORMAT_KEY = "offload_store"
 FORMAT_VERSION = 1
@@ -207,17 +210,46 @@ def create_array_meta(
 ) -> None:
     """Write the `zarr.json` of the 1-D array `name` (and of any missing group above it) in the
     store at `root`, in the one form `parse_array_meta` reads back (`stripe_start` only in a
-    store of several folders)."""
+    store of several folders): zarr's own documents (`_zarr_documents`), the array's shape,
+    chunks and attributes filled in."""
+    array, group = _zarr_documents(dtype, checksum)
+    node = root / name
+    for parent in reversed(node.relative_to(root).parents[:-1]):  # the groups above it, top down
+        if not (root / parent / "zarr.json").is_file():
+            (root / parent).mkdir(exist_ok=True)
+            (root / parent / "zarr.json").write_text(json.dumps(group, indent=2))
     striped = {} if stripe_start is None else {STRIPE_START_ATTR: stripe_start}
+    document = array | {
+        "shape": [numel],
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_elems]}},
+        "attributes": {TORCH_DTYPE_ATTR: str(dtype).removeprefix("torch."), **striped},
+    }
+    node.mkdir()
+    (node / "zarr.json").write_text(json.dumps(document, indent=2))
+
+
+@functools.cache
+def _zarr_documents(dtype: torch.dtype, checksum: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The `zarr.json` zarr writes for a 1-D array of `dtype` (checksummed or not) and for the
+    group above it, made by zarr once, in memory. Each array's metadata is this document with
+    its own numbers: a call of zarr per array cost 3.4 ms, 2.3 s of a 1B model's 7.3 s import
+    for its 550 arrays."""
+    store = MemoryStore()
     zarr.create_array(
-        LocalStore(root),
-        name=name,
-        shape=(numel,),
-        chunks=(chunk_elems,),
+        store,
+        name="group/array",
+        shape=(1,),
+        chunks=(1,),
         dtype=ZARR_DTYPES[dtype],
         serializer=BytesCodec(endian="little"),
         compressors=[Crc32cCodec()] if checksum else None,
         filters=None,
         fill_value=0,
-        attributes={TORCH_DTYPE_ATTR: str(dtype).removeprefix("torch."), **striped},
     )
+
+    def document(key: str) -> dict[str, Any]:
+        stored = sync(store.get(key, prototype=default_buffer_prototype()))
+        assert stored is not None, key
+        return json.loads(stored.to_bytes())
+
+    return document("group/array/zarr.json"), document("group/zarr.json")

@@ -1,6 +1,7 @@
 """Tests for the shard store: fast-route round trips, zarr interop, checksums, errors, durability."""
 
 import errno
+import json
 import logging
 import mmap
 import os
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import zarr
+from zarr.codecs import BytesCodec, Crc32cCodec
 
 from offload.chunks import ChecksumError, FileOps
 from offload.io import IORunner, OffloadIOError
+from offload.metadata import ZARR_DTYPES, create_array_meta
 from offload.nodes import SCRATCH
 from offload.store import ShardStore
 
@@ -211,6 +214,34 @@ def test_plain_zarr_reads_what_the_fast_route_wrote(tmp_path, runner):
         expected = values.view(torch.uint16) if dtype == torch.bfloat16 else values
         assert read.tobytes() == expected.numpy().tobytes()
     assert group["gen-0/u/bfloat16"].attrs["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("checksum", [True, False], ids=["crc32c", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
+def test_array_metadata_is_what_zarr_writes_for_the_array(dtype, checksum, tmp_path) -> None:
+    """Each array's `zarr.json` (and its new groups') is zarr's own document for it, made once
+    per dtype and filled in: the same JSON `zarr.create_array` writes for that array."""
+    ours, zarrs = tmp_path / "ours", tmp_path / "zarr"
+    for at in (ours, zarrs):
+        zarr.open_group(at, mode="w")
+    for name, numel, stripe in [("gen-0/blocks.0/master", 4096, None), ("gen-0/blocks.1/m", 512, 3)]:
+        create_array_meta(ours, name, numel, 256, dtype, checksum, stripe)
+        zarr.create_array(
+            zarrs,
+            name=name,
+            shape=(numel,),
+            chunks=(256,),
+            dtype=ZARR_DTYPES[dtype],
+            serializer=BytesCodec(endian="little"),
+            compressors=[Crc32cCodec()] if checksum else None,
+            filters=None,
+            fill_value=0,
+            attributes={"torch_dtype": str(dtype).removeprefix("torch.")} | ({} if stripe is None else {"stripe_start": 3}),
+        )
+    written = sorted(p.relative_to(zarrs) for p in zarrs.rglob("zarr.json"))
+    assert written == sorted(p.relative_to(ours) for p in ours.rglob("zarr.json"))
+    for path in written:
+        assert json.loads((ours / path).read_text()) == json.loads((zarrs / path).read_text()), path
 
 
 def test_fast_route_reads_what_plain_zarr_wrote(tmp_path, runner):
