@@ -368,6 +368,7 @@ def build_units(
     *,
     device: torch.device,
     dtype: torch.dtype,
+    master_dtype: torch.dtype,
     rank: int,
     init_unit: Callable[[dict[str, torch.Tensor]], None] | None,
     materialize: bool,
@@ -375,14 +376,20 @@ def build_units(
 ) -> None:
     """Unit by unit: give a meta model's parameters their slots of the unit's fp32 flat as
     memory (and ``init_unit`` values, written there with no copy after), or copy a real model's
-    into it; ``add`` the fp32 shard to the optimizer tier (a frozen unit's compute-dtype shard; a
-    resume reads them from the store instead) and the compute-dtype flat to the parameters, whose
-    views the module's parameters become. At most one unit's fp32 values exist at a time, so a
-    model larger than memory builds."""
+    into it; ``add`` the master shard to the optimizer tier (a frozen unit's compute-dtype shard;
+    a resume reads them from the store instead) and the compute-dtype flat to the parameters,
+    whose views the module's parameters become. At most one unit's fp32 values exist at a time,
+    so a model larger than memory builds.
+
+    Where the masters are of the compute dtype, both are one cast of the fp32 values, made once.
+    An ``init_unit`` whose ``copies_values`` is true (a checkpoint's import: its values are
+    copied in, not computed, so they round once whatever dtype they land in) fills the flat in
+    the compute dtype directly then: a checkpoint imports with no fp32 round trip."""
     units = layout.all_units
     built, started, every = 0, time.perf_counter(), max(1, len(units) // 10)
+    copies = master_dtype == dtype and getattr(init_unit, "copies_values", False)
     for index, unit in enumerate(units, 1):
-        full = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
+        full = torch.empty(unit.padded_numel, dtype=dtype if copies else torch.float32, device=device)
         full[unit.numel :].zero_()  # the padding; the parameters fill the rest, end to end
         if materialize:  # the parameters' memory is their slots in ``full``: no copy into it
             materialize_(owned[unit.name], param_views(full, unit))
@@ -390,9 +397,10 @@ def build_units(
             init_unit(dict(owned[unit.name]))
         if not materialize:
             flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
-        flat = full.to(dtype) if dtype != torch.float32 else full
+        flat = full.to(dtype)
         if not resume:
-            optimizer_state.add(unit, (full if unit.trainable else flat)[unit.shard_slice(rank)])
+            master = full if unit.trainable and master_dtype != dtype else flat
+            optimizer_state.add(unit, master[unit.shard_slice(rank)])
         del full
         views = param_views(flat, unit)
         for name, param in owned[unit.name]:

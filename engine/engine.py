@@ -99,6 +99,7 @@ class Engine:
             self.params,
             device=self.device.device,
             dtype=self.dtype,
+            master_dtype=compute_dtype(config.optim.master_dtype),
             rank=self.comm.rank,
             init_unit=init_unit if on_meta and not resume else None,
             materialize=on_meta,

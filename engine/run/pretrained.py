@@ -3,9 +3,9 @@
 The model is built from the folder's ``config.json`` on the ``meta`` device (no memory), and
 ``Pretrained`` is the engine's ``init_unit``: when the engine materialises a unit, it reads just
 that unit's tensors from the folder's safetensors files (one file or several with
-``model.safetensors.index.json``; fp32, bf16 or fp16) and casts them to fp32 into its
-parameters. So a model larger than memory imports, on any tier and any world size (each rank
-reads whole units and keeps its shard).
+``model.safetensors.index.json``; fp32, bf16 or fp16) and casts them into its parameters
+(fp32, or the compute dtype where the masters share it). So a model larger than memory
+imports, on any tier and any world size (each rank reads whole units and keeps its shard).
 
 The checkpoint's names and layout are converted to the model's by transformers' own rules
 (``engine.run.conversion``): renamed keys, and one tensor per expert on disk stacked into the
@@ -29,9 +29,8 @@ import json
 import math
 import os
 import shutil
+import weakref
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,7 @@ from engine.config import Config
 from engine.config_sections import SOURCE_FOLDER, SOURCE_RECORD
 from engine.run.conversion import match_checkpoint
 from engine.run.loss import chunked_cross_entropy
+from engine.run.read_ahead import CheckpointTensor, ReadAhead, read_tensor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -60,15 +60,6 @@ ITEM_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 """Bytes per element of each safetensors dtype, to check a header's offsets."""
 ENCODE_BATCH = 1024  # lines the tokenizer encodes at once
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
-
-
-@dataclass(frozen=True)
-class CheckpointTensor:
-    """One tensor of a checkpoint, as its file's header describes it."""
-
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -118,7 +109,7 @@ def read_header(path: Path) -> dict[str, CheckpointTensor]:
             ) from err
         if dtype not in ITEM_BYTES or stop - start != math.prod(shape) * ITEM_BYTES[dtype]:
             raise ValueError(f"checkpoint file {path}: tensor {name!r} has a corrupt header entry: copy it again")
-        tensors[name] = CheckpointTensor(path, dtype, shape)
+        tensors[name] = CheckpointTensor(path, dtype, shape, 8 + length + start, stop - start)
         end = max(end, stop)
     if 8 + length + end > size:
         raise ValueError(
@@ -149,11 +140,16 @@ class Pretrained:
     a unit's parameters are made by the conversions that make them, each reading its tensors
     from the files and, for a stacked expert tensor, stacking that layer's experts."""
 
+    copies_values = True
+    """Every value is copied from the checkpoint (none is drawn or computed), so the engine may
+    build units straight in the compute dtype where the masters share it (``build_units``)."""
+
     def __init__(self, folder: str | os.PathLike[str], model: nn.Module):
         self.folder = Path(folder)
         self.model = model
         self.tensors = read_headers(self.folder)
         self.match = match_checkpoint(model, self.tensors, self.folder)
+        self._ahead: ReadAhead | None = None
         self._read(list(dict.fromkeys(self.match.buffers.values())), self._set_buffer)
 
     def buffer_values(self) -> dict[str, torch.Tensor]:
@@ -188,7 +184,9 @@ class Pretrained:
         return DTYPE_NAMES[max(counts, key=lambda d: counts[d])] if counts else "fp32"
 
     def __call__(self, params: dict[str, torch.Tensor]) -> None:
-        """Make one unit's parameters (by their first names) from the checkpoint, cast to their dtype."""
+        """Make one unit's parameters (by their first names) from the checkpoint, cast to their
+        dtype. The first call starts reading every parameter's tensors ahead, in the model's
+        order, the order in which the engine builds its units."""
         firsts = list(dict.fromkeys(self.match.made_by[name] for name in params))
 
         def fill(target: str, values: torch.Tensor) -> None:
@@ -196,19 +194,31 @@ class Pretrained:
             if param in params:
                 params[param].copy_(values)
 
-        self._read(firsts, fill)
+        if self._ahead is None:
+            self._ahead = ReadAhead(self.tensors, self._model_order())
+            weakref.finalize(self, self._ahead.close)  # a build that failed leaves the rest unread
+        self._read(firsts, fill, self._ahead.take)
 
-    def _read(self, firsts: list[str], put: Callable[[str, torch.Tensor], None]) -> None:
-        """Run the conversions ``firsts`` (by first target) on the checkpoint's files, handing
-        each tensor they make to ``put(model name, values)``."""
-        from safetensors import safe_open
+    def _model_order(self) -> Iterator[str]:
+        """The checkpoint names of the model's parameters, in the model's order."""
+        made_by = self.match.made_by
+        for first in dict.fromkeys(made_by[name] for name, _ in self.model.named_parameters() if name in made_by):
+            yield from self.match.conversions[first].names
 
+    def _read(
+        self,
+        firsts: list[str],
+        put: Callable[[str, torch.Tensor], None],
+        take: Callable[[str], torch.Tensor] | None = None,
+    ) -> None:
+        """Run the conversions ``firsts`` (by first target) on the checkpoint's tensors, each got
+        by ``take(checkpoint name)`` (by default read now), handing each tensor they make to
+        ``put(model name, values)``."""
         groups = [self.match.conversions[first] for first in firsts]
-        files = {self.tensors[name].file for group in groups for name in group.names}
-        with ExitStack() as stack, torch.no_grad():
-            opened = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in files}
+        get = take or (lambda name: read_tensor(self.tensors[name]))
+        with torch.no_grad():
             for group in groups:
-                made = group.run(lambda name: opened[self.tensors[name].file].get_tensor(name), self.model)
+                made = group.run(get, self.model)
                 for target, values in made.items():
                     put(target, values)
                 del made

@@ -36,9 +36,10 @@ class OptimizerState(Protocol):
     survives a failed step, so a checkpoint can still be saved from it."""
 
     def add(self, unit: UnitLayout, master: torch.Tensor) -> None:
-        """Take a unit's initial fp32 master shard (copied, in the form's master dtype) with zero moments. A frozen unit
-        (``unit.trainable`` False) gives its compute-dtype shard instead: no moments, no master
-        updated each step, just its values kept once (``engine.tiers.frozen``)."""
+        """Take a unit's initial master shard (fp32, or already of the form's master dtype;
+        copied, in that dtype) with zero moments. A frozen unit (``unit.trainable`` False) gives
+        its compute-dtype shard instead: no moments, no master updated each step, just its
+        values kept once (``engine.tiers.frozen``)."""
         ...
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:

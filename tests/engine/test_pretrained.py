@@ -103,6 +103,46 @@ def test_first_logits_equal_from_pretrained(build, tmp_path) -> None:
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_a_bf16_import_builds_in_bf16_the_values_the_fp32_build_makes(dtype, tmp_path) -> None:
+    """bf16 compute with bf16 masters: a checkpoint's units are built in bf16 straight from its
+    tensors (each rounds once either way), equal to what the fp32 build makes from an
+    ``init_unit`` that does not say it copies values, and to the checkpoint cast to bf16."""
+    folder = checkpoint(llama, tmp_path / "pretrained", dtype)
+
+    def imported(name: str, direct: bool) -> dict[str, torch.Tensor]:
+        model, built = meta_model(folder), set()
+        init = Pretrained(folder, model)
+
+        class Watched:
+            """``init``, noting the dtype each unit is built in; copying values only if ``direct``."""
+
+            copies_values = direct
+
+            def __call__(self, params: dict[str, torch.Tensor]) -> None:
+                built.update(p.dtype for p in params.values())
+                init(params)
+
+        store = tmp_path / name
+        cfg = config(
+            precision={"compute_dtype": "bf16"},
+            optim={"master_dtype": "bf16"},
+            zero={"stage": 3},
+            offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(store)},
+        )
+        Engine(model, cfg, total_steps=1, init_unit=Watched()).close()
+        assert built == {torch.bfloat16 if direct else torch.float32}
+        consolidate(store, tmp_path / f"{name}.safetensors")
+        return load_file(tmp_path / f"{name}.safetensors")
+
+    direct, via_fp32 = imported("direct", True), imported("fp32", False)
+    expected = params(reference(folder))
+    assert direct.keys() == via_fp32.keys() == expected.keys()
+    for name, values in direct.items():
+        assert torch.equal(values, via_fp32[name]), name
+        assert torch.equal(values, expected[name].bfloat16().float()), name
+
+
 def fine_tune(step) -> list[float]:
     data = batches(4)
     return [step(data.next()[0]) for _ in range(STEPS)]

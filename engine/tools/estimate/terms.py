@@ -9,6 +9,7 @@ import torch
 
 from engine.config import overlaps_backward, shares_master, spills_gradients
 from engine.run.loss import CHUNK_TOKENS
+from engine.run.read_ahead import AHEAD
 from engine.runtime.heap import MMAP_THRESHOLD
 from engine.runtime.sizes import FP32
 from engine.state.forms import STATE_KINDS
@@ -45,11 +46,22 @@ HEAP_BUFFER_LIMIT = MMAP_THRESHOLD
 large is mapped on its own and returned to the system when freed; only smaller ones stay in the heap."""
 
 
+CHECKPOINT_ITEMSIZE = 2
+"""Bytes per element of an imported checkpoint's tensors: bf16, as the Hub's large models are."""
+
+
 def construction_transient_bytes(run: RunShape) -> int:
     """The unit being flattened (a frozen one too): its fp32 flat and the compute-dtype copy
-    cast from it (the same buffer in fp32)."""
-    cast = run.itemsize * run.largest_unit if run.itemsize != FP32 else 0
-    return FP32 * run.largest_unit + cast
+    cast from it (the same buffer in fp32). A checkpoint's import (``model.hf``) builds the
+    compute-dtype flat alone where the masters share its dtype (``engine.build.build_units``),
+    and holds beside it the checkpoint tensor taken and those read ahead
+    (``engine.run.read_ahead``), each at most a unit."""
+    unit, imports = run.largest_unit, bool(run.config.model.hf)
+    if imports and run.form.dtypes()[0] == run.dtype:
+        flat = run.itemsize * unit
+    else:
+        flat = FP32 * unit + (run.itemsize * unit if run.itemsize != FP32 else 0)
+    return flat + ((1 + AHEAD) * CHECKPOINT_ITEMSIZE * unit if imports else 0)
 
 
 def replicated_param_bytes(run: RunShape) -> int:
