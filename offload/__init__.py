@@ -27,6 +27,7 @@ from offload.shards import (
     unit_arrays,
     write_shard,
     write_shard_async,
+    zero_shard_async,
 )
 from offload.store import ShardStore
 from offload.tuning import CHUNK_RANGE, IOSettings, auto_settings, profile_path
@@ -82,4 +83,5 @@ __all__ = [
     "unit_arrays",
     "write_shard",
     "write_shard_async",
+    "zero_shard_async",
 ]

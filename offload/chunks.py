@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -65,6 +66,9 @@ class FileOps:
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
 
+    def truncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
     def clear_direct(self, fd: int) -> None:
         """Drop O_DIRECT from an open chunk file, for the unaligned 4-byte CRC trailer.
 
@@ -85,6 +89,20 @@ def crc32c_of(buf: np.ndarray) -> int:
     # bytes are, both run at the memory's speed (`python -m benchmarks.checksum`). It releases
     # the GIL, so the checking threads run beside training.
     return fastcrc.crc32.iscsi(buf.data)
+
+
+ZERO_BLOCK = 1 << 20
+
+
+@functools.lru_cache(maxsize=16)
+def zeros_crc32c(nbytes: int) -> int:
+    """The CRC-32C of ``nbytes`` zero bytes (a chunk's size: a handful of sizes a store)."""
+    block = np.zeros(min(nbytes, ZERO_BLOCK), dtype=np.uint8)
+    crc, left = None, nbytes
+    while left:
+        crc = fastcrc.crc32.iscsi(block[: min(left, block.size)].data, crc)
+        left -= min(left, block.size)
+    return fastcrc.crc32.iscsi(b"") if crc is None else crc
 
 
 def chunk_dir(root: Path, name: str) -> Path:
@@ -187,6 +205,21 @@ class ChunkFiles:
             return fd
         self.costs.timed("open/close", self.ops.close, fd)
         return None
+
+    def write_zeros(self, name: str, index: int, path: str, nbytes: int, checksum: bool) -> None:
+        """Make chunk `index` of `name` `nbytes` zero bytes without writing them: the file is
+        emptied and left one hole of that length (read as zeros, no block stored for it), then
+        given the CRC-32C trailer of that many zeros. A new store's optimizer moments start so:
+        half a compact import's bytes, never written, and never read from the disk after."""
+        fd, _ = self._open(path, os.O_WRONLY | os.O_CREAT, aligned=False)
+        try:
+            self.costs.timed("write syscalls", self.ops.truncate, fd, 0)  # a recycled chunk's bytes go
+            if checksum:
+                self._write_all(fd, zeros_crc32c(nbytes).to_bytes(CRC_BYTES, "little"), nbytes)
+            else:
+                self.costs.timed("write syscalls", self.ops.truncate, fd, nbytes)
+        finally:
+            self.costs.timed("open/close", self.ops.close, fd)
 
     def finish_write(
         self, fd: int | None, name: str, index: int, path: str, body: np.ndarray, crc: int | None = None

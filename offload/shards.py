@@ -140,6 +140,15 @@ def write_shard_async(
     return [store.write_async(array_name(prefix, unit.name, kind), start, view) for kind, view in views]
 
 
+def zero_shard_async(
+    store: ShardStore, prefix: str, unit: ShardedUnit, rank: int, kinds: Sequence[str]
+) -> list[Future]:
+    """Start making rank ``rank``'s shard of each of ``kinds`` of ``unit`` under ``prefix`` zeros,
+    with nothing written but each chunk's checksum (``ShardStore.write_zeros_async``)."""
+    start = unit.shard_slice(rank).start
+    return [store.write_zeros_async(array_name(prefix, unit.name, kind), start, unit.shard_numel) for kind in kinds]
+
+
 def write_shard(
     store: ShardStore, prefix: str, unit: ShardedUnit, rank: int, views: Sequence[tuple[str, torch.Tensor]]
 ) -> None:

@@ -345,10 +345,37 @@ class ShardStore:
         future = self._submit_chunks(
             "write", name, info, first, buf, aligned, self._files.write, then=self._files.finish_write, crcs=crcs
         )
+        return self._record_write(name, info, first, buf.size // info.chunk_bytes, future)
+
+    def write_zeros_async(self, name: str, start: int, count: int) -> Future:
+        """Start making elements `[start, start + count)` of `name`, whole chunks, zeros, without
+        writing them (`ChunkFiles.write_zeros`); durable at `sync()` as any write."""
+        info = self.array_info(name)
+        where = _describe_request("write", name, start, count, info)
+        if (
+            count <= 0
+            or start < 0
+            or start + count > info.numel
+            or start % info.chunk_elems
+            or count % info.chunk_elems
+        ):
+            raise ValueError(f"{where}: the range must be whole chunks inside the array")
+        first, futures = start // info.chunk_elems, []
+        for index in range(first, first + count // info.chunk_elems):
+            path = str(self.chunk_path(name, index))
+            what = f"zero {name} chunk {index} -> {path}"
+            futures.append(
+                self._runner.submit(
+                    self._files.write_zeros, name, index, path, info.chunk_bytes, info.checksum, what=what
+                )
+            )
+        return self._record_write(name, info, first, len(futures), IORunner.gather(futures))
+
+    def _record_write(self, name: str, info: ArrayInfo, first: int, count: int, future: Future) -> Future:
+        """Note `count` chunks from `first` as written, for `sync` to make durable."""
         if self.scratch:
             return future  # never synced, so not recorded for `sync`
         with self._ledger.lock:
-            count = buf.size // info.chunk_bytes
             self._ledger.writes.append((name, first, count, future))
             touched = {self._folder_of(info, i) for i in range(first, first + min(count, len(self.paths)))}
             self._ledger.dirs.update(str(chunk_dir(folder, name)) for folder in touched)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,15 @@ from engine.config import OptimConfig
 from engine.state.dtypes import DTYPES
 from engine.state.partition import ALIGN_ELEMS, UnitLayout
 from engine.state.quantize import BLOCK, DIRECT_BLOCKS_ELEMS, PACKED, packed_bytes
-from offload import ShardedUnit, ShardStore, array_bytes, create_arrays, shard_bytes
-from offload.host_memory import host_bytes
+from offload import (
+    ShardedUnit,
+    ShardStore,
+    array_bytes,
+    create_arrays,
+    shard_bytes,
+    write_shard_async,
+    zero_shard_async,
+)
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 """Each ``optim.state_dtype``'s moment dtype as stored (int8: packed blocks, ``engine.state.quantize``)."""
@@ -128,9 +136,17 @@ class StateForm:
         """Disk bytes of one unit's whole state, all ranks (padding included)."""
         return sum(array_bytes(g, d) for g, d in zip(self.geometries(unit), self.dtypes(), strict=True))
 
-    def zero_moments(self, units: Iterable[UnitLayout]) -> ZeroMoments:
-        """A new store's initial moments of ``units`` in this form (``ZeroMoments``)."""
-        return ZeroMoments(self, units)
+    def write_new(
+        self, store: ShardStore, prefix: str, unit: UnitLayout, rank: int, master: torch.Tensor
+    ) -> list[Future]:
+        """Start storing a new unit's state under ``prefix``: its master written; its moments,
+        which every form starts from all-zero bytes, made zeros with nothing but their checksums
+        written (``offload.zero_shard_async``: half a compact import's bytes, none read back)."""
+        geometries = self.geometries(unit)
+        futures = write_shard_async(store, prefix, geometries[0], rank, [(STATE_KINDS[0], master)])
+        for kind, geometry in zip(STATE_KINDS[1:], geometries[1:], strict=True):
+            futures += zero_shard_async(store, prefix, geometry, rank, [kind])
+        return futures
 
     def offsets(self, unit: ShardedUnit) -> list[int]:
         """Each kind's byte offset in one buffer holding the unit's shard of every kind (the
@@ -200,23 +216,3 @@ def state_groups(form: StateForm, unit: UnitLayout, state: ShardState) -> list[t
     for geometry, view in zip(form.geometries(unit), state.views(), strict=True):
         groups.setdefault(geometry, []).append(view)
     return list(groups.items())
-
-
-class ZeroMoments:
-    """A new store's initial moment shards, as views of memory never written, which reads as
-    zeros (the kernel's zero page; every form's moments start from all-zero bytes): the build
-    neither zeroes 8 B a parameter nor holds the zeros in memory, and O_DIRECT writes and
-    checksums read the zero page as any other memory."""
-
-    def __init__(self, form: StateForm, units: Iterable[UnitLayout]):
-        self._form, self._units = form, list(units)
-        self._pages: torch.Tensor | None = None
-
-    def _moments(self, unit: UnitLayout) -> list[tuple[ShardedUnit, torch.dtype]]:
-        return list(zip(self._form.geometries(unit)[1:], self._form.dtypes()[1:], strict=True))
-
-    def of(self, unit: UnitLayout) -> list[torch.Tensor]:
-        """The unit's zero moments (``exp_avg``, ``exp_avg_sq``), in the form's dtypes; read only."""
-        if self._pages is None:  # mapped once, as large as the largest moment
-            self._pages = host_bytes(max(shard_bytes(g, d) for u in self._units for g, d in self._moments(u)))
-        return [self._pages[: shard_bytes(g, d)].view(d) for g, d in self._moments(unit)]

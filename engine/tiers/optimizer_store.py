@@ -52,6 +52,7 @@ from offload import (
     BufferPool,
     Generations,
     HostBuffer,
+    IORunner,
     Pipeline,
     PipelineStats,
     ReadAhead,
@@ -121,7 +122,6 @@ class StoreOptimizerState:
         self.target_generation = 0  # the generation the next step writes (the mode's choice)
         self._read_prefix = generation_prefix(0)  # where the next step reads: it, or a checkpoint
         self._generation_zero_ready = False
-        self._zero_moments = form.zero_moments(layout.units)
         self._frozen = FrozenAdder(lambda: self.store, layout.frozen, rank, io)
         self._layout_adopted = True  # the store's attributes and committed arrays are this layout
         self._deferred: dict | None = None  # the record of a step whose commit waits for ``flush``
@@ -305,11 +305,14 @@ class StoreOptimizerState:
         buf = self.pool.acquire(shard_bytes(unit, master_dtype))
         staged = buf.view(master_dtype, unit.shard_numel)
         staged.copy_(master)
-        state = ShardState(staged, *self._zero_moments.of(unit))
         # Behind the next unit's build, as a step's write-backs are; generation 0's commit waits.
         self.pipeline.write_back(
-            unit, buf, lambda u, _: self._save_state(u, state), describe=lambda u: f"optimizer state of unit {u.name}"
+            unit, buf, lambda u, _: self._save_new(u, staged), describe=lambda u: f"optimizer state of unit {u.name}"
         )
+
+    def _save_new(self, unit: UnitLayout, master: torch.Tensor) -> None:
+        prefix = generation_prefix(self.target_generation)
+        IORunner.gather(self.form.write_new(self.store, prefix, unit, self.rank, master)).result()
 
     def _views(self, unit: UnitLayout, buf: HostBuffer) -> ShardState:
         form = self.form
@@ -322,11 +325,8 @@ class StoreOptimizerState:
                 read_shard(self.store, self._read_prefix, geometry, self.rank, views)
 
     def _save(self, unit: UnitLayout, buf: HostBuffer) -> None:
-        self._save_state(unit, self._views(unit, buf))
-
-    def _save_state(self, unit: UnitLayout, state: ShardState) -> None:
         prefix = generation_prefix(self.target_generation)
-        for geometry, views in state_groups(self.form, unit, state):
+        for geometry, views in state_groups(self.form, unit, self._views(unit, buf)):
             write_shard(self.store, prefix, geometry, self.rank, views)
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
