@@ -43,7 +43,7 @@ from engine.config import Config
 from engine.config_sections import SOURCE_FOLDER, SOURCE_RECORD
 from engine.run.conversion import match_checkpoint
 from engine.run.loss import chunked_cross_entropy
-from engine.run.read_ahead import CheckpointTensor, ReadAhead, read_tensor
+from engine.run.read_ahead import CheckpointReadAhead, CheckpointTensor, read_tensor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -149,7 +149,7 @@ class Pretrained:
         self.model = model
         self.tensors = read_headers(self.folder)
         self.match = match_checkpoint(model, self.tensors, self.folder)
-        self._ahead: ReadAhead | None = None
+        self._ahead: CheckpointReadAhead | None = None
         self._read(list(dict.fromkeys(self.match.buffers.values())), self._set_buffer)
 
     def buffer_values(self) -> dict[str, torch.Tensor]:
@@ -195,7 +195,7 @@ class Pretrained:
                 params[param].copy_(values)
 
         if self._ahead is None:
-            self._ahead = ReadAhead(self.tensors, self._model_order())
+            self._ahead = CheckpointReadAhead(self.tensors, self._model_order())
             weakref.finalize(self, self._ahead.close)  # a build that failed leaves the rest unread
         self._read(firsts, fill, self._ahead.take)
 

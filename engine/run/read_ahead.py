@@ -120,7 +120,7 @@ def read_tensor(tensor: CheckpointTensor) -> torch.Tensor:
         return _Reading(tensor, pool).result()
 
 
-class ReadAhead:
+class CheckpointReadAhead:
     """Hands out checkpoint tensors (``take``) whose reads a thread of its own started in ``order``."""
 
     def __init__(self, tensors: dict[str, CheckpointTensor], order: Iterable[str]):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.run import read_ahead
 from engine.run.pretrained import read_header
-from engine.run.read_ahead import ReadAhead, read_tensor
+from engine.run.read_ahead import CheckpointReadAhead, read_tensor
 
 
 def saved(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, read_ahead.CheckpointTensor]:
@@ -38,7 +38,7 @@ def mixed(path: Path) -> dict[str, read_ahead.CheckpointTensor]:
 def test_tensors_taken_in_and_out_of_order_equal_what_safetensors_loads(tmp_path) -> None:
     tensors = mixed(tmp_path / "model.safetensors")
     expected = load_file(tmp_path / "model.safetensors")
-    ahead = ReadAhead(tensors, ["a", "b", "c", "d"])  # "e" is not in the order
+    ahead = CheckpointReadAhead(tensors, ["a", "b", "c", "d"])  # "e" is not in the order
     try:
         for name in ["a", "c", "b", "e", "d"]:  # "c" before "b": out of order
             got = ahead.take(name)
@@ -52,7 +52,7 @@ def test_tensors_taken_in_and_out_of_order_equal_what_safetensors_loads(tmp_path
 def test_a_tensor_larger_than_a_read_piece_is_read_whole(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(read_ahead, "PIECE_BYTES", 8192)
     tensors = saved(tmp_path / "model.safetensors", {"big": torch.randn(50_001)})
-    ahead = ReadAhead(tensors, ["big"])
+    ahead = CheckpointReadAhead(tensors, ["big"])
     try:
         assert torch.equal(ahead.take("big"), load_file(tmp_path / "model.safetensors")["big"])
     finally:
@@ -74,7 +74,7 @@ def test_reading_stays_a_few_largest_tensors_ahead_of_what_is_taken(tmp_path, mo
         time.sleep(0.2)  # the thread had every chance to read further ahead
         return list(started)
 
-    order, ahead = list(tensors), ReadAhead(tensors, list(tensors))
+    order, ahead = list(tensors), CheckpointReadAhead(tensors, list(tensors))
     try:
         assert settled() == order[: read_ahead.AHEAD]
         assert torch.equal(ahead.take("t0"), torch.zeros(1024))
@@ -96,7 +96,7 @@ def test_a_file_that_fails_under_the_reads_raises_at_the_take_naming_it(how: str
             file.truncate(tensors["b"].offset + 10)
     else:
         path.unlink()
-    ahead = ReadAhead(tensors, ["a", "b"])
+    ahead = CheckpointReadAhead(tensors, ["a", "b"])
     try:
         with pytest.raises((ValueError, FileNotFoundError), match=r"model\.safetensors"):
             ahead.take("a" if how == "removed" else "b")
