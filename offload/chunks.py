@@ -206,18 +206,19 @@ class ChunkFiles:
         self.costs.timed("open/close", self.ops.close, fd)
         return None
 
-    def write_zeros(self, name: str, index: int, path: str, nbytes: int, checksum: bool) -> None:
-        """Make chunk `index` of `name` `nbytes` zero bytes without writing them: the file is
-        emptied and left one hole of that length (read as zeros, no block stored for it), then
-        given the CRC-32C trailer of that many zeros. A new store's optimizer moments start so:
-        half a compact import's bytes, never written, and never read from the disk after."""
+    def write_zeros(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> None:
+        """As `write`, for a `body` of zeros, none of whose bytes is written or read: the file is
+        emptied and left one hole of the body's length (read as zeros, no block stored for it),
+        then given the CRC-32C trailer of that many zeros. A new store's optimizer moments start
+        so: half a compact import's bytes, never written, and never read from the disk after.
+        Returns no descriptor: `finish_write` has nothing left to do."""
         fd, _ = self._open(path, os.O_WRONLY | os.O_CREAT, aligned=False)
         try:
             self.costs.timed("write syscalls", self.ops.truncate, fd, 0)  # a recycled chunk's bytes go
             if checksum:
-                self._write_all(fd, zeros_crc32c(nbytes).to_bytes(CRC_BYTES, "little"), nbytes)
+                self._write_all(fd, zeros_crc32c(body.size).to_bytes(CRC_BYTES, "little"), body.size)
             else:
-                self.costs.timed("write syscalls", self.ops.truncate, fd, nbytes)
+                self.costs.timed("write syscalls", self.ops.truncate, fd, body.size)
         finally:
             self.costs.timed("open/close", self.ops.close, fd)
 

@@ -26,6 +26,7 @@ import torch
 from offload.buffers import DIRECT_ALIGN
 from offload.chunks import ChunkFiles, FileOps, byte_view, chunk_dir, chunk_path
 from offload.costs import CostAccount
+from offload.host_memory import host_bytes
 from offload.io import IORunner, OffloadIOError
 from offload.lock import LOCK_FILE
 from offload.metadata import (
@@ -348,28 +349,14 @@ class ShardStore:
         return self._record_write(name, info, first, buf.size // info.chunk_bytes, future)
 
     def write_zeros_async(self, name: str, start: int, count: int) -> Future:
-        """Start making elements `[start, start + count)` of `name`, whole chunks, zeros, without
-        writing them (`ChunkFiles.write_zeros`); durable at `sync()` as any write."""
-        info = self.array_info(name)
-        where = _describe_request("write", name, start, count, info)
-        if (
-            count <= 0
-            or start < 0
-            or start + count > info.numel
-            or start % info.chunk_elems
-            or count % info.chunk_elems
-        ):
-            raise ValueError(f"{where}: the range must be whole chunks inside the array")
-        first, futures = start // info.chunk_elems, []
-        for index in range(first, first + count // info.chunk_elems):
-            path = str(self.chunk_path(name, index))
-            what = f"zero {name} chunk {index} -> {path}"
-            futures.append(
-                self._runner.submit(
-                    self._files.write_zeros, name, index, path, info.chunk_bytes, info.checksum, what=what
-                )
-            )
-        return self._record_write(name, info, first, len(futures), IORunner.gather(futures))
+        """Start making elements `[start, start + count)` of `name`, whole chunks, zeros with
+        nothing written but their checksums (`ChunkFiles.write_zeros`); durable at `sync()`."""
+        dtype = self.array_info(name).dtype
+        untouched = host_bytes(count * dtype.itemsize).view(dtype)  # it only sizes the chunks
+        info, first, buf, aligned = self._plan("write", name, start, untouched)
+        task, then = self._files.write_zeros, self._files.finish_write
+        future = self._submit_chunks("write", name, info, first, buf, aligned, task, then=then)
+        return self._record_write(name, info, first, buf.size // info.chunk_bytes, future)
 
     def _record_write(self, name: str, info: ArrayInfo, first: int, count: int, future: Future) -> Future:
         """Note `count` chunks from `first` as written, for `sync` to make durable."""
