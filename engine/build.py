@@ -374,12 +374,12 @@ def build_units(
     materialize: bool,
     resume: bool,
 ) -> None:
-    """Unit by unit: give a meta model's parameters their slots of the unit's fp32 flat as
-    memory (and ``init_unit`` values, written there with no copy after), or copy a real model's
-    into it; ``add`` the master shard to the optimizer tier (a frozen unit's compute-dtype shard;
-    a resume reads them from the store instead) and the compute-dtype flat to the parameters,
-    whose views the module's parameters become. At most one unit's fp32 values exist at a time,
-    so a model larger than memory builds.
+    """Unit by unit: give a meta model's parameters their slots of the unit's fp32 flat (but see
+    below) as memory (and ``init_unit`` values, written there with no copy after), or copy a
+    real model's into it; ``add`` the master shard to the optimizer tier (a frozen unit's
+    compute-dtype shard; a resume reads them from the store instead) and the compute-dtype flat
+    to the parameters, whose views the module's parameters become. At most one unit's fp32
+    values exist at a time, so a model larger than memory builds.
 
     Where the masters are of the compute dtype, both are one cast of the fp32 values, made once.
     An ``init_unit`` whose ``copies_values`` is true (a checkpoint's import: its values are

@@ -43,7 +43,7 @@ from engine.config import Config
 from engine.config_sections import SOURCE_FOLDER, SOURCE_RECORD
 from engine.run.conversion import match_checkpoint
 from engine.run.loss import chunked_cross_entropy
-from engine.run.read_ahead import CheckpointReadAhead, CheckpointTensor, read_tensor
+from engine.run.read_ahead import SAFETENSORS_DTYPES, CheckpointReadAhead, CheckpointTensor, read_tensor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -55,8 +55,7 @@ SINGLE_FILE = "model.safetensors"
 BUFFERS_FILE = "buffers.safetensors"
 """The persistent buffers the checkpoint holds, kept beside ``source.json`` for ``export``."""
 DTYPE_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
-ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
-ITEM_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+ITEM_BYTES = {name: dtype.itemsize for name, dtype in SAFETENSORS_DTYPES.items()}
 """Bytes per element of each safetensors dtype, to check a header's offsets."""
 ENCODE_BATCH = 1024  # lines the tokenizer encodes at once
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
@@ -185,8 +184,8 @@ class Pretrained:
 
     def __call__(self, params: dict[str, torch.Tensor]) -> None:
         """Make one unit's parameters (by their first names) from the checkpoint, cast to their
-        dtype. The first call starts reading every parameter's tensors ahead, in the model's
-        order, the order in which the engine builds its units."""
+        dtype. The first call starts reading every parameter's tensors ahead, in the order the
+        engine builds its units (``_build_order``)."""
         firsts = list(dict.fromkeys(self.match.made_by[name] for name in params))
 
         def fill(target: str, values: torch.Tensor) -> None:
@@ -195,15 +194,22 @@ class Pretrained:
                 params[param].copy_(values)
 
         if self._ahead is None:
-            self._ahead = CheckpointReadAhead(self.tensors, self._model_order())
+            self._ahead = CheckpointReadAhead(
+                self.tensors, self._build_order(self.match.conversions[firsts[0]].names[0])
+            )
             weakref.finalize(self, self._ahead.close)  # a build that failed leaves the rest unread
         self._read(firsts, fill, self._ahead.take)
 
-    def _model_order(self) -> Iterator[str]:
-        """The checkpoint names of the model's parameters, in the model's order."""
+    def _build_order(self, first: str) -> list[str]:
+        """The checkpoint names of the model's parameters in the model's order, from ``first``
+        (the tensor the engine asked for first) round to the one before it: the engine builds
+        the units in the model's order but for the root unit (what the others leave over: the
+        embedding, the final norm and the head), which it builds last."""
         made_by = self.match.made_by
-        for first in dict.fromkeys(made_by[name] for name, _ in self.model.named_parameters() if name in made_by):
-            yield from self.match.conversions[first].names
+        groups = dict.fromkeys(made_by[name] for name, _ in self.model.named_parameters() if name in made_by)
+        order = [name for group in groups for name in self.match.conversions[group].names]
+        start = order.index(first) if first in order else 0
+        return order[start:] + order[:start]
 
     def _read(
         self,
