@@ -69,6 +69,10 @@ class FileOps:
     def truncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)
 
+    def allocate(self, fd: int, length: int) -> None:
+        """Reserve the file's first ``length`` bytes, reading as zeros, without writing them."""
+        os.posix_fallocate(fd, 0, length)
+
     def clear_direct(self, fd: int) -> None:
         """Drop O_DIRECT from an open chunk file, for the unaligned 4-byte CRC trailer.
 
@@ -208,17 +212,18 @@ class ChunkFiles:
 
     def write_zeros(self, name: str, index: int, path: str, body: np.ndarray, checksum: bool, aligned: bool) -> None:
         """As `write`, for a `body` of zeros, none of whose bytes is written or read: the file is
-        emptied and left one hole of the body's length (read as zeros, no block stored for it),
-        then given the CRC-32C trailer of that many zeros. A new store's optimizer moments start
-        so: half a compact import's bytes, never written, and never read from the disk after.
-        Returns no descriptor: `finish_write` has nothing left to do."""
+        emptied, its body's length allocated (the filesystem reserves the blocks, marked as
+        never written, and reads them as zeros: a step that later rewrites them in place finds
+        the space the store was checked for), then given the CRC-32C trailer of that many zeros.
+        A new store's optimizer moments start so: half a compact import's bytes, never written,
+        and never read from the disk after. Returns no descriptor: `finish_write` has nothing
+        left to do."""
         fd, _ = self._open(path, os.O_WRONLY | os.O_CREAT, aligned=False)
         try:
             self.costs.timed("write syscalls", self.ops.truncate, fd, 0)  # a recycled chunk's bytes go
+            self.costs.timed("write syscalls", self.ops.allocate, fd, body.size)
             if checksum:
                 self._write_all(fd, zeros_crc32c(body.size).to_bytes(CRC_BYTES, "little"), body.size)
-            else:
-                self.costs.timed("write syscalls", self.ops.truncate, fd, body.size)
         finally:
             self.costs.timed("open/close", self.ops.close, fd)
 
