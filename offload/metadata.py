@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,7 @@ def create_array_meta(
     for parent in reversed(node.relative_to(root).parents[:-1]):  # the groups above it, top down
         if not (root / parent / "zarr.json").is_file():
             (root / parent).mkdir(exist_ok=True)
-            (root / parent / "zarr.json").write_text(json.dumps(group, indent=2))
+            _replace(root / parent / "zarr.json", group)
     striped = {} if stripe_start is None else {STRIPE_START_ATTR: stripe_start}
     document = array | {
         "shape": [numel],
@@ -225,7 +226,19 @@ def create_array_meta(
         "attributes": {TORCH_DTYPE_ATTR: str(dtype).removeprefix("torch."), **striped},
     }
     node.mkdir()
-    (node / "zarr.json").write_text(json.dumps(document, indent=2))
+    _replace(node / "zarr.json", document)
+
+
+def _replace(path: Path, document: dict[str, Any]) -> None:
+    """Write ``document`` as ``path`` as zarr's local store does: whole or not at all (a
+    ``.partial`` file renamed over it), made durable by the store's next sync."""
+    partial = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+    try:
+        partial.write_text(json.dumps(document, indent=2))
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 @functools.cache
