@@ -70,8 +70,16 @@ class FileOps:
         os.ftruncate(fd, length)
 
     def allocate(self, fd: int, length: int) -> None:
-        """Reserve the file's first ``length`` bytes, reading as zeros, without writing them."""
-        os.posix_fallocate(fd, 0, length)
+        """Reserve the file's first ``length`` bytes, reading as zeros, without writing them; a
+        system or filesystem that cannot reserve gets a hole of that length, zeros too."""
+        reserve = getattr(os, "posix_fallocate", None)  # none on macOS
+        if reserve is not None:
+            try:
+                return reserve(fd, 0, length)
+            except OSError as err:
+                if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise  # a full disk among them
+        os.ftruncate(fd, length)
 
     def clear_direct(self, fd: int) -> None:
         """Drop O_DIRECT from an open chunk file, for the unaligned 4-byte CRC trailer.

@@ -277,6 +277,21 @@ def test_zeroed_chunks_read_as_zeros_write_no_data_and_pass_their_checksums(chec
         store.write_zeros_async("gen-0/u/m", 1, CHUNK)
 
 
+def test_zeroed_chunks_are_holes_where_blocks_cannot_be_reserved(tmp_path, runner, monkeypatch) -> None:
+    def refused(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", refused)
+    store = make_store(tmp_path, runner)
+    store.create_array("gen-0/u/m", NUMEL, CHUNK, torch.float32)
+    store.write_from("gen-0/u/m", 0, random_bits(NUMEL, torch.float32))
+    store.write_zeros_async("gen-0/u/m", 0, NUMEL).result()
+    store.sync()
+    out = torch.full((NUMEL,), 7.0)
+    store.read_into("gen-0/u/m", 0, out)
+    assert not out.any()
+
+
 def test_fast_route_reads_what_plain_zarr_wrote(tmp_path, runner):
     store = make_store(tmp_path, runner)
     store.create_array("gen-0/u/param", NUMEL, CHUNK, torch.bfloat16)
