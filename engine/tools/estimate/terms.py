@@ -52,12 +52,13 @@ CHECKPOINT_ITEMSIZE = 2
 
 def construction_transient_bytes(run: RunShape) -> int:
     """The unit being flattened (a frozen one too): its fp32 flat and the compute-dtype copy
-    cast from it (the same buffer in fp32). A checkpoint's import (``model.hf``) builds the
-    compute-dtype flat alone where the masters share its dtype (``engine.build.build_units``),
-    and holds beside it the checkpoint tensor taken and those read ahead
-    (``engine.run.read_ahead``), each at most a unit."""
+    cast from it (the same buffer in fp32). A checkpoint's import (``model.hf``) holds beside
+    it the checkpoint tensor taken and those read ahead (``engine.run.read_ahead``), each at most
+    a unit; without LoRA its ``init_unit`` copies values (``Pretrained.copies_values``), so
+    where the masters share the compute dtype it builds that flat alone
+    (``engine.build.build_units``)."""
     unit, imports = run.largest_unit, bool(run.config.model.hf)
-    if imports and run.form.dtypes()[0] == run.dtype:
+    if imports and not run.config.lora.r and run.form.dtypes()[0] == run.dtype:
         flat = run.itemsize * unit
     else:
         flat = FP32 * unit + (run.itemsize * unit if run.itemsize != FP32 else 0)
