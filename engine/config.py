@@ -206,12 +206,11 @@ def _check_optim(config: Config) -> None:
     )
     _check(opt.grad_clip >= 0, "optim.grad_clip", opt.grad_clip, "must be >= 0 (0 disables clipping)")
     _check(
-        not opt.defer_update or (config.zero.stage == 3 and spills_gradients(config)),
+        not opt.defer_update or (config.zero.stage == 3 and not overlaps_backward(config)),
         "optim.defer_update",
         opt.defer_update,
-        "updates each unit in the next forward, which needs zero.stage = 3 and the gradients spilled to the "
-        'store until the update (offload.optimizer = "nvme" with clipping or loss scaling, offload.grad_spill '
-        '= "auto"); set those, or defer_update = false',
+        "updates each unit in the next forward, which needs zero.stage = 3 and an update that waits for every "
+        "gradient (optim.grad_clip > 0, or loss scaling); set those, or defer_update = false",
     )
     _check(opt.warmup_steps >= 0, "optim.warmup_steps", opt.warmup_steps, "must be >= 0")
     _check(opt.decay_steps >= 0, "optim.decay_steps", opt.decay_steps, "must be >= 0")

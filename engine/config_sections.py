@@ -285,14 +285,16 @@ class OptimConfig:
     defer_update: bool = False
     """With clipping or loss scaling, update each unit in the next forward, just before it runs.
 
-    The update's disk reads and writes then go on behind the forward's compute instead of
-    after backward, and each unit's new values go straight to the device from its master, with
-    no read. The step commits once its last unit is updated (or at ``save``, ``flush``, the next
-    ``backward`` or ``close``), so a crash before that resumes from the step before, as with
-    ``store.defer_commit``. Needs ``zero.stage = 3`` and the gradients spilled to the store
-    (``offload.optimizer = "nvme"``); the result is bit-identical either way. It pays where the
-    disk is the limit: a unit's copy to the device cannot start before its update, so where
-    copies are slower than the disk the update after backward overlaps them better."""
+    The update then goes on behind the forward's compute instead of after backward: its
+    optimizer state's disk reads and writes (``nvme``), or its host AdamW beside a device's
+    forward (``cpu``); and each unit's new values go straight to the device from its master,
+    with no read of the parameter shard. The step commits once its last unit is updated (or at
+    ``save``, ``flush``, the next ``backward`` or ``close``), so a crash before that resumes
+    from the step before, as with ``store.defer_commit``. Gradients held in memory stay there
+    until their unit's update. Needs ``zero.stage = 3``; the result is bit-identical either way.
+    It pays where the disk or the host's update is the limit: a unit's copy to the device cannot
+    start before its update, so where copies are slower the update after backward overlaps
+    them better."""
     state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """AdamW's moments: ``fp32`` (bit-exact with torch), ``bf16`` or ``int8`` (8-bit blocks of 256).
 

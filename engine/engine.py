@@ -422,7 +422,7 @@ class Engine:
             self._phase = self._between_steps()
 
     def _drop_grads(self) -> None:
-        self.grads.zero()
+        self.grads.zero(keep=self.step_control.deferred_units)
         self._micro_batches = 0
 
     def save(self, tag: str) -> None:

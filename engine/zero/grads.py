@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -398,15 +399,17 @@ class GradientShards:
         if not self._shards_on_device:
             self._device.free_host(shard)
 
-    def zero(self) -> None:
-        """Start a new accumulation window."""
+    def zero(self, keep: AbstractSet[str] = frozenset()) -> None:
+        """Start a new accumulation window; the shards of the units in ``keep`` stay until they
+        are released one by one (those a deferred update has not reached: ``optim.defer_update``,
+        which ends before the window's first backward adds to any shard)."""
         self._first_micro_batch = True
         for bucket in self._buckets:
             if bucket.flat is not None:
                 self._budget.credit(bucket_bytes(bucket.unit, self.dtype))
             bucket.flat = None
             bucket.written.clear()
-        for name in list(self.shards):
+        for name in [name for name in self.shards if name not in keep]:
             self.release_shard(name)
 
     def nbytes(self) -> int:

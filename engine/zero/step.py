@@ -21,6 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager
 
 import torch
@@ -236,6 +237,12 @@ class StepControl:
                     self.finish_deferred()
 
         self._params.update_in_forward(self._opened().unhanded, until)
+
+    @property
+    def deferred_units(self) -> AbstractSet[str]:
+        """The units a deferred update has not reached: their gradient shards, if held in
+        memory, wait for it (nothing with the update done)."""
+        return self._opened().unhanded if self.deferred else frozenset()
 
     @property
     def deferred(self) -> bool:

@@ -1,5 +1,6 @@
 """``optim.defer_update``: after clipping, each unit of a step is updated in the next forward,
-just before it runs, and goes up to the device from its new master. A forward that ran a unit
+just before it runs, and goes up to the device from its new master; its gradient comes back
+from the spill (optimizer on nvme) or waits in memory (on the host). A forward that ran a unit
 before its update would compute with the values of the step before, which the comparison with
 torch AdamW + ``clip_grad_norm_`` catches (``test_a_forward_ahead_of_the_update_is_caught``)."""
 
@@ -22,11 +23,11 @@ from tests.training import _snapshot, batches, config, rel_diff, tiny_gpt, train
 STEPS = 3
 
 
-def deferred(tmp_path: Path, param: str = "cpu", **sections):
+def deferred(tmp_path: Path, param: str = "cpu", optimizer: str = "nvme", **sections):
     optim = {"grad_clip": 0.05, "defer_update": True} | sections.pop("optim", {})
     return config(
         zero={"stage": 3} | sections.pop("zero", {}),
-        offload={"optimizer": "nvme", "param": param, "nvme_path": str(tmp_path / "store")},
+        offload={"optimizer": optimizer, "param": param, "nvme_path": str(tmp_path / "store")},
         optim=optim,
         **sections,
     )
@@ -71,8 +72,9 @@ def train_on_ranks(cfg) -> dict:
 
 
 @pytest.mark.parametrize("param", ["cpu", "device", "nvme"])
-def test_deferred_updates_run_in_the_next_forward_and_equal_torch(param: str, tmp_path) -> None:
-    cfg = deferred(tmp_path, param)
+@pytest.mark.parametrize("optimizer", ["nvme", "cpu", "device"])
+def test_deferred_updates_run_in_the_next_forward_and_equal_torch(optimizer: str, param: str, tmp_path) -> None:
+    cfg = deferred(tmp_path, param, optimizer)
     ours, ref = train(cfg), train_reference(cfg, STEPS, micro_batch=4)
     assert ours["losses"] == ref["losses"]
     assert all(torch.equal(ours["params"][k], ref["params"][k]) for k in ref["params"])
@@ -94,11 +96,38 @@ def test_bf16_masters_read_as_parameters_equal_the_update_after_backward(tmp_pat
     assert {doing for doing, _ in eager["updated"]} == {"step"}
 
 
-def test_accumulated_micro_batches_update_in_the_first_forward(tmp_path) -> None:
-    cfg = deferred(tmp_path, "nvme", zero={"grad_accum_steps": 2})
+@pytest.mark.parametrize("optimizer", ["nvme", "cpu"])
+def test_accumulated_micro_batches_update_in_the_first_forward(optimizer: str, tmp_path) -> None:
+    """The first micro-batch's backward finishes the update before it adds to any gradient
+    shard: one held in memory for the update is not summed into the next step's."""
+    cfg = deferred(tmp_path, "nvme", optimizer, zero={"grad_accum_steps": 2})
     ours, ref = train(cfg), train_reference(cfg, STEPS, micro_batch=4)
     assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-6)
     assert rel_diff(ours["params"], ref["params"]) <= 1e-6
+
+
+def test_gradients_in_memory_wait_for_their_update_past_zero_grad(tmp_path) -> None:
+    """With the optimizer on the host the gradient shards stay in memory after ``step()`` for
+    the next forward's updates, through a ``zero_grad()`` (the plain loop's first call), and
+    each is freed by its unit's update: none is left once the forward has run."""
+    cfg = deferred(tmp_path, "cpu", "cpu")
+    eng, data = Engine(tiny_gpt(), cfg, total_steps=STEPS), batches(4)
+    losses = []
+    for _ in range(STEPS):
+        eng.zero_grad()
+        loss = eng(*data.next())
+        assert not eng.grads.shards, "every unit was updated before it ran, and its shard freed"
+        eng.backward(loss)
+        eng.step()
+        assert set(eng.grads.shards) == {unit.name for unit in eng.layout.units}
+        losses.append(loss.item())
+    with eng.gathered():
+        params = _snapshot(eng.module)
+    assert not eng.grads.shards
+    eng.close()
+    ref = train_reference(cfg, STEPS, micro_batch=4)
+    assert losses == ref["losses"]
+    assert all(torch.equal(params[k], ref["params"][k]) for k in ref["params"])
 
 
 def test_a_forward_ahead_of_the_update_is_caught(tmp_path, monkeypatch) -> None:
@@ -147,13 +176,15 @@ def test_an_update_failing_in_the_forward_loses_only_its_step(tmp_path, monkeypa
     resumed.close()
 
 
+@pytest.mark.parametrize("optimizer", ["nvme", "cpu"])
 @pytest.mark.parametrize("sim", [False, True], ids=["cpu", "late-copies"])
-def test_two_ranks_update_in_the_same_order(sim: bool, tmp_path, monkeypatch) -> None:
+def test_two_ranks_update_in_the_same_order(sim: bool, optimizer: str, tmp_path, monkeypatch) -> None:
     """Each rank's gathers drive its update in the same order, so the gathers of the units
-    handed on meet on every rank, with copies done at once (the CPU) or landing late."""
+    handed on meet on every rank, with copies done at once (the CPU) or landing late (a
+    gradient held in memory then read by the host worker only once its copy has landed)."""
     if sim:
         monkeypatch.setenv(SIM_ENV, "seed=6,delay_ms=1")  # the ranks inherit it
-    cfg = deferred(tmp_path, "nvme")
+    cfg = deferred(tmp_path, "nvme", optimizer)
     ranks = run_ranks(2, train_on_ranks, cfg)
     ref = train_reference(cfg, STEPS, micro_batch=4)
     assert all(rel_diff(result["params"], ref["params"]) <= 1e-6 for result in ranks)

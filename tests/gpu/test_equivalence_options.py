@@ -72,11 +72,12 @@ def test_spilled_gradients_follow_clip_grad_norm(stage: int, param: str, tmp_pat
     follows(ours, ref, "torch AdamW + clip_grad_norm_")
 
 
-@pytest.mark.parametrize("param", ["cpu", "nvme"])
-def test_a_deferred_update_follows_clip_grad_norm(param: str, tmp_path) -> None:
+@pytest.mark.parametrize(("optimizer", "param"), [("nvme", "cpu"), ("nvme", "nvme"), ("cpu", "cpu")])
+def test_a_deferred_update_follows_clip_grad_norm(optimizer: str, param: str, tmp_path) -> None:
     """Each unit updated in the next forward and sent up from its new master (through the
-    staging ring, on the copy stream) before its gather."""
-    cfg = config(**placed(tmp_path, 3, "nvme", param, optim={"grad_clip": CLIP, "defer_update": True}))
+    staging ring, on the copy stream) before its gather; on the ``cpu`` tier from a gradient
+    shard kept in pinned memory since the step before."""
+    cfg = config(**placed(tmp_path, 3, optimizer, param, optim={"grad_clip": CLIP, "defer_update": True}))
     ours = train_deferred(cfg)  # nothing between the steps: each update runs in the next forward
     ref = train_reference(cfg, DEFER_STEPS, micro_batch=4, device=CUDA)
     assert {doing for doing, _ in ours["updated"]} == {"forward", "end"}
