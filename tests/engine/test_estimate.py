@@ -38,12 +38,15 @@ from engine.tools.estimate import (
     existing_ancestor,
     gpt_of,
     gpt_shape,
+    grad_shard_bytes,
     measured_baseline_bytes,
     optimizer_state_bytes,
     plan_of,
+    prefetch_window_bytes,
     recommend,
     replicated_param_bytes,
     run_shape,
+    running_units_bytes,
     scratch_bytes,
     store_bytes,
     why_none_fits,
@@ -59,6 +62,9 @@ RUNS = {
     "stage 2, optimizer nvme": ["--stage", "2", "--offload.optimizer", "nvme"],
     "stage 2, optimizer cpu": ["--stage", "2", "--offload.optimizer", "cpu"],
     "stage 3, optimizer cpu, param device": ["--stage", "3", "--offload.optimizer", "cpu", "--offload.param", "device"],
+    "stage 3, optimizer cpu, update deferred": [
+        *["--stage", "3", "--offload.optimizer", "cpu", "--offload.param", "device", "--optim.defer_update", "true"]
+    ],
 }
 # Trains through the CLI, then prints the process's own high-water resident set in bytes.
 PEAK_RSS_PROBE = """
@@ -196,6 +202,27 @@ def test_spilled_gradients_leave_no_shard_of_the_model_in_memory(small: Config, 
     assert ours.step_io_bytes == theirs.step_io_bytes + 2 * grads
     assert ours.disk_bytes == theirs.disk_bytes + grads
     assert spilling[Plan(2, "cpu")] == kept[Plan(2, "cpu")]
+
+
+def test_a_deferred_update_holds_the_gradient_shards_into_the_next_forward(small: Config) -> None:
+    """With ``optim.defer_update`` and the optimizer on the host, the next forward starts with
+    every gradient shard still in memory beside the units it gathers ahead; spilled, or updated
+    after backward, no forward holds them."""
+    raw = small.to_dict() | {"zero": {"stage": 3}}
+
+    def phases(optimizer: str, defer: bool) -> dict[str, int]:
+        config = Config.from_dict(raw | {"optim": {"defer_update": defer}})
+        plan = Plan(3, optimizer, "cpu")  # type: ignore[arg-type]
+        return estimate(run_shape(config, 1), plan, baseline_bytes=0, device_is_host=True).phase_rss_bytes
+
+    deferred, after = phases("cpu", True), phases("cpu", False)
+    forward = deferred.pop("forward start, update deferred")
+    assert deferred == after
+    run = run_shape(Config.from_dict(raw), 1)
+    gathered = running_units_bytes(run) + prefetch_window_bytes(run)
+    assert gathered > 0 and grad_shard_bytes(run) > 0
+    assert forward == after["optimizer step"] + gathered  # the step's shards, still held, and the units ahead
+    assert "forward start, update deferred" not in phases("nvme", True)  # spilled: the shards are on disk
 
 
 def test_sharded_state_divides_over_ranks_and_replicated_parameters_do_not(small: Config) -> None:

@@ -1,6 +1,7 @@
 """The memory model: the engine's life cycle phase by phase (construction, the start and the
-end of backward, the optimizer step), what each holds on the device and in host memory, and
-the peak that decides whether a plan fits."""
+end of backward, the optimizer step, and the next forward's start where it runs a deferred
+update), what each holds on the device and in host memory, and the peak that decides whether
+a plan fits."""
 
 from __future__ import annotations
 
@@ -138,6 +139,18 @@ def _optimizer_step(run: RunShape, plan: Plan) -> dict[str, Footprint]:
     return {"gradient shards": _on(_grad_tier(plan), grad_shard_bytes(run))}
 
 
+def _deferred_forward_start(run: RunShape, plan: Plan) -> dict[str, Footprint]:
+    """The next forward's first moment where its gathers update the units (``optim.defer_update``)
+    from gradient shards held in memory: every shard still waiting, and the units gathered
+    ahead; each shard goes as its unit is updated, while the forward's activations grow."""
+    if plan.stage != 3 or not run.config.optim.defer_update or spills_gradients(run.config):
+        return {}
+    return {
+        "gradient shards": _on(_grad_tier(plan), grad_shard_bytes(run)),
+        "gathered units": Footprint(device=running_units_bytes(run) + prefetch_window_bytes(run)),
+    }
+
+
 def _heap_retention(run: RunShape, plan: Plan, device_is_host: bool) -> Footprint:
     """The host heap's share of the unit-sized buffers every step frees and makes again:
     gradient shards and buckets, and at stage 3 the gathered units. Only buffers under
@@ -238,6 +251,8 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
         "backward end": _backward_end(run, plan),
         "optimizer step": _optimizer_step(run, plan),
     }
+    if deferred := _deferred_forward_start(run, plan):
+        moments["forward start, update deferred"] = deferred
     phases = {
         "construction": construction + Footprint(device=construction_transient_bytes(run)),
     } | {name: _total([*held.values(), *terms.values()]) for name, terms in moments.items()}
