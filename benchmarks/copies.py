@@ -1,6 +1,6 @@
 """Host<->device copies overlapped with compute, measured on the simulated asynchronous device.
 
-    python -m benchmarks.copies [--quick] [--gbps B] [--plans KEY ...]
+    python -m benchmarks.copies [--quick] [--gbps B] [--plans KEY ...] [--defer-update]
 
 Without a GPU the copies an accelerator would make are run by `engine.runtime.sim_device`: each
 lands later on the copy stream's own thread, at `--gbps` (default: a quarter of the rate
@@ -79,12 +79,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--preset", help='GPT preset (default the config\'s, "small"; --quick "tiny")')
     parser.add_argument("--gbps", type=float, help="copy bandwidth, GB/s (default: a quarter of each plan's rate)")
+    parser.add_argument(
+        "--defer-update",
+        action="store_true",
+        help="optim.defer_update: each unit updated in the next forward, just before it runs",
+    )
     add_schedule_arguments(parser, FULL, QUICK)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     schedule = schedule_from(args, FULL, QUICK)
     preset = args.preset or ("tiny" if args.quick else None)
     sections = {"model": {"preset": preset}} if preset else {}
+    if args.defer_update:
+        sections["optim"] = {"defer_update": True}
     rows, runs = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-copies-") as work:
         for key in args.plans:
@@ -100,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     result = {
         "schedule": dataclasses.asdict(schedule),
+        "defer_update": args.defer_update,
         "rows": rows,
         "runs": {key: {name: dataclasses.asdict(run) for name, run in r.items()} for key, r in runs.items()},
     }

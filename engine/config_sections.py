@@ -292,9 +292,10 @@ class OptimConfig:
     ``save``, ``flush``, the next ``backward`` or ``close``), so a crash before that resumes
     from the step before, as with ``store.defer_commit``. Gradients held in memory stay there
     until their unit's update. Needs ``zero.stage = 3``; the result is bit-identical either way.
-    It pays where the disk or the host's update is the limit: a unit's copy to the device cannot
-    start before its update, so where copies are slower the update after backward overlaps
-    them better."""
+    It pays where the disk is the limit. With the optimizer in host memory it puts the host's
+    AdamW beside the forward, which only a device apart from the host can overlap (on a CPU it
+    gains little). A unit's copy to the device cannot start before its update, so where copies
+    are slower the update after backward overlaps them better."""
     state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """AdamW's moments: ``fp32`` (bit-exact with torch), ``bf16`` or ``int8`` (8-bit blocks of 256).
 

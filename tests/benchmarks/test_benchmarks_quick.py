@@ -182,9 +182,12 @@ def test_checksum_quick(tmp_path: Path) -> None:
     assert len({f(data) for f in checksum.checksums().values()}) == 1, "every contestant computes the same CRC-32C"
 
 
-def test_copies_quick(tmp_path: Path) -> None:
-    copies.main(["--out", str(tmp_path), "--quick", "--plans", "s3-nvme-cpu", "--gbps", "0.05"])
-    (row,) = load_record(tmp_path, "copies")["rows"]
+@pytest.mark.parametrize(("plan", "extra"), [("s3-nvme-cpu", []), ("s3-cpu-cpu", ["--defer-update"])])
+def test_copies_quick(plan: str, extra: list[str], tmp_path: Path) -> None:
+    copies.main(["--out", str(tmp_path), "--quick", "--plans", plan, "--gbps", "0.05", *extra])
+    record = load_record(tmp_path, "copies")
+    assert record["defer_update"] == bool(extra)
+    (row,) = record["rows"]
     assert row["copy MB"] > 0 and row["copy s"] == pytest.approx(row["copy MB"] / 1e3 / 0.05)
     assert row["async s"] > 0 and row["sync s"] > 0 and 0 < row["overlap"] <= 1.5
 
