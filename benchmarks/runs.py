@@ -139,11 +139,11 @@ def disk_usage(path: Path) -> int:
     return sum(entry.stat().st_blocks * 512 for entry in path.rglob("*") if entry.is_file())
 
 
-class _TrainingRun:
+class TrainingRun:
     """One engine over the model and data of ``config``, stepped on demand."""
 
     def __init__(self, config: Config, total_steps: int):
-        self.model, init, self._batches = model_and_data(config)
+        self.model, init, self.batches = model_and_data(config)
         self._accum = config.zero.grad_accum_steps
         self.rss_before_bytes = psutil.Process().memory_info().rss
         """Resident memory once the model and the data are built, before the engine exists."""
@@ -152,7 +152,7 @@ class _TrainingRun:
     def step(self) -> dict[str, Any]:
         """One optimizer step; the engine's statistics of it."""
         for _ in range(self._accum):
-            self.engine.backward(self.engine(*self._batches.next()))
+            self.engine.backward(self.engine(*self.batches.next()))
             self.engine.step()
         return self.engine.last_step_stats.to_dict()
 
@@ -167,7 +167,7 @@ def run_engine(config: Config, schedule: Schedule) -> RunResult:
     total = schedule.warmup + schedule.steps
     with threads_restored():
         torch.set_num_threads(schedule.threads)
-        run = _TrainingRun(config, total)
+        run = TrainingRun(config, total)
         timed = []
         try:
             for step in range(total):
@@ -222,13 +222,13 @@ def run_alternating(
     blocks = -(-schedule.steps // timed_per_block)
     total = schedule.warmup + blocks * ALTERNATION_BLOCK
     timed: list[list[dict[str, float]]] = [[] for _ in configs]
-    runs: list[_TrainingRun] = []
+    runs: list[TrainingRun] = []
     with threads_restored():
         torch.set_num_threads(schedule.threads)
         try:
             for config, device in zip(configs, devices or [None] * len(configs), strict=True):
                 with simulated_device(device):
-                    runs.append(_TrainingRun(config, total))
+                    runs.append(TrainingRun(config, total))
             for run in runs:
                 for _ in range(schedule.warmup):
                     run.step()

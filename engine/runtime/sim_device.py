@@ -57,6 +57,9 @@ class SimCounts:
     copied: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
     """Bytes moved, by (direction, source dtype, destination dtype); the direction is
     ``to device`` or ``to host``."""
+    busy: list[tuple[str, float, float]] = field(default_factory=list)
+    """When each copy stream was moving bytes: (direction, start, end) of every copy, in
+    ``time.perf_counter`` seconds, for a timeline of where the streams idle."""
 
     def bytes_to_device(self) -> int:
         return sum(n for (direction, *_), n in self.copied.items() if direction == "to device")
@@ -270,6 +273,7 @@ class SimDevice(Device):
                 if poison and isinstance(poisoned := held_dst.tensor(), torch.Tensor):
                     poisoned.fill_(float("nan"))
                     del poisoned
+                start = time.perf_counter()
                 time.sleep(duration)
                 dst, src = held_dst.tensor(), held_src.tensor()
                 race = self._race(dst, src, kept)
@@ -281,6 +285,8 @@ class SimDevice(Device):
                 del dst, src
                 with self._lock:  # only now is the copy's destination written
                     self._pending[to_device].remove(spans)
+                    direction = "to device" if to_device else "to host"
+                    self._counts.busy.append((direction, start, time.perf_counter()))
             event._done.set()
 
     @staticmethod

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks import checksum, copies, optimizer, report, tiers
+from benchmarks import checksum, copies, copy_timeline, optimizer, report, tiers
 from engine.state.forms import StateForm
 
 TINY_TIERS = ["--quick", "--mb", "16", "--chunk-mb", "4", "16", "--threads", "2", "--reps", "1"]
@@ -190,6 +190,23 @@ def test_copies_quick(plan: str, extra: list[str], tmp_path: Path) -> None:
     (row,) = record["rows"]
     assert row["copy MB"] > 0 and row["copy s"] == pytest.approx(row["copy MB"] / 1e3 / 0.05)
     assert row["async s"] > 0 and row["sync s"] > 0 and 0 < row["overlap"] <= 1.5
+
+
+def test_idle_time_is_what_no_span_covers() -> None:
+    busy = [(5.0, 6.0), (1.0, 2.0), (1.5, 3.0)]
+    assert copy_timeline.idle_s(busy, 0.0, 7.0) == pytest.approx(4.0)
+    assert copy_timeline.idle_s(busy, 2.5, 5.5) == pytest.approx(2.0)
+    assert copy_timeline.idle_s([], 1.0, 1.5) == pytest.approx(0.5)
+
+
+def test_copy_timeline_quick(tmp_path: Path) -> None:
+    copy_timeline.main(["--out", str(tmp_path), "--quick", "--gbps", "0.05"])
+    rows = {row["phase"]: row for row in load_record(tmp_path, "copy_timeline")["rows"]}
+    assert list(rows) == ["forward", "backward", "step", "whole step"]
+    whole = rows["whole step"]
+    assert whole["s"] > 0 and whole["up idle s"] < whole["s"] and whole["down idle s"] < whole["s"], "both streams copied"
+    for row in rows.values():
+        assert 0 <= row["both idle s"] <= min(row["up idle s"], row["down idle s"]) <= row["s"]
 
 
 @pytest.mark.slow  # benchmarks.pretrained end to end: about 25 s
