@@ -25,12 +25,12 @@ from benchmarks.copies import STAGE3, device_spec
 from benchmarks.optimizer import threads_restored
 from benchmarks.report import Row, base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import Schedule, TrainingRun, add_schedule_arguments, schedule_from, simulated_device
-from engine.runtime.sim_device import SimDevice
+from engine.runtime.sim_device import DIRECTIONS, SimDevice
 
 FULL = Schedule(warmup=2, steps=6)
 QUICK = Schedule(warmup=1, steps=2)
 PHASES = ("forward", "backward", "step")
-STREAMS = {"up": ("to device",), "down": ("to host",), "both": ("to device", "to host")}
+STREAMS = {"up": (DIRECTIONS[True],), "down": (DIRECTIONS[False],), "both": tuple(DIRECTIONS.values())}
 """Which copy streams must be idle for a moment to count as idle for each column."""
 
 Span = tuple[float, float]
@@ -76,7 +76,9 @@ def phase_rows(steps: list[list[tuple[str, Span]]], busy: list[tuple[str, float,
 
     rows = []
     for phase in (*PHASES, "whole step"):
-        per_step = [measured([c for c in calls if phase in (c[0], "whole step")]) for calls in steps]
+        per_step = [
+            measured(calls if phase == "whole step" else [c for c in calls if c[0] == phase]) for calls in steps
+        ]
         rows.append({"phase": phase} | {key: statistics.median(m[key] for m in per_step) for key in per_step[0]})
     return rows
 
@@ -95,7 +97,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sections: dict[str, dict[str, Any]] = {"model": {"preset": preset}} if preset else {}
     if args.defer_update:
         sections["optim"] = {"defer_update": True}
-    steps, busy = [], []
     with tempfile.TemporaryDirectory(prefix="bench-copy-timeline-") as work, threads_restored():
         torch.set_num_threads(schedule.threads)
         with simulated_device(device_spec(args.gbps, sync=False)):

@@ -46,6 +46,10 @@ class CopyRaceError(RuntimeError):
     """A copy's source changed between the copy being queued and it running."""
 
 
+DIRECTIONS = {True: "to device", False: "to host"}
+"""How counts name a copy's direction, by whether it goes to the device."""
+
+
 @dataclass
 class SimCounts:
     """What the simulated device saw since the last ``take_counts``."""
@@ -190,7 +194,7 @@ class SimDevice(Device):
         if self._bytes_per_s:
             duration += src.nbytes / self._bytes_per_s
         with self._lock:
-            key = ("to device" if to_device else "to host", str(src.dtype), str(dst.dtype))
+            key = (DIRECTIONS[to_device], str(src.dtype), str(dst.dtype))
             self._counts.copied[key] += src.nbytes
         source, target = _span(src), _span(dst)
         pending = self._pending[to_device]
@@ -285,8 +289,7 @@ class SimDevice(Device):
                 del dst, src
                 with self._lock:  # only now is the copy's destination written
                     self._pending[to_device].remove(spans)
-                    direction = "to device" if to_device else "to host"
-                    self._counts.busy.append((direction, start, time.perf_counter()))
+                    self._counts.busy.append((DIRECTIONS[to_device], start, time.perf_counter()))
             event._done.set()
 
     @staticmethod
