@@ -40,6 +40,7 @@ import torch
 
 from benchmarks.plans import TierPlan
 from engine.config import Config, OffloadConfig, spills_gradients
+from engine.runtime.native_dtype import settle_compute_dtype
 from engine.state.dtypes import compute_dtype
 from engine.state.forms import STATE_KINDS
 from engine.state.partition import ModelLayout, UnitLayout
@@ -227,7 +228,8 @@ def measure_movement(path: Path, layout: ModelLayout, config: Config, plan: Tier
     """``reps`` timed steps of ``plan``'s store traffic after an untimed one (which also writes the
     second generation's files for the first time), with ``config``'s ``[offload]`` settings and
     ``store.mode``, in a store at ``path`` deleted afterwards."""
-    config, _ = settle_io(config, resume=False)  # as the engine settles "auto" I/O settings
+    config, _ = settle_io(config, resume=False)  # as the engine settles "auto" I/O and compute dtype
+    config = settle_compute_dtype(config)
     transfers = step_transfers(layout, plan, compute_dtype(config.precision.compute_dtype), spills_gradients(config))
     if not transfers:
         return Movement(0.0, [], 0, 0)

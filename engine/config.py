@@ -221,7 +221,7 @@ def _check_masters(config: Config) -> None:
     """bf16 masters that are the parameters themselves (``shares_master``) must be of the
     compute dtype: a gather reads them as they are."""
     _check(
-        not shares_master(config) or config.precision.compute_dtype == "bf16",
+        not shares_master(config) or config.precision.compute_dtype in ("bf16", "auto"),
         "optim.master_dtype",
         config.optim.master_dtype,
         f'at zero.stage = 3 with offload.param = "nvme" the parameters are the bf16 masters themselves (one '

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Tier = Literal["device", "cpu", "nvme"]
-DType = Literal["fp32", "bf16", "fp16"]
+DType = Literal["auto", "fp32", "bf16", "fp16"]
 NODE = "{node}"
 """The placeholder of ``offload.nvme_path`` for the index of the host a rank runs on."""
 SOURCE_FOLDER = "hf"
@@ -232,10 +232,15 @@ class StoreConfig:
 class PrecisionConfig:
     """Compute dtype and loss scaling."""
 
-    compute_dtype: DType = "bf16"
-    """Dtype of the parameters the model computes with: ``fp32``, ``bf16`` or ``fp16``.
+    compute_dtype: DType = "auto"
+    """Dtype of the parameters the model computes with: ``auto``, ``fp32``, ``bf16`` or ``fp16``.
 
-    The masters are fp32 unless ``optim.master_dtype = "bf16"``."""
+    ``auto`` is ``bf16`` where the device computes it natively (a GPU with bf16 units, a CPU
+    whose bf16 matmuls torch runs through oneDNN: AVX-512 or AMX), else ``fp32``: on an AVX2 CPU
+    a bf16 matmul runs 70x slower than an fp32 one (``engine.runtime.native_dtype``). It never picks
+    ``fp16``, which needs loss scaling; and it is ``bf16`` where the parameters are the bf16
+    masters. The ranks take rank 0's choice, and the run's log says it. The masters are fp32
+    unless ``optim.master_dtype = "bf16"``."""
     loss_scaling: Literal["dynamic", "static", "none"] = "none"
     """``dynamic`` (needed by fp16), ``static`` (a fixed ``initial_scale``) or ``none``."""
     initial_scale: float = 65536.0

@@ -6,11 +6,10 @@
         eng.backward(loss)
         eng.step()
 
-The model computes with compute-dtype parameters that are views into one flat buffer per
-unit on the device (at stage 3 gathered only while the unit runs, see ``engine.zero.params``).
-The fp32 masters and AdamW moments are sharded across ranks on the optimizer tier; each
-step reduces the gradients to shards, updates the shards there and hands the new
-compute-dtype shards back to the parameters.
+The model computes with compute-dtype parameters that are views into one flat buffer per unit on the
+device (at stage 3 gathered only while the unit runs, see ``engine.zero.params``). The fp32 masters
+and AdamW moments are sharded across ranks on the optimizer tier; each step reduces the gradients to
+shards, updates the shards there and hands the new compute-dtype shards back to the parameters.
 
 Each public call runs only in the phases of the step cycle it belongs to (``engine.zero.phase``)
 and moves the engine on to the next; a call out of order raises ``PhaseError``. Its parts are
@@ -33,6 +32,7 @@ from engine.config import Config
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.detect import detect_device
+from engine.runtime.native_dtype import settle_compute_dtype
 from engine.runtime.sizes import MIB
 from engine.state.dtypes import compute_dtype
 from engine.state.partition import unit_needs
@@ -73,7 +73,7 @@ class Engine:
         resume = resume or checkpoint is not None  # a checkpoint is only ever resumed from
         self.device = detect_device()
         self.comm = Comm.from_env(self.device.backend, self.device.device)
-        self.config = settle_for_ranks(config, resume, self.comm)  # this host's store, "auto" I/O settings made numbers
+        self.config = settle_compute_dtype(settle_for_ranks(config, resume, self.comm), self.comm)
         self.io = StoreIO.from_config(self.config.offload, self.comm, node_local=config.offload.node_local)
         config = self.config  # every tier's I/O runner above, closed last
         self.dtype = compute_dtype(config.precision.compute_dtype)

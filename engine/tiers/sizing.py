@@ -15,7 +15,7 @@ from engine.config import Config, OffloadConfig, ZeroConfig
 from engine.runtime.pinned import aligned
 from engine.runtime.sizes import MIB
 from engine.runtime.staging import ring_bytes
-from engine.state.dtypes import DTYPES
+from engine.state.dtypes import DTYPES, compute_dtype
 from engine.state.forms import FP32_STATE, STATE_KINDS, StateForm
 from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.store_checks import IN_PLACE, store_bytes
@@ -75,7 +75,7 @@ def gradient_dtype(config: Config, world_size: int) -> torch.dtype:
     spill in fp32 as it stores it; both are exact, so the result is the fp32 bucket's bit for
     bit, for half the bucket's memory and half the bytes each gradient moves from the device to
     the host (FSDP2's ``reduce_dtype``, where no reduction needs the width)."""
-    compute = DTYPES[config.precision.compute_dtype]
+    compute = compute_dtype(config.precision.compute_dtype)
     narrow = world_size == 1 and config.zero.grad_accum_steps == 1 and config.precision.loss_scaling == "none"
     return compute if narrow else torch.float32
 

@@ -81,7 +81,7 @@ def test_a_frozen_base_larger_than_memory_is_kept_on_disk() -> None:
     config = frozen_config(RUNS["stage 3, optimizer cpu, param cpu"])
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, params=1e9))
     run = run_shape(config, world_size=1, model=frozen_model(config)[0])
-    base = 2 * run.layout.frozen_numel  # bf16
+    base = run.dtype.itemsize * run.layout.frozen_numel  # in the compute dtype
     assert run.layout.frozen_numel > 50 * run.layout.numel
     plans = {e.plan: e for e in estimate_plans(run, baseline_bytes=0, device_is_host=True)}
     in_memory = plans[Plan(3, "cpu", "cpu")]

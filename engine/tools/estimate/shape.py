@@ -19,6 +19,7 @@ from engine.config import Config, ConfigError, OffloadConfig, Tier, spills_gradi
 from engine.run.data import TOKEN_SUFFIX, ByteTokenizer, load_tokens
 from engine.run.models.gpt import GPT, HEAD_DIM, GPTConfig
 from engine.run.train import build_model
+from engine.runtime.native_dtype import settle_compute_dtype
 from engine.state.dtypes import compute_dtype
 from engine.state.forms import StateForm
 from engine.state.partition import ROOT_UNIT, ModelLayout, find_units
@@ -247,6 +248,7 @@ def run_shape(
         with torch.device("meta"):
             model = GPT(gpt)
     config, io = settle_io(config, resume=True, measure=False)  # `train` resumes a store that is there
+    config = settle_compute_dtype(config)
     units = find_units(model, config.zero.unit_classes)
     _, layout = units_layout(model, units, config, world_size)
     blocks = sum(1 for name, _ in units if name != ROOT_UNIT)
