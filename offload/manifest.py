@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +30,22 @@ class ManifestError(ValueError):
     """A committed record exists but cannot be trusted."""
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that readers see the old or the new bytes, never a mix."""
+def write_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old or the new bytes, never a mix.
+    ``durable``: fsync the bytes before the rename and the folder after it, so that a power loss
+    keeps the new file too; without it the rename is atomic but made durable by whatever syncs
+    the folder next (a store's metadata at its commit, a cache never). The file's mode is the
+    umask's, as for any file the process makes."""
     path = Path(path)
-    # Same directory, so the rename stays within one filesystem and is atomic; the
-    # leading dot and suffix keep a temp left by a crash from passing for the real name.
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # Same directory, so the rename stays within one filesystem and is atomic; the leading dot and
+    # suffix keep a temp left by a crash from passing for the real name (``offload.nodes`` sweeps it).
+    tmp_name = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with os.fdopen(fd, "wb") as tmp:
+        with open(tmp_name, "xb") as tmp:
             tmp.write(data)
-            tmp.flush()
-            os.fsync(tmp.fileno())
+            if durable:
+                tmp.flush()
+                os.fsync(tmp.fileno())
         os.replace(tmp_name, path)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
@@ -48,7 +53,8 @@ def write_atomic(path: Path, data: bytes) -> None:
         if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:  # a failed write names no file
             raise OSError(exc.errno, f"writing {path}: {exc.strerror}") from exc
         raise
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def commit(store_dir: Path, record: dict[str, Any], name: str = "COMMITTED") -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,8 @@ from zarr.codecs import BytesCodec, Crc32cCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import LocalStore, MemoryStore
+
+from offload.manifest import write_atomic
 
 FORMAT_KEY = "offload_store"
 FORMAT_VERSION = 1
@@ -218,7 +219,7 @@ def create_array_meta(
     for parent in reversed(node.relative_to(root).parents[:-1]):  # the groups above it, top down
         if not (root / parent / "zarr.json").is_file():
             (root / parent).mkdir(exist_ok=True)
-            _replace(root / parent / "zarr.json", group)
+            _write_document(root / parent / "zarr.json", group)
     striped = {} if stripe_start is None else {STRIPE_START_ATTR: stripe_start}
     document = array | {
         "shape": [numel],
@@ -226,19 +227,13 @@ def create_array_meta(
         "attributes": {TORCH_DTYPE_ATTR: str(dtype).removeprefix("torch."), **striped},
     }
     node.mkdir()
-    _replace(node / "zarr.json", document)
+    _write_document(node / "zarr.json", document)
 
 
-def _replace(path: Path, document: dict[str, Any]) -> None:
-    """Write ``document`` as ``path`` as zarr's local store does: whole or not at all (a
-    ``.partial`` file renamed over it), made durable by the store's next sync."""
-    partial = path.with_suffix(f".{uuid.uuid4().hex}.partial")
-    try:
-        partial.write_text(json.dumps(document, indent=2))
-        partial.replace(path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+def _write_document(path: Path, document: dict[str, Any]) -> None:
+    """Write ``document`` as ``path`` whole or not at all, made durable by the store's next sync
+    (one fsync per array would cost hundreds at a store's creation)."""
+    write_atomic(path, json.dumps(document, indent=2).encode(), durable=False)
 
 
 @functools.cache

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from offload.manifest import write_atomic
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
@@ -390,8 +392,7 @@ def _open_token_file(path: Path) -> tuple[np.ndarray, int]:
 
 
 def _write_atomically(path: Path, payload: bytes) -> None:
-    """Write to a temporary name, then rename: a reader never sees half a file, even across processes."""
+    """Write to a temporary name, then rename: a reader never sees half a file, even across
+    processes. Not fsynced: a cache lost to a power cut is rebuilt."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    temporary.write_bytes(payload)
-    os.replace(temporary, path)
+    write_atomic(path, payload, durable=False)

@@ -82,6 +82,28 @@ def test_file_and_directory_are_fsynced(tmp_path, monkeypatch):
     assert (tmp_path / "data").read_bytes() == b"payload"
 
 
+def test_a_write_that_need_not_be_durable_syncs_nothing_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """The store's metadata and the token cache: atomic, made durable by a later sync or never."""
+    write_atomic(tmp_path / "data", b"old")
+    synced = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    write_atomic(tmp_path / "data", b"new", durable=False)
+    assert synced == []
+    assert (tmp_path / "data").read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_the_file_takes_the_umask_mode_as_any_file_does(tmp_path, durable):
+    """Readable by the other users who read the store, where the umask lets them."""
+    umask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "data", b"payload", durable=durable)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "data").stat().st_mode) == 0o644
+
+
 @pytest.mark.parametrize(
     "content, reason",
     [
