@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             plain, async_run, sync_run = measure(plan, sections, schedule, gbps, Path(work))
             rows.append(plan_row(plan, plain, async_run, sync_run, gbps) | {"GB/s": gbps})
             runs[key] = {"plain": plain, "async": async_run, "sync": sync_run}
-    print_table(f"Stage 3 on the simulated device, median of {schedule.steps} steps", rows)
+    dtypes = "/".join(sorted({run.compute_dtype for r in runs.values() for run in r.values()}))
+    print_table(f"Stage 3 on the simulated device, compute {dtypes}, median of {schedule.steps} steps", rows)
     print(
         "no copies s: the plan on the CPU; copy s: bytes copied / GB/s; overlap: max(no copies, copy) / async step; "
         "async / sync: the copy stream's step against copies completed in place."

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run = TrainingRun(
                 STAGE3[args.plan].config(Path(work) / "store", sections), schedule.warmup + schedule.steps
             )
-        device = run.engine.device
+        device, dtype = run.engine.device, run.engine.config.precision.compute_dtype
         assert isinstance(device, SimDevice)
         try:
             for _ in range(schedule.warmup):
@@ -115,9 +115,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         finally:
             run.engine.close()
     rows = phase_rows(steps, busy)
-    print_table(f"{STAGE3[args.plan].label} at {args.gbps:g} GB/s, median of {schedule.steps} steps", rows)
+    title = f"{STAGE3[args.plan].label} at {args.gbps:g} GB/s, compute {dtype}, median of {schedule.steps} steps"
+    print_table(title, rows)
     print("idle s: time within the phase that the stream(s) copied nothing; both idle: no copy ran at all.")
-    result = {"plan": args.plan, "gbps": args.gbps, "defer_update": args.defer_update, "rows": rows}
+    result = {
+        "plan": args.plan,
+        "gbps": args.gbps,
+        "defer_update": args.defer_update,
+        "compute_dtype": dtype,
+        "rows": rows,
+    }
     save_json(args.out, "copy_timeline", result)
     return result
 

@@ -59,7 +59,6 @@ from benchmarks.report import Row, bar_chart, base_parser, print_table, save_jso
 from benchmarks.runs import RunResult, Schedule, add_schedule_arguments, run_isolated, schedule_from
 from engine.runtime.detect import detect_device
 from engine.runtime.device import Device
-from engine.runtime.native_dtype import settle_compute_dtype
 from engine.runtime.sizes import MIB
 
 NO_DEVICE_EXIT = 2
@@ -358,9 +357,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = plan_rows(plans, m, schedule.threads)
 
     name = torch.cuda.get_device_name(device.device)
-    config = settle_compute_dtype(plans[0].config(args.dir, sections))  # "auto" named as the runs took it
-    params = m.runs[plans[0].key].params
-    title = f"One step of GPT {config.model.preset!r} ({params / 1e6:.2f}M params, {config.precision.compute_dtype})"
+    config = plans[0].config(args.dir, sections)
+    first = m.runs[plans[0].key]
+    params = first.params
+    title = f"One step of GPT {config.model.preset!r} ({params / 1e6:.2f}M params, {first.compute_dtype})"
     print_report(name, copies, steps, search, extent, title, schedule.steps)
     bar_chart(
         args.out / "gpu-copies.png",

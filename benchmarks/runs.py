@@ -89,6 +89,8 @@ class RunResult:
     """What a run of a few steps cost; plain data, so it crosses a process boundary as JSON."""
 
     params: int
+    compute_dtype: str
+    """The dtype the model computed in: ``precision.compute_dtype`` as the engine settled it."""
     steps: list[dict[str, Any]]
     """`StepStats.to_dict()` of every timed step (warm-up steps excluded)."""
     rss_before_bytes: int
@@ -160,6 +162,19 @@ class TrainingRun:
     def params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    def result(self, steps: list[dict[str, Any]]) -> RunResult:
+        """What the run cost in ``steps``, beside the process's memory high-water marks."""
+        config = self.engine.config
+        return RunResult(
+            params=self.params,
+            compute_dtype=config.precision.compute_dtype,
+            steps=steps,
+            rss_before_bytes=self.rss_before_bytes,
+            peak_rss_bytes=peak_rss_bytes(),
+            store_bytes=disk_usage(Path(config.offload.store_path)),
+            device_peak_bytes=device_peak_bytes(),
+        )
+
 
 def run_engine(config: Config, schedule: Schedule) -> RunResult:
     """Train ``schedule.warmup + schedule.steps`` optimizer steps in this process; keep the
@@ -176,14 +191,7 @@ def run_engine(config: Config, schedule: Schedule) -> RunResult:
                     timed.append(stats)
         finally:
             run.engine.close()
-    return RunResult(
-        params=run.params,
-        steps=timed,
-        rss_before_bytes=run.rss_before_bytes,
-        peak_rss_bytes=peak_rss_bytes(),
-        store_bytes=disk_usage(Path(config.offload.store_path)),
-        device_peak_bytes=device_peak_bytes(),
-    )
+    return run.result(timed)
 
 
 ALTERNATION_BLOCK = 4
@@ -240,17 +248,7 @@ def run_alternating(
         finally:
             for run in runs:
                 run.engine.close()
-    return [
-        RunResult(
-            params=run.params,
-            steps=kept[: schedule.steps],
-            rss_before_bytes=run.rss_before_bytes,
-            peak_rss_bytes=peak_rss_bytes(),
-            store_bytes=disk_usage(Path(config.offload.store_path)),
-            device_peak_bytes=device_peak_bytes(),
-        )
-        for run, kept, config in zip(runs, timed, configs, strict=True)
-    ]
+    return [run.result(kept[: schedule.steps]) for run, kept in zip(runs, timed, strict=True)]
 
 
 def run_isolated(config: Config, schedule: Schedule) -> RunResult:

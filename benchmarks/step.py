@@ -48,7 +48,6 @@ from benchmarks.runs import (
 )
 from benchmarks.traffic import Movement, measure_movement
 from engine.config import Config
-from engine.runtime.native_dtype import settle_compute_dtype
 from offload.costs import STAGES
 
 CORES = os.cpu_count() or 1
@@ -160,10 +159,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [plan_row(p, m.runs[p.key], m.computes[p.key], m.movements[p.key], schedule.threads) for p in plans]
 
     # Every plan runs the same model and data: describe them from any plan's config.
-    config = settle_compute_dtype(plans[0].config(args.dir, sections))  # "auto" named as the runs took it
-    model, params = config.model.preset, m.runs[plans[0].key].params
+    config = plans[0].config(args.dir, sections)
+    first = m.runs[plans[0].key]
+    model, params = config.model.preset, first.params
     print_table(
-        f"One step of GPT {model!r} ({params / 1e6:.2f}M params, {config.precision.compute_dtype}, "
+        f"One step of GPT {model!r} ({params / 1e6:.2f}M params, {first.compute_dtype}, "
         f"{config.data.micro_batch} x {config.data.seq_len} tokens, torch threads {schedule.threads}), "
         f"median of {schedule.steps} steps (movement: of {reps})",
         rows,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks import checksum, copies, copy_timeline, optimizer, report, tiers
+from engine.runtime.native_dtype import native_compute_dtype
 from engine.state.forms import StateForm
 
 TINY_TIERS = ["--quick", "--mb", "16", "--chunk-mb", "4", "16", "--threads", "2", "--reps", "1"]
@@ -187,6 +188,8 @@ def test_copies_quick(plan: str, extra: list[str], tmp_path: Path) -> None:
     copies.main(["--out", str(tmp_path), "--quick", "--plans", plan, "--gbps", "0.05", *extra])
     record = load_record(tmp_path, "copies")
     assert record["defer_update"] == bool(extra)
+    native = native_compute_dtype()[0]  # the plans leave precision.compute_dtype at "auto"
+    assert {run["compute_dtype"] for run in record["runs"][plan].values()} == {native}
     (row,) = record["rows"]
     assert row["copy MB"] > 0 and row["copy s"] == pytest.approx(row["copy MB"] / 1e3 / 0.05)
     assert row["async s"] > 0 and row["sync s"] > 0 and 0 < row["overlap"] <= 1.5
@@ -201,7 +204,9 @@ def test_idle_time_is_what_no_span_covers() -> None:
 
 def test_copy_timeline_quick(tmp_path: Path) -> None:
     copy_timeline.main(["--out", str(tmp_path), "--quick", "--gbps", "0.05"])
-    rows = {row["phase"]: row for row in load_record(tmp_path, "copy_timeline")["rows"]}
+    record = load_record(tmp_path, "copy_timeline")
+    assert record["compute_dtype"] == native_compute_dtype()[0]
+    rows = {row["phase"]: row for row in record["rows"]}
     assert list(rows) == ["forward", "backward", "step", "whole step"]
     whole = rows["whole step"]
     assert whole["s"] > 0 and whole["up idle s"] < whole["s"] and whole["down idle s"] < whole["s"], "both streams copied"
