@@ -21,6 +21,7 @@ from engine.runtime.comm import Comm
 from engine.runtime.device import Device
 from engine.runtime.host_worker import HostWorker, uses_host_worker
 from engine.runtime.staging import StagingRing
+from engine.state.dtypes import compute_dtype
 from engine.state.forms import StateForm
 from engine.state.partition import (
     ROOT_UNIT,
@@ -265,6 +266,7 @@ def parameters(
             buffer_bytes=buffer_bytes,
             read_frozen=lambda unit, values: read_frozen_async(optimizer_state.frozen_store(), unit, comm.rank, values),
             read_master=optimizer_state.read_master_async if shares_master(config) else None,
+            master_dtype=compute_dtype(config.optim.master_dtype),
             pin=device.pin_memory,
         )
     else:
@@ -381,7 +383,9 @@ def build_units(
     to the parameters, whose views the module's parameters become. At most one unit's fp32
     values exist at a time, so a model larger than memory builds.
 
-    Where the masters are of the compute dtype, both are one cast of the fp32 values, made once.
+    The parameters are their masters cast to the compute dtype, from the first step on as after
+    every update: a bf16 master's rounding is theirs too, whichever dtype computes. Where the
+    two dtypes are one, that is one cast of the fp32 values, made once.
     An ``init_unit`` whose ``copies_values`` is true (a checkpoint's import: its values are
     copied in, not computed, so they round once whatever dtype they land in) fills the flat in
     the compute dtype directly then: a checkpoint imports with no fp32 round trip."""
@@ -397,11 +401,11 @@ def build_units(
             init_unit(dict(owned[unit.name]))
         if not materialize:
             flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
-        flat = full.to(dtype)
+        master = full.to(master_dtype) if unit.trainable else full
+        flat = master.to(dtype)
         if not resume:
-            master = full if unit.trainable and master_dtype != dtype else flat
-            optimizer_state.add(unit, master[unit.shard_slice(rank)])
-        del full
+            optimizer_state.add(unit, (master if unit.trainable else flat)[unit.shard_slice(rank)])
+        del full, master
         views = param_views(flat, unit)
         for name, param in owned[unit.name]:
             param.data = views[name]

@@ -109,7 +109,8 @@ class Config:
 def shares_master(config: Config) -> bool:
     """Whether the parameter tier reads each trained unit's shard from its bf16 master rather
     than keeping a copy of its own: at stage 3, parameters on nvme (a copy on disk, rewritten
-    each step, is what the sharing saves; one in memory is cheap to keep)."""
+    each step, is what the sharing saves; one in memory is cheap to keep). In another compute
+    dtype the master is cast on its way to the device, in the copy a gather makes anyway."""
     return config.optim.master_dtype == "bf16" and config.zero.stage == 3 and config.offload.param == "nvme"
 
 
@@ -181,7 +182,6 @@ def validate(config: Config) -> None:
         "fp16 needs loss scaling to keep small gradients from flushing to zero: set "
         'precision.loss_scaling = "dynamic" (or use compute_dtype = "bf16")',
     )
-    _check_masters(config)
     _check(p.initial_scale > 0, "precision.initial_scale", p.initial_scale, "must be > 0")
     _check(p.growth_interval >= 1, "precision.growth_interval", p.growth_interval, "must be >= 1")
     _check(p.growth_factor > 1, "precision.growth_factor", p.growth_factor, "must be > 1")
@@ -215,20 +215,6 @@ def _check_optim(config: Config) -> None:
     _check(opt.warmup_steps >= 0, "optim.warmup_steps", opt.warmup_steps, "must be >= 0")
     _check(opt.decay_steps >= 0, "optim.decay_steps", opt.decay_steps, "must be >= 0")
     _check(0 <= opt.min_lr_ratio <= 1, "optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")
-
-
-def _check_masters(config: Config) -> None:
-    """bf16 masters that are the parameters themselves (``shares_master``) must be of the
-    compute dtype: a gather reads them as they are."""
-    _check(
-        not shares_master(config) or config.precision.compute_dtype in ("bf16", "auto"),
-        "optim.master_dtype",
-        config.optim.master_dtype,
-        f'at zero.stage = 3 with offload.param = "nvme" the parameters are the bf16 masters themselves (one '
-        f'copy, read by every gather), so precision.compute_dtype must be "bf16", not '
-        f'{config.precision.compute_dtype!r}: set compute_dtype = "bf16", or master_dtype = "fp32", or '
-        f'offload.param = "cpu"',
-    )
 
 
 def _check_spill(config: Config) -> None:

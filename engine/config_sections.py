@@ -238,8 +238,7 @@ class PrecisionConfig:
     ``auto`` is ``bf16`` where the device computes it natively (a GPU with bf16 units, a CPU
     whose bf16 matmuls torch runs through oneDNN: AVX-512 or AMX), else ``fp32``: on an AVX2 CPU
     a bf16 matmul runs 70x slower than an fp32 one (``engine.runtime.native_dtype``). It never picks
-    ``fp16``, which needs loss scaling; and it is ``bf16`` where the parameters are the bf16
-    masters. The ranks take rank 0's choice, and the run's log says it. The masters are fp32
+    ``fp16``, which needs loss scaling. The ranks take rank 0's choice, and the run's log says it. The masters are fp32
     unless ``optim.master_dtype = "bf16"``."""
     loss_scaling: Literal["dynamic", "static", "none"] = "none"
     """``dynamic`` (needed by fp16), ``static`` (a fixed ``initial_scale``) or ``none``."""
@@ -312,8 +311,8 @@ class OptimConfig:
 
     A bf16 master is updated in fp32 and rounded back. At stage 3 with ``offload.param = "nvme"``
     a bf16 master is the parameter itself, read by the gathers (one copy on disk, none rewritten
-    each step), which needs ``precision.compute_dtype = "bf16"``. A store resumes only with the
-    master dtype it was written with."""
+    each step) and cast to the compute dtype on its way to the device. A store resumes only
+    with the master dtype it was written with."""
     warmup_steps: int = 0
     """Steps of linear warmup from ``lr / warmup_steps`` to ``lr``."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from engine.config import Config, DType, shares_master
+from engine.config import Config, DType
 from engine.runtime.comm import Comm
 from engine.runtime.device import SIM_ENV
 
@@ -39,13 +39,6 @@ def native_compute_dtype() -> tuple[DType, str]:
     return "fp32", "this CPU has no bf16 matmul instructions (AVX-512 or AMX), where bf16 runs ~70x slower than fp32"
 
 
-def _choose(config: Config) -> tuple[DType, str]:
-    """The dtype ``auto`` stands for in ``config``, and why."""
-    if shares_master(config):
-        return "bf16", "the parameters are the bf16 masters"
-    return native_compute_dtype()
-
-
 def settle_compute_dtype(config: Config, comm: Comm | None = None) -> Config:
     """``config`` with ``precision.compute_dtype = "auto"`` made a dtype, rank 0's choice on
     every rank (their collectives must move one dtype). Logs the choice, and warns where a
@@ -53,7 +46,7 @@ def settle_compute_dtype(config: Config, comm: Comm | None = None) -> Config:
     chosen: DType = config.precision.compute_dtype
     rank = comm.rank if comm is not None else 0
     if chosen == "auto":
-        chosen, why = _choose(config)
+        chosen, why = native_compute_dtype()
         if comm is not None:
             chosen = comm.all_gather_object(chosen)[0]
         if rank == 0:

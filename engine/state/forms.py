@@ -7,7 +7,7 @@ takes. Below the tiers that hold the state and the step that updates it.
 ``bf16`` holds the moments in bfloat16 (8 B/param, a third less to store and move each
 step on the ``nvme`` tier); ``int8`` in 8-bit blocks (about 6 B/param, half;
 ``engine.state.quantize``). The master is fp32 unless ``optim.master_dtype = "bf16"``
-(2 B/param fewer); at stage 3 with a bf16 compute dtype such a master is the parameter itself
+(2 B/param fewer); at stage 3 with the parameters on nvme such a master is the parameter itself
 (``engine.tiers.parameters``). How the update widens, updates and rounds back each form is
 ``engine.zero.compact_update``'s.
 """

@@ -13,9 +13,11 @@ versioned copy, and a crash mid-write loses nothing that resume does not recompu
 A frozen unit's values are not derived, and never change: the store at ``offload.nvme_path``
 keeps them once (``engine.tiers.frozen``), and the ``nvme`` tier reads them from there rather
 than keeping a second copy.
-With bf16 masters and a bf16 compute dtype (``optim.master_dtype``) a trained unit's shard is
-its master, bit for bit: the ``nvme`` tier then keeps no copy at all, and reads each shard from
-the optimizer tier (``OptimizerState.read_master_async``), which writes it each step anyway.
+With bf16 masters (``optim.master_dtype``) a trained unit's shard is its master: bit for bit in
+a bf16 compute dtype, and widened by the copy to the device in fp32. The ``nvme`` tier then keeps
+no copy at all, and reads each shard as a bf16 master from the optimizer tier
+(``OptimizerState.read_master_async``), which writes it each step anyway: 2 B/param read by a
+gather whatever the compute dtype.
 ``write_back`` hands the new shard back in memory (the ``nvme`` tier: its write's own staging
 buffer), so that the next forward's first units start up during the update without a read
 that could overtake the write.
@@ -211,12 +213,15 @@ class StoreParamTier:
         buffer_bytes: int,
         read_frozen: ShardReader,
         read_master: ShardReader | None = None,
+        master_dtype: torch.dtype = torch.bfloat16,
         pin: bool = False,
     ):
         """``pin``: pin the staging buffers, which shards are copied to the device from (their
-        budget is reserved in the engine's pinned pool, ``engine.runtime.pinned``)."""
+        budget is reserved in the engine's pinned pool, ``engine.runtime.pinned``).
+        ``master_dtype``: the dtype ``read_master`` reads, no wider than ``dtype`` (the pool's
+        buffers are sized in ``dtype``)."""
         self._rank, self._dtype, self._read_frozen = rank, dtype, read_frozen
-        self._read_master = read_master
+        self._read_master, self._master_dtype = read_master, master_dtype
         self.pool = BufferPool(param_pool_bytes(layout.all_units, dtype, buffer_bytes), pin=pin)
         self.runner = io.runner
         self._writes: list[Future] = []
@@ -291,8 +296,11 @@ class StoreParamTier:
             self.store.sync()
 
     def read(self, unit: UnitLayout) -> Fetch:
-        buf = self.pool.acquire(shard_bytes(unit, self._dtype))
-        shard = buf.view(self._dtype, unit.shard_numel)
+        """The shard in the compute dtype, or a trained unit's in its master's where the masters
+        are read (the copy to the device casts it)."""
+        dtype = self._master_dtype if unit.trainable and self._read_master is not None else self._dtype
+        buf = self.pool.acquire(shard_bytes(unit, dtype))
+        shard = buf.view(dtype, unit.shard_numel)
         future: Future | None
         if not unit.trainable:
             future = self._read_frozen(unit, shard)

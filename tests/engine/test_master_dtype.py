@@ -15,7 +15,6 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from engine.config import Config
-from engine.config_parse import ConfigError
 from engine.engine import Engine
 from engine.tools.consolidate import consolidate
 from engine.tools.estimate import Plan, estimate_plans, plan_of, run_shape, store_bytes
@@ -99,14 +98,16 @@ def test_a_bf16_master_moves_on_average_by_updates_below_its_ulp() -> None:
     assert narrow.unique().numel() > 1, "each weight rounds on its own draw"
 
 
-@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
-def test_parameters_read_from_the_masters_train_as_a_copy_does(tmp_path, optimizer: str) -> None:
+@pytest.mark.parametrize(("optimizer", "compute"), [("cpu", "bf16"), ("nvme", "bf16"), ("nvme", "fp32")])
+def test_parameters_read_from_the_masters_train_as_a_copy_does(tmp_path, optimizer: str, compute: str) -> None:
     """The parameter tier reading the bf16 masters (on the optimizer's tier, memory or store)
-    gives the bits of parameters kept as a copy in memory (``offload.param = "cpu"``)."""
+    gives the bits of parameters kept as a copy in memory (``offload.param = "cpu"``), in fp32
+    too, where the copy to the device widens them."""
     results = []
     for param in ("nvme", "cpu"):
         cfg = shared(tmp_path / param).to_dict()
         cfg["offload"] |= {"optimizer": optimizer, "param": param}
+        cfg["precision"]["compute_dtype"] = compute
         results.append(train_engine(Config.from_dict(cfg), 3))
     assert not (tmp_path / "nvme" / "store" / "params").exists(), "no copy on disk"
     shared_run, copied = results
@@ -205,19 +206,10 @@ def test_resume_with_another_master_dtype_is_refused_untouched(tmp_path, written
     assert snapshot(tmp_path) == before
 
 
-def test_shared_masters_need_a_bf16_compute_dtype() -> None:
-    raw = shared(Path("/unused")).to_dict()
-    raw["precision"]["compute_dtype"] = "fp32"
-    with pytest.raises(ConfigError, match=r'optim.master_dtype = .bf16.: .*compute_dtype must be "bf16", not .fp32.'):
-        Config.from_dict(raw)
-    raw["offload"]["param"] = "cpu"  # the parameters keep a copy of their own in memory
-    Config.from_dict(raw)
-
-
-def test_estimate_counts_a_shared_master_once_and_refuses_it_in_another_compute_dtype(tmp_path) -> None:
+def test_estimate_counts_a_shared_master_once_in_any_compute_dtype(tmp_path) -> None:
     """Against fp32 masters with their copy: 2 B/param less master and no 2 B/param copy on
-    disk; in a step's I/O 2 x 2 less state and no copy written. A config whose compute dtype
-    is not bf16 (valid with the parameters in memory) gets the stage-3 nvme plan refused."""
+    disk; in a step's I/O 2 x 2 less state and no copy written. Computing in fp32, the gathers
+    still read the 2-byte masters: the step moves the same bytes as in bf16."""
     plan = Plan(3, "nvme", "nvme")
     (bf16, fp32) = (run_shape(shared(tmp_path, master_dtype=m), 1, model=tiny_gpt()) for m in ("bf16", "fp32"))
     numel = bf16.layout.numel
@@ -228,10 +220,11 @@ def test_estimate_counts_a_shared_master_once_and_refuses_it_in_another_compute_
     assert 12 < step_io_bytes(bf16, plan) / numel < 12.5  # gathers read 4, the state 2 x 4.03, padding aside
     raw = shared(tmp_path).to_dict()
     raw["precision"]["compute_dtype"] = "fp32"
-    raw["offload"]["param"] = "cpu"
-    run = run_shape(Config.from_dict(raw), 1, model=tiny_gpt())
-    [refused] = estimate_plans(run, baseline_bytes=0, plans=[plan])
-    assert 'compute_dtype must be "bf16"' in refused.refused
+    wide = run_shape(Config.from_dict(raw), 1, model=tiny_gpt())
+    assert step_io_bytes(wide, plan) == step_io_bytes(bf16, plan)
+    assert store_bytes(wide, plan) == store_bytes(bf16, plan)
+    [estimate] = estimate_plans(wide, baseline_bytes=0, plans=[plan])
+    assert estimate.refused == ""
 
 
 def on_disk(path: Path) -> int:
@@ -266,6 +259,22 @@ def test_int8_moments_and_shared_bf16_masters_store_and_move_the_fewest_bytes(tm
     assert stored_bf16 <= 5 and moved_bf16 <= 12, sizes
     assert stored_fp32 - stored_bf16 > 3.9, "2 B/param of master and the 2 B/param copy are gone"
     assert moved_fp32 + sent_ahead - moved_bf16 > 5.9, "2 B/param less state read and written, no copy written"
+
+
+def test_computing_in_fp32_the_gathers_read_the_2_byte_masters(tmp_path) -> None:
+    """The masters are read as they are stored and widened in the copy to the device: a step
+    moves what it moves computing in bf16 (at most 12 B/param, as above), not 4-byte shards."""
+    raw = shared(tmp_path).to_dict()
+    raw["precision"]["compute_dtype"] = "fp32"
+    cfg = Config.from_dict(raw)
+    eng = Engine(tiny_gpt(), cfg, total_steps=3)
+    run(eng, 2)
+    stats, numel = eng.last_step_stats, eng.layout.numel
+    eng.close()
+    moved = stats.bytes_read + stats.bytes_written
+    assert moved <= step_io_bytes(run_shape(cfg, 1, model=tiny_gpt()), plan_of(cfg))
+    assert moved / numel <= 12
+    assert not (tmp_path / "store" / "params").exists()
 
 
 def test_inspect_consolidate_and_export_widen_bf16_masters(tmp_path) -> None:

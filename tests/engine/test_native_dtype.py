@@ -43,15 +43,16 @@ def test_auto_is_the_default() -> None:
     assert Config().precision.compute_dtype == "auto"
 
 
-def test_auto_is_bf16_where_the_parameters_are_the_bf16_masters(monkeypatch) -> None:
-    """The gathers read the bf16 masters as they are, so no other compute dtype can be chosen."""
-    cpu_computes_bf16(monkeypatch, False)
+@pytest.mark.parametrize(("native", "expected"), [(True, "bf16"), (False, "fp32")])
+def test_auto_follows_the_hardware_where_the_parameters_are_the_bf16_masters(monkeypatch, native, expected) -> None:
+    """The gathers cast the bf16 masters to whatever the device computes fastest."""
+    cpu_computes_bf16(monkeypatch, native)
     shared = auto(
         zero={"stage": 3},
         offload={"optimizer": "nvme", "param": "nvme", "nvme_path": "unused"},
         optim={"master_dtype": "bf16"},
     )
-    assert settle_compute_dtype(shared).precision.compute_dtype == "bf16"
+    assert settle_compute_dtype(shared).precision.compute_dtype == expected
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

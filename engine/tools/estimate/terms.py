@@ -191,12 +191,15 @@ def param_io_bytes(run: RunShape, plan: Plan) -> int:
     """Stage 3, ``offload.param = "nvme"``: each unit's shard read for its forward's and its
     backward's gather in every micro-batch (at most: a unit still gathered is not read again),
     and the trained units' copy written each step, unless their bf16 masters are the copy
-    (``shares_master``: the optimizer tier writes those anyway)."""
+    (``shares_master``: the optimizer tier writes those anyway, and the gathers read them as
+    they are, whatever the compute dtype)."""
     if not plan.tiers.params_in_store:
         return 0
-    reads = 2 * run.config.zero.grad_accum_steps * sum(shard_bytes(u, run.dtype) for u in run.layout.all_units)
     shared = shares_master(plan.laid_over(run.config))
-    return reads + (0 if shared else sum(shard_bytes(u, run.dtype) for u in run.layout.units))
+    trained = sum(shard_bytes(u, torch.bfloat16 if shared else run.dtype) for u in run.layout.units)
+    frozen = sum(shard_bytes(u, run.dtype) for u in run.layout.frozen)
+    reads = 2 * run.config.zero.grad_accum_steps * (trained + frozen)
+    return reads + (0 if shared else trained)
 
 
 def grad_bucket_bytes(run: RunShape) -> int:
