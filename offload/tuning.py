@@ -187,14 +187,21 @@ def probe(
     direct_io: bool = True,
 ) -> Measured:
     """Durable write and uncached read GB/s of a checksummed probe store beside ``path`` for
-    each candidate; the probe's files are removed, whatever happens."""
+    each candidate; the probe's files are removed, whatever happens. Each candidate's go before
+    the next is written, so the probe never holds more than ``nbytes`` of the disk (a run's
+    disk plan counts it once, and a nearly full disk is not filled by the candidates' count)."""
     pool = BufferPool(nbytes)
+    measured: Measured = {}
     with pool.acquire(nbytes) as buf:
         data = buf.view(torch.float32, nbytes // 4)
         data.uniform_()  # also the first touch, outside the timing
         work = Path(tempfile.mkdtemp(prefix=".io-probe-", dir=_probe_dir(path)))
         try:
-            return {label(c, t): _probe_one(work / label(c, t), data, c, t, direct_io) for c, t in candidates}
+            for chunk_mb, threads in candidates:
+                root = work / label(chunk_mb, threads)
+                measured[root.name] = _probe_one(root, data, chunk_mb, threads, direct_io)
+                shutil.rmtree(root)
+            return measured
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -125,6 +125,21 @@ def test_a_real_probe_measures_and_cleans_up(tmp_path, monkeypatch) -> None:
     assert CHUNK_RANGE[0] <= chunk <= CHUNK_RANGE[1] and THREAD_RANGE[0] <= threads <= THREAD_RANGE[1]
 
 
+def test_the_probe_holds_one_candidates_bytes_at_a_time(tmp_path, monkeypatch) -> None:
+    """Each candidate's files are gone before the next is written: a probe of five candidates
+    needs the disk space of one (what a run's disk plan counts)."""
+    found_at_start: list[list[str]] = []
+    measure_one = tuning._probe_one
+
+    def recording(root, *args):
+        found_at_start.append([p.name for p in root.parent.iterdir()])
+        return measure_one(root, *args)
+
+    monkeypatch.setattr(tuning, "_probe_one", recording)
+    probe(tmp_path / "store", [(1, 1), (2, 2), (4, 2)], nbytes=4 << 20)
+    assert found_at_start == [[], [], []]
+
+
 def test_a_probe_that_cannot_run_falls_back_to_the_defaults(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
