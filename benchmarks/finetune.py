@@ -6,7 +6,7 @@
   names and shapes ``save_pretrained`` writes, the model never whole in memory;
 - import: the checkpoint streamed into a stage-3 store unit by unit (``model.hf``'s path);
 - fine-tune: ``python -m engine train`` on generated chat records, everything on nvme, the loss
-  on the assistant's replies, packed, bf16, activations recomputed, clipped at 1.0, int8
+  on the assistant's replies, packed, in the compute dtype the machine runs fastest (bf16 or fp32), activations recomputed, clipped at 1.0, int8
   moments, bf16 masters and spilled gradients, each unit updated in the next forward
   (``--no-defer-update``: after backward), a validation loss every ``--stop-after`` steps; stopped by SIGTERM once
   step ``--stop-after`` is recorded (the step in flight finishes and commits), then resumed
@@ -87,10 +87,11 @@ PLAN_SECTIONS = ("zero.", "offload.", "store.", "precision.", "optim.")
 """The keys ``generate`` takes from the run: the store's layout and forms."""
 PLAN = {"zero.stage": 3, "offload.param": "nvme", "offload.optimizer": "nvme", "store.mode": "in-place"}
 FORMS = {"optim.state_dtype": "int8", "optim.master_dtype": "bf16", "offload.grad_spill_dtype": "bf16"}
-TRAINING = {"precision.compute_dtype": "bf16", "optim.grad_clip": 1.0, "optim.lr": 1e-4, "optim.warmup_steps": 0}
+TRAINING = {"optim.grad_clip": 1.0, "optim.lr": 1e-4, "optim.warmup_steps": 0}
 TRAINING |= {"data.train_on": "completion", "data.pack": "true", "data.val_fraction": 0.1}
 TRAINING |= {"train.eval_batches": 1, "train.log_every": 1, "zero.activation_checkpointing": "true"}
-"""The run: everything on nvme, compact state forms, clipped, the loss on the assistant's replies,
+"""The run: everything on nvme, compact state forms (the bf16 masters cast to the machine's
+compute dtype, ``auto``), clipped, the loss on the assistant's replies,
 packed, activations recomputed (as TRL's and axolotl's ``gradient_checkpointing`` at this size:
 kept, a 7.9B Llama's 36 layers hold about 2 GiB of them at 256 tokens)."""
 UNWRITTEN = ("model.hf", "data.source")
@@ -143,8 +144,11 @@ def estimated_peak(folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
 
 def disk_plan(model: Any, settings: dict[str, Any], probe: int, moe: bool) -> list[dict[str, Any]]:
     """The bytes on disk in each phase: the store as the engine estimates it (its spilled
-    gradients only while training), checkpoint and export at 2 B/param, with ``MARGIN`` and ``SLACK_BYTES``."""
+    gradients only while training), checkpoint and export at 2 B/param, the I/O settings' probe
+    (``offload.tuning``, which the engine's first run on a disk makes), with ``MARGIN`` and
+    ``SLACK_BYTES``."""
     from engine.tools.estimate import plan_of, scratch_bytes, store_bytes
+    from offload.tuning import PROBE_BYTES
 
     config, run = planned_run(model, settings)
     store, scratch = store_bytes(run, plan_of(config)), scratch_bytes(run, plan_of(config))
@@ -152,6 +156,8 @@ def disk_plan(model: Any, settings: dict[str, Any], probe: int, moe: bool) -> li
     checkpoint = 0 if moe else weights
     phases = [("raw disk probe", probe, "its file, once measured")]
     phases += [] if moe else [("write checkpoint", checkpoint, "")]
+    # The engine's own first run on a disk measures it for its I/O settings, before it writes the store.
+    phases += [("I/O settings probe", checkpoint + PROBE_BYTES, "its files, once measured (a disk's first run)")]
     phases += [
         ("initialise" if moe else "import", checkpoint + store - scratch, "" if moe else "the checkpoint"),
         ("fine-tune", store, "the spilled gradients"),
