@@ -23,7 +23,7 @@ from tests.gpu import needs_cuda
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the benchmark runs instead")
-@pytest.mark.parametrize("mode", ["--quick", "--sanitize"])
+@pytest.mark.parametrize("mode", ["--quick", pytest.param("--sanitize", marks=pytest.mark.slow)])
 def test_without_cuda_it_says_so_in_one_line_and_saves_nothing(mode: str, tmp_path: Path) -> None:
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(

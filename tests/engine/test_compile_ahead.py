@@ -4,6 +4,8 @@ process and other tests compile the same kernels."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.engine.test_estimate import probe
 
 MASKED_SHARDS = """
@@ -35,6 +37,7 @@ def compiled(moments: str, tmp_path) -> tuple[int, int]:
     return ahead, later
 
 
+@pytest.mark.slow  # compiles in a fresh process: about 8 s
 def test_a_masked_shard_shorter_than_one_before_it_compiles_nothing_more(tmp_path) -> None:
     ahead, later = compiled("bf16", tmp_path)
     assert ahead == 2, "compile_ahead builds the kernel with and without a decay mask"

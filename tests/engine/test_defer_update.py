@@ -176,8 +176,16 @@ def test_an_update_failing_in_the_forward_loses_only_its_step(tmp_path, monkeypa
     resumed.close()
 
 
-@pytest.mark.parametrize("optimizer", ["nvme", "cpu"])
-@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "late-copies"])
+@pytest.mark.parametrize(
+    ("sim", "optimizer"),
+    [
+        (False, "cpu"),
+        pytest.param(False, "nvme", marks=pytest.mark.slow),
+        pytest.param(True, "cpu", marks=pytest.mark.slow),
+        (True, "nvme"),
+    ],
+    ids=["cpu-cpu", "cpu-nvme", "late-copies-cpu", "late-copies-nvme"],
+)
 def test_two_ranks_update_in_the_same_order(sim: bool, optimizer: str, tmp_path, monkeypatch) -> None:
     """Each rank's gathers drive its update in the same order, so the gathers of the units
     handed on meet on every rank, with copies done at once (the CPU) or landing late (a

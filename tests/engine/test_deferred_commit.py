@@ -47,7 +47,7 @@ def test_without_deferral_every_step_is_committed_when_step_returns(tmp_path) ->
     eng.close()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # the default run keeps stage 3
 def test_deferring_changes_no_bit(tmp_path, stage: int) -> None:
     results = {}
     for defer in (True, False):

@@ -196,7 +196,7 @@ def diverge_on_rank_1(root: str, guard: str) -> tuple[str, int]:
     return message, committed_step(Path(root))
 
 
-@pytest.mark.parametrize("guard", ["clip", "overlap"])
+@pytest.mark.parametrize("guard", [pytest.param("clip", marks=pytest.mark.slow), "overlap"])
 def test_two_ranks_both_stop_when_one_shard_diverged(tmp_path, guard: str) -> None:
     ranks = run_ranks(2, diverge_on_rank_1, str(tmp_path), guard, timeout=120)
     (message, committed), (other_message, other_committed) = ranks

@@ -123,6 +123,9 @@ def test_estimate_command_takes_a_config_folder(tmp_path, capsys, caplog) -> Non
     assert report["recommended"] is not None
     assert main(["estimate", "--model.hf", str(folder), "--seq_len", "32"]) == 0
     assert "model: LlamaForCausalLM" in capsys.readouterr().out
+    # --param is offload.param, not --params (the built-in GPT's size, refused with a folder below)
+    assert main(["estimate", "--model.hf", str(folder), "--seq_len", "32", "--stage", "3", "--param", "nvme"]) == 0
+    assert "model: LlamaForCausalLM" in capsys.readouterr().out
     assert main(["estimate", "--model.hf", str(folder), "--params", "1e6"]) == 2
     assert "size a built-in GPT: leave them out" in caplog.text
 
@@ -141,9 +144,3 @@ def test_train_with_plan_auto_fine_tunes_a_pretrained_model(tmp_path, monkeypatc
         assert main(args) == 0
     assert "--plan auto: stage 2, optimizer device, param device" in caplog.text
     assert "done: 2 steps" in caplog.text
-
-
-def test_estimate_takes_offload_param_not_as_params(tmp_path, capsys) -> None:
-    folder = config_folder(tmp_path)
-    assert main(["estimate", "--model.hf", str(folder), "--seq_len", "32", "--stage", "3", "--param", "nvme"]) == 0
-    assert "model: LlamaForCausalLM" in capsys.readouterr().out

@@ -45,7 +45,7 @@ def leg(cfg: Config, first_step: int, steps: int) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("tier", ["nvme", pytest.param("cpu", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("sizes", [(2, 1, 2), (1, 2, 1)], ids=["2-1-2", "1-2-1"])
+@pytest.mark.parametrize("sizes", [pytest.param((2, 1, 2), marks=pytest.mark.slow), (1, 2, 1)], ids=["2-1-2", "1-2-1"])
 def test_resumes_on_other_world_sizes_restore_frozen_values_bit_for_bit(tier, sizes, tmp_path) -> None:
     cfg = tier_config(tier, str(tmp_path / "store"))
     left, step = None, 0

@@ -77,7 +77,7 @@ def test_no_gradient_shard_is_in_memory_at_the_step(worker: bool, tmp_path) -> N
     eng.close()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # the default run keeps stage 3
 def test_two_gloo_ranks_spilled_match_in_memory_bit_for_bit(stage: int, tmp_path) -> None:
     """(The clip threshold bites on two ranks too: ``test_equivalence``.)"""
     spilled = run_ranks(2, train_engine_on_ranks, nvme(tmp_path / "a", zero={"stage": stage}), STEPS, 2)

@@ -37,7 +37,7 @@ def bf16(tmp_path, spill: bool | str = True, **sections: dict) -> Config:
     return nvme(tmp_path, spill, offload={"grad_spill_dtype": "bf16"} | offload, **sections)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # the default run keeps stage 3
 def test_bf16_spill_tracks_the_in_memory_clipped_run(stage: int, tmp_path) -> None:
     got = train_engine(bf16(tmp_path / "a", zero={"stage": stage}), STEPS)
     expected = train_engine(nvme(tmp_path / "b", False, zero={"stage": stage}), STEPS)

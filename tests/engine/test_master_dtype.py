@@ -115,7 +115,8 @@ def test_parameters_read_from_the_masters_train_as_a_copy_does(tmp_path, optimiz
     assert all(torch.equal(shared_run["params"][k], copied["params"][k]) for k in copied["params"])
 
 
-@pytest.mark.parametrize("mode", ["generations", "in-place"])
+# The default run keeps in-place.
+@pytest.mark.parametrize("mode", [pytest.param("generations", marks=pytest.mark.slow), "in-place"])
 def test_shared_bf16_masters_resume_bit_identically(tmp_path, mode: str) -> None:
     straight = Engine(tiny_gpt(), shared(tmp_path / "a", mode), total_steps=4)
     expected_losses, expected = run(straight, 4), params(straight)

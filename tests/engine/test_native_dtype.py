@@ -108,7 +108,7 @@ def _dtype_on_rank_disagreeing(native_on_rank0: bool) -> str:
         engine.close()
 
 
-@pytest.mark.parametrize(("native", "chosen"), [(True, "bf16"), (False, "fp32")])
+@pytest.mark.parametrize(("native", "chosen"), [pytest.param(True, "bf16", marks=pytest.mark.slow), (False, "fp32")])
 def test_every_rank_takes_rank_0s_choice(native, chosen) -> None:
     """Ranks whose machines would choose apart compute in one dtype: their collectives move it."""
     settled = run_ranks(2, _dtype_on_rank_disagreeing, native)

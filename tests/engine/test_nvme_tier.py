@@ -23,7 +23,7 @@ def nvme_config(tmp_path, **sections):
     return config(offload=offload, **sections)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])  # the default run keeps stage 2
 def test_two_ranks_nvme_bit_identical_to_cpu(stage: int, tmp_path) -> None:
     cpu = run_ranks(2, train_engine_on_ranks, config(zero={"stage": stage}, offload={"optimizer": "cpu"}), 5, 2)
     nvme = run_ranks(2, train_engine_on_ranks, nvme_config(tmp_path, zero={"stage": stage}), 5, 2)

@@ -71,6 +71,7 @@ def test_inspect_names_the_writer_without_disturbing_it(tmp_path) -> None:
     StoreLock.acquire(tmp_path / "store").release()
 
 
+@pytest.mark.slow  # two console commands, about 9 s; the engine's refusal is tested above in the default run
 def test_the_cli_refuses_a_store_in_use_in_one_line_and_leaves_it_as_it_was(tmp_path) -> None:
     eng = Engine(tiny_gpt(), nvme(tmp_path), total_steps=2)
     run(eng, 1)

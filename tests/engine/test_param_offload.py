@@ -46,7 +46,15 @@ def test_fp32_one_rank_is_bit_identical(param: str, optimizer: str, tmp_path) ->
         assert all(torch.equal(a[k], b[k]) for k in b), f"step {step} differs from torch AdamW"
 
 
-@pytest.mark.parametrize(("param", "optimizer"), [("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "cpu"), ("nvme", "nvme")])
+@pytest.mark.parametrize(
+    ("param", "optimizer"),
+    [
+        ("cpu", "cpu"),
+        pytest.param("cpu", "nvme", marks=pytest.mark.slow),
+        pytest.param("nvme", "cpu", marks=pytest.mark.slow),
+        ("nvme", "nvme"),
+    ],
+)
 def test_two_gloo_ranks_match_one_process(param: str, optimizer: str, tmp_path) -> None:
     cfg = config(**stage3(tmp_path, param, optimizer))
     ranks = run_ranks(2, train_engine_on_ranks, cfg, STEPS, 2)

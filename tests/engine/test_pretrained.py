@@ -272,6 +272,7 @@ def _fine_tune_on_rank(folder: Path, store: Path) -> tuple[torch.Tensor, dict[st
     return logits, weights
 
 
+@pytest.mark.slow  # about 12 s; the default run imports, fine-tunes and exports on one rank (test_cli_trains...)
 def test_two_ranks_import_fine_tune_and_export(tmp_path) -> None:
     folder, store = checkpoint(llama, tmp_path / "pretrained"), tmp_path / "store"
     ranks = run_ranks(2, _fine_tune_on_rank, folder, store)

@@ -21,7 +21,7 @@ from tests.engine.test_pretrained import cli_run  # noqa: E402
 LORA = ["--lora.r", "4", "--lora.target-modules", '["q_proj", "v_proj"]']
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_the_run_resumes_exports_and_generates_after_its_checkpoint_is_deleted(lora, tmp_path, monkeypatch) -> None:
     folder, store, out, train = cli_run(tmp_path, monkeypatch)
     train += ["--stage", "3", "--param", "nvme", *(LORA if lora else [])]

@@ -59,7 +59,7 @@ def snapshot(paths: list[Path]) -> dict[str, bytes]:
     return {str(p): p.read_bytes() for f in paths for p in sorted(f.rglob("*")) if p.is_file() and p.name != "LOCK"}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # the default run keeps stage 3
 def test_two_folders_train_and_resume_bit_identically_to_one(tmp_path, stage: int) -> None:
     clip = 1.0 if stage == 2 else 0.0  # at stage 2 with gradients spilled to disk
     one = Engine(tiny_gpt(), striped([tmp_path / "one"], stage, clip), total_steps=6)

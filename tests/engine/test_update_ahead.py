@@ -158,7 +158,7 @@ def test_units_read_from_disk_while_written_are_caught(tmp_path, monkeypatch) ->
     assert ours["losses"][1:] != pytest.approx(ref["losses"][1:], rel=1e-4)
 
 
-@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "late-copies"])
+@pytest.mark.parametrize("sim", [pytest.param(False, marks=pytest.mark.slow), True], ids=["cpu", "late-copies"])
 def test_two_ranks_send_the_same_units_ahead(sim: bool, tmp_path, monkeypatch) -> None:
     """Every rank sends ahead and gathers in the same order: gathers started during the update
     (copies done at once, on the CPU) or one a pass in the next forward (copies landing late)."""
