@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from engine.run import cli as engine_cli
+from tests.caches import fresh_cache
 from tests.ranks import free_port
 
 DONE = re.compile(r"done: (\d+) steps, loss ([-\d.naninf]+) -> ([-\d.naninf]+)")
@@ -22,7 +23,7 @@ DONE = re.compile(r"done: (\d+) steps, loss ([-\d.naninf]+) -> ([-\d.naninf]+)")
 
 def command(args: list[str], tmp_path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """``python -m engine ARGS`` (under ``launcher`` if given) in ``tmp_path``."""
-    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"XDG_CACHE_HOME": fresh_cache(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     full = (launcher or [sys.executable, "-m"]) + ["engine", *args]
     return subprocess.run(full, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
 
@@ -165,7 +166,7 @@ def test_second_run_resumes_from_the_store(tmp_path) -> None:
 
 
 def test_sigterm_finishes_the_step_commits_and_exits_cleanly(tmp_path) -> None:
-    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"XDG_CACHE_HOME": fresh_cache(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable,
         "-m",

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from engine.run import cli as engine_cli
+from tests.caches import fresh_cache
 
 TRAIN = ["train", "--preset", "tiny", "--steps", "1", "--seq_len", "64"]
 
@@ -18,7 +19,7 @@ TRAIN = ["train", "--preset", "tiny", "--steps", "1", "--seq_len", "64"]
 def _in_tmp(tmp_path, monkeypatch) -> None:
     """Run where the test's files are, measuring disks into a cache of its own."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 

@@ -28,6 +28,7 @@ from engine.run.data import TokenBatches, load_tokens
 from engine.run.train import build_model, meta_model
 from engine.tiers.store_checks import resume_point
 from offload.manifest import read_committed
+from tests.caches import fresh_cache
 
 # decay_steps fixes the schedule, so the last run may stop at any step and stay on the trajectory.
 OVERRIDES = [
@@ -80,7 +81,7 @@ def train(eng: Engine, data: TokenBatches, steps: int) -> list[str]:
 def test_kill_nine_at_random_instants_always_resumes_unaided(
     tmp_path, monkeypatch, mode: str, kills: int, folders: int
 ) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     store = tmp_path / "store"
     for drive in range(1, folders):
         (tmp_path / f"drive-{drive}").mkdir()
@@ -99,7 +100,7 @@ def test_kill_nine_at_random_instants_always_resumes_unaided(
         return trajectory[step]
 
     rng = random.Random(0)
-    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": fresh_cache(tmp_path / "cache")}
     command = [sys.executable, "-m", "engine", "train", "--nvme_path", nvme_path]
     command += [part for o in overrides for part in (f"--{o.split('=')[0]}", o.split("=")[1])]
     resumed_steps = []

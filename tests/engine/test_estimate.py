@@ -51,6 +51,7 @@ from engine.tools.estimate import (
     store_bytes,
     why_none_fits,
 )
+from tests.caches import fresh_cache
 
 TOLERANCE = 0.15
 # The estimate misses about 100 MiB that a stage-2 run with the optimizer on nvme holds, clipped
@@ -83,7 +84,7 @@ def config_of(args: list[str]) -> Config:
 
 
 def env(tmp_path: Path) -> dict[str, str]:
-    return os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    return os.environ | {"XDG_CACHE_HOME": fresh_cache(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
 
 def probe(args: list[str], cwd: Path, cache: Path) -> str:

@@ -30,6 +30,7 @@ from engine.tools.estimate import (  # noqa: E402
     run_shape,
     why_none_fits,
 )
+from tests.caches import fresh_cache  # noqa: E402
 from tests.engine.test_buffer_auto import VOCAB, WIDTH, BigEmbedding  # noqa: E402
 from tests.engine.test_pretrained import SHARD, TEXT, llama, save_tokenizer  # noqa: E402
 
@@ -132,7 +133,7 @@ def test_estimate_command_takes_a_config_folder(tmp_path, capsys, caplog) -> Non
 
 @pytest.mark.slow  # plan = auto is applied in test_estimate too: about 15 s
 def test_train_with_plan_auto_fine_tunes_a_pretrained_model(tmp_path, monkeypatch, caplog) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     folder = tmp_path / "pretrained"
     torch.manual_seed(0)
     llama(vocab=320).save_pretrained(folder, max_shard_size=SHARD)

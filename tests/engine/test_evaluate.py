@@ -15,6 +15,7 @@ from engine.engine import Engine
 from engine.run.data import TokenBatches, load_tokens, split
 from engine.run.evaluate import Validation, perplexity
 from engine.run.train import build_model, train
+from tests.caches import fresh_cache
 
 OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=32", "micro_batch=2", "log_every=1", "val_fraction=0.1"]
 STAGE3_NVME = ["stage=3", "offload.param=nvme", "offload.optimizer=nvme"]
@@ -22,7 +23,7 @@ STAGE3_NVME = ["stage=3", "offload.param=nvme", "offload.optimizer=nvme"]
 
 @pytest.fixture(autouse=True)
 def token_cache(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
 
 
 def test_the_validation_loss_is_the_plain_models_loss_on_the_held_out_batches(tmp_path) -> None:

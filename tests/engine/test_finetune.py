@@ -23,6 +23,7 @@ from engine.run.loss import IGNORE_INDEX
 from engine.run.models.gpt import GPT, GPTConfig
 from engine.run.pretrained import causal_lm_loss
 from engine.run.records import load_records, tokenize_records
+from tests.caches import fresh_cache
 from tests.ranks import run_ranks
 from tests.training import config
 
@@ -124,7 +125,7 @@ def fine_tune(folder: Path, root: Path, *extra: str) -> Config:
 
 
 def test_a_fine_tune_resumes_mid_epoch_as_if_it_never_stopped(tmp_path, folder, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     straight = train_module.train(fine_tune(folder, tmp_path / "a"))
     assert straight.steps_done > 4 and straight.losses[-1] < straight.losses[0]
 
@@ -139,7 +140,7 @@ def test_a_fine_tune_resumes_mid_epoch_as_if_it_never_stopped(tmp_path, folder, 
     monkeypatch.setattr(train_module, "train_step", stopped)
     first = train_module.train(fine_tune(folder, tmp_path / "b"))
     monkeypatch.undo()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     rest = train_module.train(fine_tune(folder, tmp_path / "b"))
     assert first.steps_done == 3 and rest.steps_done == straight.steps_done
     assert first.losses + rest.losses == straight.losses, "bit-identical losses, step for step"
@@ -168,7 +169,7 @@ def test_a_fine_tune_of_two_ranks_resumes_mid_epoch_on_one(tmp_path, folder, mon
     """The same rows make each step on 2 ranks and on 1 (a micro-batch of 1 a rank, of 2 once
     resumed on one: the global batch is kept), so the losses go on as the 2 ranks' would, to
     the precision of a sum over ranks against one over rows."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     straight = run_ranks(2, ranks_fine_tune, folder, tmp_path / "a", 0)[0]
     first = run_ranks(2, ranks_fine_tune, folder, tmp_path / "b", 3)[0]
     rest = train_module.train(fine_tune(folder, tmp_path / "b")).losses

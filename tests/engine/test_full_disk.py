@@ -10,12 +10,13 @@ import pytest
 import offload.generations
 from engine.config import Config
 from engine.run.train import train
+from tests.caches import fresh_cache
 
 OVERRIDES = ["preset=tiny", "compute_dtype=fp32", "seq_len=32", "micro_batch=2", "log_every=1"]
 
 
 def test_a_full_disk_names_the_store_and_the_step_it_holds(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     store = tmp_path / "store"
     config = Config.from_dict({}, [*OVERRIDES, f"nvme_path={store}", "steps=6"])
     commit = offload.generations.commit

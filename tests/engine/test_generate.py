@@ -16,6 +16,7 @@ from engine.run.generate import Sampling, continue_ids, generate, sample_ids
 from engine.run.models.gpt import GPT
 from engine.run.train import meta_model, train
 from engine.tools.consolidate import consolidate
+from tests.caches import fresh_cache
 
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 30
 PROMPT = "To be"
@@ -141,7 +142,7 @@ def test_a_pretrained_model_generates_as_its_plain_hugging_face_model_would(tmp_
     transformers = pytest.importorskip("transformers")
     from tests.engine.test_pretrained import SHARD, llama, save_tokenizer
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     folder = tmp_path / "pretrained"
     torch.manual_seed(0)
     llama(vocab=320).save_pretrained(folder, max_shard_size=SHARD)
@@ -168,7 +169,7 @@ def test_a_pretrained_model_generates_as_its_plain_hugging_face_model_would(tmp_
 
 def test_a_bpe_run_generates_with_the_bpe_it_trained(tmp_path, monkeypatch) -> None:
     pytest.importorskip("tokenizers")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     base = run_config(tmp_path)
     config = dataclasses.replace(base, data=dataclasses.replace(base.data, tokenizer="bpe", vocab_size=300))
     config.train.steps = 1

@@ -28,6 +28,7 @@ from offload.generations import CheckpointExistsError
 from offload.io import IORunner, OffloadIOError
 from offload.manifest import read_committed
 from offload.store import ShardStore
+from tests.caches import fresh_cache
 from tests.engine.test_checkpoints import assert_resumes_identically, file_hashes, kept
 from tests.engine.test_crash import OVERRIDES, batches_for, fingerprint, train
 from tests.engine.test_inspect import wide_gpt
@@ -277,7 +278,7 @@ sys.exit(main(sys.argv[2:]))
 
 
 def train_and_signal(tmp_path: Path, store: Path, sig: str) -> subprocess.CompletedProcess:
-    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": fresh_cache(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
     args = [part for o in OVERRIDES for part in (f"--{o.split('=')[0]}", o.split("=")[1])]
     args += ["--nvme_path", str(store), "--store.mode", "in-place", "--checkpoint.interval", "2"]
     return subprocess.run(
@@ -309,7 +310,7 @@ class Reference:
 
 @pytest.mark.slow  # kept out of the default run's 10 minutes; CI runs it with the slow ones
 def test_kill_nine_mid_step_leaves_a_dirty_store_that_names_its_checkpoint(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     store = tmp_path / "store"
     child = train_and_signal(tmp_path, store, "SIGKILL")
     assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
@@ -336,7 +337,7 @@ def test_kill_nine_mid_step_leaves_a_dirty_store_that_names_its_checkpoint(tmp_p
 
 
 def test_sigterm_mid_step_finishes_it_and_leaves_a_clean_store(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     store = tmp_path / "store"
     child = train_and_signal(tmp_path, store, "SIGTERM")
     assert child.returncode == 0, child.stderr[-3000:]

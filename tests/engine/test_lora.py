@@ -30,6 +30,7 @@ from engine.run.loss import chunked_cross_entropy  # noqa: E402
 from engine.tiers.frozen import FROZEN  # noqa: E402
 from engine.tools.inspect import inspect_store  # noqa: E402
 from offload import IORunner, ShardStore, generation_prefix, unit_arrays  # noqa: E402
+from tests.caches import fresh_cache  # noqa: E402
 from tests.engine.test_hf_models import llama  # noqa: E402
 from tests.engine.test_pretrained import SHARD, TEXT, save_tokenizer  # noqa: E402
 from tests.engine.test_pretrained import llama as pretrained_llama  # noqa: E402
@@ -170,7 +171,7 @@ def peft_reference(folder: Path, corpus: Path, args: list[str]) -> tuple[torch.n
 
 
 def test_cli_lora_equals_peft_and_adamw_and_exports_the_adapter_in_peft_format(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     folder, corpus, args = cli_lora_run(tmp_path)
     assert cli.main(args) == 0
     assert cli.main(["export", str(tmp_path / "store"), str(tmp_path / "adapter")]) == 0
@@ -213,7 +214,7 @@ def test_cli_lora_equals_peft_and_adamw_and_exports_the_adapter_in_peft_format(t
 def test_cli_lora_refuses_target_modules_it_cannot_train_in_one_line(
     tmp_path, monkeypatch, caplog, extra, message
 ) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     _, _, args = cli_lora_run(tmp_path)
     assert cli.main([*args, *extra]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]

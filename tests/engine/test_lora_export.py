@@ -18,12 +18,13 @@ from safetensors.torch import load_file  # noqa: E402
 
 from engine.run import cli  # noqa: E402
 from engine.tools.consolidate import consolidate  # noqa: E402
+from tests.caches import fresh_cache  # noqa: E402
 from tests.engine.test_lora import cli_lora_run, peft_reference  # noqa: E402
 from tests.engine.test_pretrained import SHARD, llama  # noqa: E402
 
 
 def test_merged_export_equals_peft_merge_and_unload_and_loads_without_peft(tmp_path, monkeypatch, caplog) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     folder, corpus, args = cli_lora_run(tmp_path)
     assert cli.main(args) == 0
     out = tmp_path / "merged"
@@ -56,7 +57,7 @@ def test_merged_export_equals_peft_merge_and_unload_and_loads_without_peft(tmp_p
 
 
 def test_a_bf16_base_is_merged_in_fp32_and_rounded_once_into_the_checkpoints_dtype(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     folder, _, args = cli_lora_run(tmp_path)
     torch.manual_seed(0)
     llama(vocab=320).to(torch.bfloat16).save_pretrained(folder, max_shard_size=SHARD)  # over the fp32 one

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from engine.run import cli
 from engine.tools.consolidate import consolidate
+from tests.caches import fresh_cache
 from tests.engine.test_lora import cli_lora_run
 
 FIRST, TOTAL = 2, 5
@@ -31,7 +32,7 @@ def with_steps(args: list[str], steps: int, store: str, metrics: str) -> list[st
 
 
 def test_a_resumed_lora_run_equals_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch, caplog) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     _, _, args = cli_lora_run(tmp_path)
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
     assert cli.main(with_steps(args, TOTAL, whole, str(tmp_path / "whole.jsonl"))) == 0

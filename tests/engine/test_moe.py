@@ -20,6 +20,7 @@ from engine.engine import Engine  # noqa: E402
 from engine.run.pretrained import read_headers  # noqa: E402
 from engine.runtime.budget import DeviceMemoryError  # noqa: E402
 from engine.tools.estimate import run_shape  # noqa: E402
+from tests.caches import fresh_cache  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 from tests.training import SEQ_LEN, batches, config, reference_adamw  # noqa: E402
 
@@ -178,7 +179,7 @@ def test_the_command_line_fine_tunes_exports_and_generates_a_mixture_of_experts(
     from engine.run.generate import Sampling, continue_ids, recorded_model
     from tests.engine.test_pretrained import SHARD, TEXT, save_tokenizer
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     folder, store, out = tmp_path / "pretrained", tmp_path / "store", tmp_path / "out"
     model = mixtral()
     model.resize_token_embeddings(320)

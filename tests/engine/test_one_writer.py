@@ -15,6 +15,7 @@ from engine.run.data import load_tokens
 from engine.run.train import build_model
 from engine.tools.inspect import format_report, inspect_store
 from offload.lock import StoreLock, StoreLockedError
+from tests.caches import fresh_cache
 from tests.engine.test_crash import batches_for, fingerprint, train
 from tests.engine.test_resume import nvme, run
 from tests.training import tiny_gpt
@@ -32,9 +33,9 @@ STEPS = 40
 
 @pytest.mark.slow  # kept out of the default run's 10 minutes; CI runs it with the slow ones
 def test_a_second_writer_is_refused_while_the_first_trains_on(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     store = tmp_path / "store"
-    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": fresh_cache(tmp_path / "cache")}
     command = [sys.executable, "-m", "engine", "train", "--nvme_path", str(store), "--steps", str(STEPS)]
     command += [part for o in OVERRIDES for part in (f"--{o.split('=')[0]}", o.split("=")[1])]
     first = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
@@ -77,7 +78,7 @@ def test_the_cli_refuses_a_store_in_use_in_one_line_and_leaves_it_as_it_was(tmp_
     run(eng, 1)
     eng.flush()
     before = {p: p.read_bytes() for p in (tmp_path / "store").rglob("*") if p.is_file()}
-    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": fresh_cache(tmp_path / "cache")}
     second = subprocess.run(
         [sys.executable, "-m", "engine", "train", "--preset", "tiny", "--nvme_path", str(tmp_path / "store")],
         env=env,

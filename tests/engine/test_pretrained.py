@@ -23,6 +23,7 @@ from engine.run import cli  # noqa: E402
 from engine.run.pretrained import Pretrained, meta_model, record_source  # noqa: E402
 from engine.tools.consolidate import consolidate  # noqa: E402
 from engine.tools.export import export  # noqa: E402
+from tests.caches import fresh_cache  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 from tests.training import SEQ_LEN, batches, config, reference_adamw, reference_schedule  # noqa: E402
 
@@ -349,7 +350,7 @@ def save_tokenizer(folder: Path) -> None:
 def cli_run(tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path, list[str]]:
     """A bf16 Llama checkpoint with its tokenizer and a text file in ``tmp_path``: its folder,
     the store and export folders, and the ``train`` command line on it (2 steps)."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     folder, store, out = tmp_path / "pretrained", tmp_path / "store", tmp_path / "out"
     torch.manual_seed(0)
     llama(vocab=320).to(torch.bfloat16).save_pretrained(folder, max_shard_size=SHARD)

@@ -16,6 +16,7 @@ from engine.engine import Engine
 from engine.run.train import train
 from offload.chunks import FileOps
 from offload.costs import STAGES
+from tests.caches import fresh_cache
 from tests.engine.test_nvme_tier import nvme_config, train_steps
 from tests.training import tiny_gpt
 
@@ -98,7 +99,7 @@ def test_each_steps_io_cpu_is_there_by_stage_and_adds_up(tmp_path) -> None:
 
 
 def test_the_train_log_has_each_steps_io_cpu_per_gb(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     metrics = tmp_path / "metrics.jsonl"
     overrides = ["preset=tiny", "compute_dtype=fp32", "seq_len=32", "micro_batch=2", "log_every=1", "steps=2"]
     offload = ["stage=3", "offload.param=nvme", "offload.optimizer=nvme", "chunk_mb=1", "io_threads=4"]

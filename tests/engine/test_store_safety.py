@@ -28,6 +28,7 @@ from engine.tools.inspect import format_report, inspect_store
 from engine.zero.optim import lr_factor, schedule_change
 from offload.generations import NEW
 from offload.manifest import read_committed
+from tests.caches import fresh_cache
 from tests.engine.test_crafted_stores import snapshot
 from tests.engine.test_resume import nvme, params, run
 from tests.training import SEQ_LEN, tiny_gpt
@@ -235,7 +236,7 @@ def test_the_schedule_change_names_the_learning_rates_before_and_after() -> None
 @pytest.mark.slow  # three runs of the console command; the refusal itself is tested in process above
 def test_the_cli_refuses_a_store_without_committed_in_one_line_and_overwrites_on_request(tmp_path) -> None:
     args = ["--preset", "tiny", "--steps", "2", "--seq_len", "32", "--micro_batch", "2", "--nvme_path", "store"]
-    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"XDG_CACHE_HOME": fresh_cache(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
     def train(*extra: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "engine", "train", *args, *extra]

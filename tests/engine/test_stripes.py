@@ -25,6 +25,7 @@ from engine.tools.consolidate import consolidate
 from engine.tools.estimate.machine import striped_free
 from engine.tools.gather import gather
 from engine.tools.inspect import format_report, inspect_store
+from tests.caches import fresh_cache
 from tests.engine.test_hosts import train_span
 from tests.engine.test_inspect import wide_gpt
 from tests.engine.test_resume import params, run
@@ -110,7 +111,7 @@ def test_another_list_of_folders_is_refused_by_name_and_changes_nothing(tmp_path
 
 
 def test_a_full_folder_is_named(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", fresh_cache(tmp_path / "cache"))
     first, second = drives(tmp_path)
     overrides = ["preset=tiny", "compute_dtype=fp32", "seq_len=32", "micro_batch=2", "log_every=1", "steps=6"]
     cfg = Config.from_dict({}, [*overrides, f"nvme_path={first},{second}"])  # the command line's form
