@@ -238,8 +238,8 @@ class PrecisionConfig:
     ``auto`` is ``bf16`` where the device computes it natively (a GPU with bf16 units, a CPU
     whose bf16 matmuls torch runs through oneDNN: AVX-512 or AMX), else ``fp32``: on an AVX2 CPU
     a bf16 matmul runs 70x slower than an fp32 one (``engine.runtime.native_dtype``). It never picks
-    ``fp16``, which needs loss scaling. The ranks take rank 0's choice, and the run's log says it. The masters are fp32
-    unless ``optim.master_dtype = "bf16"``."""
+    ``fp16``, which needs loss scaling. The ranks take rank 0's choice, and the run's log says it.
+    The masters are fp32 unless ``optim.master_dtype = "bf16"``."""
     loss_scaling: Literal["dynamic", "static", "none"] = "none"
     """``dynamic`` (needed by fp16), ``static`` (a fixed ``initial_scale``) or ``none``."""
     initial_scale: float = 65536.0

@@ -1,8 +1,8 @@
 """bf16 master weights (``optim.master_dtype = "bf16"``): they track torch's fp32 AdamW, move
 on average by updates far below their ulp, resume bit-identically in their own form and are
-refused in another; at stage 3 with the parameters on nvme the master is the parameter, so a
-store of int8 moments and bf16 masters holds and moves the fewest bytes; consolidate and export
-widen them."""
+refused in another; at stage 3 with the parameters on nvme the master is the parameter (cast
+on its way to the device where the compute dtype is wider), so a store of int8 moments and bf16
+masters holds and moves the fewest bytes; consolidate and export widen them."""
 
 from __future__ import annotations
 
