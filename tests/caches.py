@@ -2,7 +2,7 @@
 
 Tests give a run a cache of its own (``XDG_CACHE_HOME``) so that no token cache or built
 kernel of another test serves it. The disk's I/O profile is the exception worth keeping: without
-it every such run probes the disk first (``offload.tuning``: 1.28 GB written and read, 4 s on a
+it every such run probes the disk first (``offload.tuning``: 1.3 GB written and read, 4 s on a
 2-core machine) for settings no test here checks. The tests of the probe itself make their own
 caches without it.
 """
