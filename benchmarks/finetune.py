@@ -6,8 +6,9 @@
   names and shapes ``save_pretrained`` writes, the model never whole in memory;
 - import: the checkpoint streamed into a stage-3 store unit by unit (``model.hf``'s path);
 - fine-tune: ``python -m engine train`` on generated chat records, everything on nvme, the loss
-  on the assistant's replies, packed, in the compute dtype the machine runs fastest (bf16 or fp32), activations recomputed, clipped at 1.0, int8
-  moments, bf16 masters and spilled gradients, each unit updated in the next forward
+  on the assistant's replies, packed, in the compute dtype the machine runs fastest (bf16 or
+  fp32), activations recomputed, clipped at 1.0, int8 moments, bf16 masters and spilled
+  gradients, each unit updated in the next forward
   (``--no-defer-update``: after backward), a validation loss every ``--stop-after`` steps; stopped by SIGTERM once
   step ``--stop-after`` is recorded (the step in flight finishes and commits), then resumed
   from the store to ``--steps``;
@@ -91,9 +92,9 @@ TRAINING = {"optim.grad_clip": 1.0, "optim.lr": 1e-4, "optim.warmup_steps": 0}
 TRAINING |= {"data.train_on": "completion", "data.pack": "true", "data.val_fraction": 0.1}
 TRAINING |= {"train.eval_batches": 1, "train.log_every": 1, "zero.activation_checkpointing": "true"}
 """The run: everything on nvme, compact state forms (the bf16 masters cast to the machine's
-compute dtype, ``auto``), clipped, the loss on the assistant's replies,
-packed, activations recomputed (as TRL's and axolotl's ``gradient_checkpointing`` at this size:
-kept, a 7.9B Llama's 36 layers hold about 2 GiB of them at 256 tokens)."""
+compute dtype, ``auto``), clipped, the loss on the assistant's replies, packed, activations
+recomputed (as TRL's and axolotl's ``gradient_checkpointing`` at this size: kept, a 7.9B
+Llama's 36 layers hold about 2 GiB of them at 256 tokens)."""
 UNWRITTEN = ("model.hf", "data.source")
 """The keys the plan leaves out: it is made before their files are written."""
 

@@ -401,10 +401,10 @@ def build_units(
             init_unit(dict(owned[unit.name]))
         if not materialize:
             flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
-        master = full.to(master_dtype) if unit.trainable else full
+        master = full.to(master_dtype if unit.trainable else dtype)  # a frozen unit's: its values
         flat = master.to(dtype)
         if not resume:
-            optimizer_state.add(unit, (master if unit.trainable else flat)[unit.shard_slice(rank)])
+            optimizer_state.add(unit, master[unit.shard_slice(rank)])
         del full, master
         views = param_views(flat, unit)
         for name, param in owned[unit.name]:
