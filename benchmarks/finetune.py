@@ -19,11 +19,13 @@
 Every phase but the write runs in a process of its own: its seconds, the bytes it read and
 wrote (the kernel's count for that process), GB/s and the same bytes' time at raw O_DIRECT disk
 speed (measured in the same run) over its own, its peak RSS; and each step's seconds against
-its bound, its bytes (the engine's count) at raw disk speed. Before anything is written, each
-phase's disk use is planned (the store as the engine estimates it, ``engine.tools.estimate``;
-checkpoint and export at 2 B/param) and a plan over the free space refused: the checkpoint is
-deleted once imported (the store keeps the model's config and tokenizer, and every later run
-resumes from it), the export once checked. The
+its bound, the larger of its bytes (the engine's count) at raw disk speed and its compute alone
+(one decoder layer timed in the run's dtype and multiplied out, ``benchmarks.compute_only``: on
+a CPU without bf16 matrix units a 7.9B step is bound by its arithmetic, not by the disk).
+Before anything is written, each phase's disk use is planned (the store as the engine
+estimates it, ``engine.tools.estimate``; checkpoint and export at 2 B/param) and a plan over
+the free space refused: the checkpoint is deleted once imported (the store keeps the model's
+config and tokenizer, and every later run resumes from it), the export once checked. The
 work folder's size is sampled throughout; its peak is reported beside the plan's. The training
 processes' peak RSS is reported beside the engine's estimate of it (``engine.tools.estimate``,
 the baseline measured with the model's code loaded), with the phase the estimate puts it in and
@@ -61,6 +63,7 @@ import torch
 
 from benchmarks.bandwidth import drop_page_cache, raw_disk_gbps
 from benchmarks.chat import save_chat_tokenizer, write_chat_jsonl
+from benchmarks.compute_only import hf_compute_seconds, run_dtype
 from benchmarks.giant import POLL_S, TreeRSS, step_rows, steps_recorded, with_mixed_bound
 from benchmarks.llama_checkpoint import meta_of, model_config, random_values, write_checkpoint
 from benchmarks.phase_plot import phase_rows, phase_steps
@@ -339,6 +342,7 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     settings, plan, free, count = prepare(work, args)
     disk = DiskPeak(work, 0.1 if args.quick else 5.0)  # a walk of the store costs 0.05 CPU-s at 3B
     raw = raw_disk_gbps(work, args.probe_bytes, threads=4, reps=1 if args.quick else 3)
+    compute = compute_bound(settings, run_settings(work, args), args)
     folder, rows, initial = work / "model", [], None
     folder.mkdir()
     save_chat_tokenizer(folder, vocab_size=TOKENIZER_VOCAB)
@@ -360,7 +364,7 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     rows.append(phase_row("initialise" if args.moe else "import", imported, raw))
     shutil.rmtree(folder)  # the store keeps the config and tokenizer: every later run reads them there
     tuned = fine_tune(work, args)
-    bound = {"read_gbps": raw["read"], "write_gbps": raw["write"], "compute_s": 0.0}
+    bound = {"read_gbps": raw["read"], "write_gbps": raw["write"]} | compute
     bound = with_mixed_bound(bound, tuned["records"], work, args.quick)
     rows += [phase_row("fine-tune (stopped)", tuned["first"], raw), phase_row("resumed", tuned["resumed"], raw)]
     store_bytes = disk_usage(work / "store")
@@ -376,6 +380,18 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     sizes |= {"store_after_fine_tune": store_bytes, "export": export_bytes}
     result = {"rows": rows, "plan": plan, "disk": sizes, "raw": raw, "bound": bound, "tuned": tuned, "check": check}
     return result | {"gen": generated, "params": count, "estimated": estimated}
+
+
+def compute_bound(model: Any, settings: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+    """The compute-only floor of a training step (activations recomputed, as the run does) and
+    of a validation's forward, in the dtype the run computes in (``benchmarks.compute_only``)."""
+    dtype = run_dtype(config_of(cli_args({k: v for k, v in settings.items() if k not in UNWRITTEN})))
+    tokens = torch.Size((args.micro_batch, args.seq_len))
+    seconds = hf_compute_seconds(model, tokens, dtype, ("recompute", "forward"), reps=1 if args.quick else 3)
+    print(
+        f"compute-only {dtype}: a step {seconds['recompute']:.2f} s, a validation's forward {seconds['forward']:.2f} s"
+    )
+    return {"compute_s": seconds["recompute"], "eval_s": seconds["forward"]}
 
 
 def phase_row(phase: str, result: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
@@ -462,10 +478,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tuned = result["tuned"]
     runs = ["first"] * tuned["stopped_at"] + ["resumed"] * (len(tuned["records"]) - tuned["stopped_at"])
     steps = step_rows(tuned["records"], runs, result["bound"])
-    title = "steps (bound: the step's bytes read and written at raw disk speed, one after the other; mixed bound: "
-    print_table(
-        title + "all of them at the disk's speed reading and writing at once; a validation counts in its step)", steps
-    )
+    title = "steps (bound: the larger of the compute-only step and the step's bytes read and written at raw disk "
+    title += "speed, one after the other; mixed bound: the bytes at the disk's speed reading and writing at once; "
+    print_table(title + "a validation counts in its step, its forward in the compute-only step)", steps)
     phases = phase_steps(tuned["records"], runs)
     print_table("each step's phases", phase_rows(phases))
     verdicts = summary(result, args)

@@ -26,7 +26,8 @@ which also draws several saved runs one above the other). And the bound it is he
 measured in this run: max(compute-only time, read bytes / raw read bandwidth + written bytes / raw write
 bandwidth), the raw bandwidths from ``benchmarks.bandwidth.raw_disk_gbps`` on the store's
 disk, the compute-only time from one block's forward and backward (and the root's) at this
-width, timed and multiplied out, with no I/O at all. The estimator's predictions of peak RSS
+width in the run's compute dtype, timed and multiplied out, with no I/O at all
+(``benchmarks.compute_only``). The estimator's predictions of peak RSS
 and store size (``engine.tools.estimate``) are printed beside the measurements.
 """
 
@@ -46,15 +47,14 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import torch
-import torch.nn.functional as F
 
 from benchmarks.bandwidth import mixed_disk_gbps, raw_disk_gbps
+from benchmarks.compute_only import gpt_compute_seconds, run_dtype
 from benchmarks.phase_plot import phase_bars, phase_rows, phase_steps
 from benchmarks.report import Row, base_parser, print_table, save_json, setup_logging
 from benchmarks.runs import disk_usage
 from engine.config import Config, ZeroConfig
-from engine.run.models.gpt import Block, GPTConfig
+from engine.run.models.gpt import GPTConfig
 from engine.runtime.sizes import GIB, MIB
 from engine.tiers.store_io import settle_io
 from engine.tools.estimate import estimate, gpt_of, measured_baseline_bytes, plan_of, run_shape
@@ -96,38 +96,6 @@ def run_config(args: argparse.Namespace, store: Path, metrics: Path) -> list[str
 def train_config(train_args: list[str]) -> Config:
     """The config ``python -m engine train`` reads from these ``--section.key value`` overrides."""
     return Config.from_dict({}, [f"{k[2:]}={v}" for k, v in zip(train_args[::2], train_args[1::2], strict=True)])
-
-
-def compute_only_seconds(gpt: GPTConfig, micro_batch: int, reps: int) -> float:
-    """A step's forward and backward with nothing to fetch: one block timed and multiplied by
-    the depth, plus the root's embedding, final norm and head, in the engine's bf16."""
-    torch.manual_seed(0)
-    block = Block(gpt).to(torch.bfloat16)
-    emb = torch.nn.Embedding(gpt.vocab_size, gpt.d_model, dtype=torch.bfloat16)
-    head = torch.nn.Linear(gpt.d_model, gpt.vocab_size, bias=False, dtype=torch.bfloat16)
-    idx = torch.randint(0, gpt.vocab_size, (micro_batch, gpt.seq_len))
-
-    def timed(fn) -> float:
-        fn()  # warm-up: kernels and allocations
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-
-    def run_block() -> None:
-        x = torch.randn(micro_batch, gpt.seq_len, gpt.d_model, dtype=torch.bfloat16, requires_grad=True)
-        block(x).float().sum().backward()
-        block.zero_grad(set_to_none=True)
-
-    def run_root() -> None:
-        logits = head(F.layer_norm(emb(idx), (gpt.d_model,)))
-        F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
-        emb.zero_grad(set_to_none=True)
-        head.zero_grad(set_to_none=True)
-
-    return gpt.n_layer * timed(run_block) + timed(run_root)
 
 
 class TreeRSS:
@@ -195,15 +163,16 @@ def resumed_run(train_args: list[str], log: Path) -> dict[str, Any]:
 
 
 def step_rows(records: list[dict[str, Any]], runs: list[str], bound: dict[str, float]) -> list[Row]:
+    """Each step against its bound: the larger of the compute-only step (``compute_s``, plus a
+    validation's forward, ``eval_s``, where the step validated) and its bytes at the disk's rates."""
     rows = []
     for record, run in zip(records, runs, strict=True):
         moved_s = record["bytes_read"] / GB / bound["read_gbps"] + record["bytes_written"] / GB / bound["write_gbps"]
-        step_bound = max(bound["compute_s"], moved_s)
+        compute_s = bound["compute_s"] + (bound.get("eval_s", 0.0) if "val_loss" in record else 0.0)
+        step_bound = max(compute_s, moved_s)
         mixed = {}
         if "mixed_gbps" in bound:
-            mixed_s = max(
-                bound["compute_s"], (record["bytes_read"] + record["bytes_written"]) / GB / bound["mixed_gbps"]
-            )
+            mixed_s = max(compute_s, (record["bytes_read"] + record["bytes_written"]) / GB / bound["mixed_gbps"])
             mixed = {"mixed bound s": mixed_s, "step/mixed": record["seconds"] / mixed_s}
         rows.append(
             {
@@ -320,7 +289,7 @@ def measure_bound(work: Path, config: Config, gpt: GPTConfig, micro_batch: int, 
     bound = {
         "read_gbps": disk["read"],
         "write_gbps": disk["write"],
-        "compute_s": compute_only_seconds(gpt, micro_batch, reps=1 if quick else 3),
+        "compute_s": gpt_compute_seconds(gpt, micro_batch, run_dtype(config), reps=1 if quick else 3),
     }
     print(
         f"raw disk: write {disk['write']:.2f} GB/s, read {disk['read']:.2f} GB/s; compute-only step {bound['compute_s']:.2f} s"

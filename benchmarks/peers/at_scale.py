@@ -17,8 +17,8 @@ global norm to `--grad-clip` on both sides (0, the default, clips nothing):
 Each contestant runs in a process group of its own (`benchmarks.peers.launch`), its
 memory and disk sampled from outside the same way. Per contestant: the median step after
 `--warmup`, and that step over DeepSpeed's ("x DeepSpeed"); the offload overhead, the step
-minus the compute-only step (one block's bf16 forward and backward timed here and
-multiplied out, as `benchmarks.giant` does); peak RSS and the disk its files take. For ours,
+minus the compute-only step (one block's forward and backward timed here and multiplied
+out, `benchmarks.compute_only`; both sides compute in bf16, DeepSpeed's dtype); peak RSS and the disk its files take. For ours,
 whose metrics count the bytes each step moves, also the bound those bytes set at the
 disk's rate when reading and writing at once (`benchmarks.bandwidth.mixed_disk_gbps`,
 measured after the runs at the share of them that was read), and the step over it.
@@ -34,11 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import giant
+from benchmarks.compute_only import gpt_compute_seconds
 from benchmarks.peers.contest import Runner, group_failure, ran, rank_env, run_contestant, run_rounds, skipped
 from benchmarks.peers.launch import python_module, run_ranks
 from benchmarks.peers.workload import Contestant, Workload
 from benchmarks.report import Row, print_table, save_json
 from engine.runtime.sizes import GIB
+from engine.state.dtypes import DTYPES
 from engine.tools.estimate import gpt_of
 
 GB = 1e9
@@ -64,6 +66,11 @@ FORMS = {
     form.name: form
     for form in (StateForm("fp32", "fp32", "fp32", "fp32"), StateForm("compact", "int8", "bf16", "bf16"))
 }
+
+
+COMPUTE_DTYPE = "bf16"
+"""Both sides compute in DeepSpeed's dtype (``benchmarks.peers.trainers``), not in what ``auto``
+picks for ours, so that the steps differ by their offload alone."""
 
 
 def at_scale(params: float, warmup: int, steps: int, grad_clip: float = 0.0) -> Workload:
@@ -106,7 +113,7 @@ def ours_train_args(params: float, form: StateForm, workload: Workload, store: P
         ]
     )
     args.steps = workload.warmup + workload.steps  # one run, never stopped: giant's --stop-after plays no part
-    return giant.run_config(args, store, metrics)
+    return [*giant.run_config(args, store, metrics), "--precision.compute_dtype", COMPUTE_DTYPE]
 
 
 def run_ours(params: float, form: StateForm, workload: Workload, timeout_s: float, work: Path) -> dict[str, Any]:
@@ -224,7 +231,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str,
     workload = at_scale(args.params, warmup, steps, args.grad_clip)
     _, vocab_size = workload.tokens()
     gpt = workload.gpt_config(vocab_size)
-    compute_s = giant.compute_only_seconds(gpt, workload.micro_batch, reps=1 if args.quick else 3)
+    compute_s = gpt_compute_seconds(gpt, workload.micro_batch, DTYPES[COMPUTE_DTYPE], reps=1 if args.quick else 3)
     print(f"compute-only step: {compute_s:.2f} s (forward and backward, no I/O)")
     records = run_rounds(runners(args, workload, systems), workload, args.rounds or 1, args.dir)
     add_bounds(records, compute_s, measure_mixed(records, args.dir, args.quick))
