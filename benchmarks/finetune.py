@@ -388,8 +388,9 @@ def compute_bound(model: Any, settings: dict[str, Any], args: argparse.Namespace
     dtype = run_dtype(config_of(cli_args({k: v for k, v in settings.items() if k not in UNWRITTEN})))
     tokens = torch.Size((args.micro_batch, args.seq_len))
     seconds = hf_compute_seconds(model, tokens, dtype, ("recompute", "forward"), reps=1 if args.quick else 3)
+    name = str(dtype).removeprefix("torch.")
     print(
-        f"compute-only {dtype}: a step {seconds['recompute']:.2f} s, a validation's forward {seconds['forward']:.2f} s"
+        f"compute-only in {name}: a step {seconds['recompute']:.2f} s, a validation's forward {seconds['forward']:.2f} s"
     )
     return {"compute_s": seconds["recompute"], "eval_s": seconds["forward"]}
 
