@@ -167,12 +167,14 @@ def _auto_plan(config: Config, overwrite: bool) -> tuple[Config, Comm | None]:
     process group it was agreed in, for the engine to join and the caller to close."""
     from engine.run.train import resumable
     from engine.runtime.comm import Comm
+    from engine.runtime.native_dtype import settle_compute_dtype
     from engine.tools.estimate import plan_of
 
     if resumable(config, overwrite):  # the store's run continues as it was planned
         logger.info("--plan auto: resuming from %s keeps its plan (%s)", config.offload.nvme_path, plan_of(config))
         return config, None
     comm = Comm.join()
+    config = settle_compute_dtype(config, comm)  # once for the plan's estimate and the engine: one log line
     choice, error = None, None
     if comm.rank == 0:
         try:

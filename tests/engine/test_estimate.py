@@ -425,3 +425,4 @@ def test_train_with_plan_auto_applies_and_logs_the_plan(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--plan auto: stage 2, optimizer device, param device" in done.stderr
     assert "optimizer on device" in done.stderr and "done: 2 steps" in done.stderr
+    assert done.stderr.count("compute dtype: ") == 1  # settled once, for the plan and the run
