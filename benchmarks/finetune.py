@@ -20,16 +20,15 @@ Every phase but the write runs in a process of its own: its seconds, the bytes i
 wrote (the kernel's count for that process), GB/s and the same bytes' time at raw O_DIRECT disk
 speed (measured in the same run) over its own, its peak RSS; and each step's seconds against
 its bound, the larger of its bytes (the engine's count) at raw disk speed and its compute alone
-(one decoder layer timed in the run's dtype and multiplied out, ``benchmarks.compute_only``: on
-a CPU without bf16 matrix units a 7.9B step is bound by its arithmetic, not by the disk).
-Before anything is written, each phase's disk use is planned (the store as the engine
-estimates it, ``engine.tools.estimate``; checkpoint and export at 2 B/param) and a plan over
-the free space refused: the checkpoint is deleted once imported (the store keeps the model's
-config and tokenizer, and every later run resumes from it), the export once checked. The
-work folder's size is sampled throughout; its peak is reported beside the plan's. The training
-processes' peak RSS is reported beside the engine's estimate of it (``engine.tools.estimate``,
-the baseline measured with the model's code loaded), with the phase the estimate puts it in and
-the largest unit, which sizes every buffer a unit is staged through.
+(``benchmarks.compute_only``, in the run's dtype). Before anything is written, each phase's
+disk use is planned (the store as the engine estimates it, ``engine.tools.estimate``;
+checkpoint and export at 2 B/param) and a plan over the free space refused: the checkpoint is
+deleted once imported (the store keeps the model's config and tokenizer, and every later run
+resumes from it), the export once checked. The work folder's size is sampled throughout; its
+peak is reported beside the plan's. The training processes' peak RSS is reported beside the
+engine's estimate of it (``engine.tools.estimate``, the baseline measured with the model's code
+loaded), with the phase the estimate puts it in and the largest unit, which sizes every buffer
+a unit is staged through.
 
 ``--moe``: a Mixtral-style mixture of experts (8 experts, 2 a token), 10.5B parameters by
 default, from its config with random weights and no checkpoint (initialised in a process of its
@@ -388,11 +387,9 @@ def compute_bound(model: Any, settings: dict[str, Any], args: argparse.Namespace
     dtype = run_dtype(config_of(cli_args({k: v for k, v in settings.items() if k not in UNWRITTEN})))
     tokens = torch.Size((args.micro_batch, args.seq_len))
     seconds = hf_compute_seconds(model, tokens, dtype, ("recompute", "forward"), reps=1 if args.quick else 3)
-    name = str(dtype).removeprefix("torch.")
-    print(
-        f"compute-only in {name}: a step {seconds['recompute']:.2f} s, a validation's forward {seconds['forward']:.2f} s"
-    )
-    return {"compute_s": seconds["recompute"], "eval_s": seconds["forward"]}
+    step_s, eval_s = seconds["recompute"], seconds["forward"]
+    print(f"compute-only in {dtype}: a step {step_s:.2f} s, a validation's forward {eval_s:.2f} s")
+    return {"compute_s": step_s, "eval_s": eval_s}
 
 
 def phase_row(phase: str, result: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
@@ -481,7 +478,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = step_rows(tuned["records"], runs, result["bound"])
     title = "steps (bound: the larger of the compute-only step and the step's bytes read and written at raw disk "
     title += "speed, one after the other; mixed bound: the bytes at the disk's speed reading and writing at once; "
-    print_table(title + "a validation counts in its step, its forward in the compute-only step)", steps)
+    title += "a validation counts in the step after it, its forward in that step's compute-only floor)"
+    print_table(title, steps)
     phases = phase_steps(tuned["records"], runs)
     print_table("each step's phases", phase_rows(phases))
     verdicts = summary(result, args)

@@ -163,12 +163,15 @@ def resumed_run(train_args: list[str], log: Path) -> dict[str, Any]:
 
 
 def step_rows(records: list[dict[str, Any]], runs: list[str], bound: dict[str, float]) -> list[Row]:
-    """Each step against its bound: the larger of the compute-only step (``compute_s``, plus a
-    validation's forward, ``eval_s``, where the step validated) and its bytes at the disk's rates."""
+    """Each step against its bound: the larger of the compute-only step (``compute_s``) and its
+    bytes at the disk's rates. A validation runs after its step's record, so the next step's
+    clock, which starts with the first forward after a step, holds it: that step's floor adds a
+    validation's forward (``eval_s``)."""
     rows = []
-    for record, run in zip(records, runs, strict=True):
+    validated = [False] + ["val_loss" in before and runs[i] == runs[i + 1] for i, before in enumerate(records[:-1])]
+    for record, run, after_validation in zip(records, runs, validated, strict=True):
         moved_s = record["bytes_read"] / GB / bound["read_gbps"] + record["bytes_written"] / GB / bound["write_gbps"]
-        compute_s = bound["compute_s"] + (bound.get("eval_s", 0.0) if "val_loss" in record else 0.0)
+        compute_s = bound["compute_s"] + (bound.get("eval_s", 0.0) if after_validation else 0.0)
         step_bound = max(compute_s, moved_s)
         mixed = {}
         if "mixed_gbps" in bound:

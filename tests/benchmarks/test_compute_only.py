@@ -39,16 +39,26 @@ def test_each_mode_is_timed_for_the_benchmarks_decoders(moe):
     assert all(s > 0 for s in seconds.values())
 
 
-def test_a_validating_step_is_bound_by_its_forward_too():
+def test_a_validation_is_bound_in_the_step_after_it_whose_clock_holds_it():
+    """The validation after step 2 runs before step 3's first forward, in step 3's seconds; the
+    one after the first run's last step, in no step of the resumed run's."""
     records = [
         {"step": step, "loss": 1.0, "seconds": 12.0, "compute_s": 11.0, "param_wait_s": 0.0, "optimizer_wait_s": 0.0}
-        | {"bytes_read": 1e9, "bytes_written": 1e9, "prefetch_hit_rate": 1.0, "peak_rss_bytes": 0, "device_high_water": 0}
-        for step in (1, 2)
+        | {
+            "bytes_read": 1e9,
+            "bytes_written": 1e9,
+            "prefetch_hit_rate": 1.0,
+            "peak_rss_bytes": 0,
+            "device_high_water": 0,
+        }
+        for step in (1, 2, 3, 4, 5)
     ]
-    records[1]["val_loss"] = 1.0
+    for validating in (1, 3):  # steps 2 and 4
+        records[validating]["val_loss"] = 1.0
+    runs = ["first"] * 4 + ["resumed"]
     bound = {"read_gbps": 1.0, "write_gbps": 1.0, "compute_s": 10.0, "eval_s": 3.0, "mixed_gbps": 0.5}
-    rows = giant.step_rows(records, ["first", "first"], bound)
-    assert [r["bound s"] for r in rows] == [10.0, 13.0]
-    assert [r["mixed bound s"] for r in rows] == [10.0, 13.0]
+    rows = giant.step_rows(records, runs, bound)
+    assert [r["bound s"] for r in rows] == [10.0, 10.0, 13.0, 10.0, 10.0]
+    assert [r["mixed bound s"] for r in rows] == [10.0, 10.0, 13.0, 10.0, 10.0]
     records[0]["bytes_read"] = 20e9  # the disk's 21 s over the compute's 10
-    assert giant.step_rows(records, ["first", "first"], bound)[0]["bound s"] == 21.0
+    assert giant.step_rows(records, runs, bound)[0]["bound s"] == 21.0
