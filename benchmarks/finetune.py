@@ -44,8 +44,8 @@ then resumes that store), each layer's experts a unit of their own inside the la
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -53,7 +53,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,7 @@ from benchmarks.llama_checkpoint import meta_of, model_config, random_values, wr
 from benchmarks.phase_plot import phase_rows, phase_steps
 from benchmarks.pretrained import CHECKED, read_tensor, row
 from benchmarks.report import base_parser, print_table, save_json, setup_logging
-from benchmarks.runs import REPO_ROOT, disk_usage
+from benchmarks.runs import REPO_ROOT, DiskPeak, disk_usage
 from benchmarks.sft import TOKENIZER_VOCAB, AnonymousPeak
 from engine.run.pretrained import SOURCE_FOLDER, Pretrained, meta_model
 from engine.runtime.rss import peak_rss_bytes
@@ -133,6 +132,14 @@ def planned_run(model: Any, settings: dict[str, Any]) -> tuple[Any, Any]:
     return config, run_shape(config, 1, model=model)
 
 
+def two_units_mb(model: Any, settings: dict[str, Any]) -> float:
+    """``--prefetch-mb``'s default: two of the largest unit gathered in the compute dtype, so a
+    read is in flight while the next unit's lands (with one, a 2.9B fp32 step waited 9-13 s
+    for its reads; with two, under 0.6 s)."""
+    config, run = planned_run(model, settings | {"zero.prefetch_mb": 0})
+    return math.ceil(2 * max(u.numel for u in run.layout.all_units) * run_dtype(config).itemsize / MIB)
+
+
 def estimated_peak(folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """What ``engine.tools.estimate`` predicts for the fine-tune's processes (their baseline
     measured with the model's code and tokenizer loaded): the peak RSS and its phase, and the
@@ -168,28 +175,6 @@ def disk_plan(model: Any, settings: dict[str, Any], probe: int, moe: bool) -> li
         ("generate", store - scratch, "everything"),
     ]
     return [{"phase": p, "on disk GB": (MARGIN * b + SLACK_BYTES) / GB, "then deleted": d} for p, b, d in phases]
-
-
-class DiskPeak:
-    """The largest size of a folder, sampled every ``every`` seconds on a thread of its own."""
-
-    def __init__(self, folder: Path, every: float):
-        self.folder, self.every, self.peak = folder, every, 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while True:
-            with contextlib.suppress(FileNotFoundError):  # a file deleted while counted
-                self.peak = max(self.peak, disk_usage(self.folder))
-            if self._done.wait(self.every):
-                return
-
-    def stop(self) -> int:
-        self._done.set()
-        self._thread.join()
-        return max(self.peak, disk_usage(self.folder))
 
 
 def run_process(command: list[str], log: Path, stdout: Path | None = None, stop: tuple | None = None) -> dict:
@@ -323,6 +308,7 @@ def prepare(work: Path, args: argparse.Namespace) -> tuple[Any, list[dict[str, A
     """The model's config and the disk plan, refused in one line if it does not fit the free space."""
     settings = model_config(args.params, TOKENIZER_VOCAB, args.moe, positions=max(512, args.seq_len))
     model = meta_of(settings)
+    args.prefetch_mb = args.prefetch_mb or two_units_mb(model, run_settings(work, args))
     plan = disk_plan(model, run_settings(work, args), args.probe_bytes, args.moe)
     free = shutil.disk_usage(work).free
     count = sum(p.numel() for p in model.parameters())
@@ -433,12 +419,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--moe", action="store_true", help="a Mixtral-style mixture of experts from its config")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens a sequence (default 256)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences a step (default 1)")
-    parser.add_argument(
-        "--prefetch-mb",
-        type=float,
-        default=256.0,
-        help="zero.prefetch_mb (default 256: the engine's 64 holds half of a 7.9B Llama's MLP projection)",
-    )
+    parser.add_argument("--prefetch-mb", type=float, help="zero.prefetch_mb (default: two of the largest unit)")
     parser.add_argument(
         "--defer-update",
         action=argparse.BooleanOptionalAction,

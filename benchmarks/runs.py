@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -139,6 +140,28 @@ def device_peak_bytes() -> int:
 def disk_usage(path: Path) -> int:
     """Bytes allocated on disk by the files under ``path`` (what `du` counts), 0 if it does not exist."""
     return sum(entry.stat().st_blocks * 512 for entry in path.rglob("*") if entry.is_file())
+
+
+class DiskPeak:
+    """The largest size of a folder, sampled every ``every`` seconds on a thread of its own."""
+
+    def __init__(self, folder: Path, every: float):
+        self.folder, self.every, self.peak = folder, every, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while True:
+            with contextlib.suppress(FileNotFoundError):  # a file deleted while counted
+                self.peak = max(self.peak, disk_usage(self.folder))
+            if self._done.wait(self.every):
+                return
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return max(self.peak, disk_usage(self.folder))
 
 
 class TrainingRun:
