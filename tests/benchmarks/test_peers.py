@@ -243,6 +243,7 @@ def test_ours_compact_form_spills_gradients_in_bf16_only_where_it_clips() -> Non
             "bf16",
             grad_clip,
         )
+        assert config.precision.compute_dtype == "bf16"  # DeepSpeed's, whatever "auto" would pick
         return config.offload.grad_spill_dtype
 
     assert spill_dtype(0.0) == "fp32"
