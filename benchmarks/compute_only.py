@@ -26,7 +26,7 @@ from engine.state.dtypes import compute_dtype
 Mode = Literal["train", "recompute", "forward"]
 """A training step's work, the same with each block's forward run again in backward
 (``zero.activation_checkpointing``), or a validation's forward."""
-Block_ = Callable[[torch.Tensor], torch.Tensor]
+BlockCall = Callable[[torch.Tensor], torch.Tensor]
 
 
 def run_dtype(config: Config) -> torch.dtype:
@@ -62,9 +62,12 @@ def root_seconds(vocab: int, width: int, tokens: torch.Size, dtype: torch.dtype,
     return timed(run_root, reps)
 
 
-def block_seconds(block: Block_, shape: tuple[int, ...], dtype: torch.dtype, mode: Mode, reps: int) -> float:
-    """One block's work in ``mode``: forward and backward, with its forward run twice where
-    activations are recomputed, or a validation's forward alone."""
+def block_seconds(
+    layer: torch.nn.Module, block: BlockCall, shape: tuple[int, ...], dtype: torch.dtype, mode: Mode, reps: int
+) -> float:
+    """One block's work in ``mode`` (``block`` calls ``layer``): forward and backward, with its
+    forward run twice where activations are recomputed, or a validation's forward alone. Each
+    rep's gradients are new, as a step's are."""
 
     def run_block() -> None:
         x = torch.randn(shape, dtype=dtype, requires_grad=mode != "forward")
@@ -74,6 +77,7 @@ def block_seconds(block: Block_, shape: tuple[int, ...], dtype: torch.dtype, mod
             return
         out = checkpoint(block, x, use_reentrant=False) if mode == "recompute" else block(x)
         out.float().sum().backward()
+        layer.zero_grad(set_to_none=True)
 
     return timed(run_block, reps)
 
@@ -83,7 +87,7 @@ def gpt_compute_seconds(gpt: GPTConfig, micro_batch: int, dtype: torch.dtype, re
     torch.manual_seed(0)
     block = Block(gpt).to(dtype)
     tokens = torch.Size((micro_batch, gpt.seq_len))
-    one = block_seconds(block, (*tokens, gpt.d_model), dtype, "train", reps)
+    one = block_seconds(block, block, (*tokens, gpt.d_model), dtype, "train", reps)
     return gpt.n_layer * one + root_seconds(gpt.vocab_size, gpt.d_model, tokens, dtype, "train", reps)
 
 
@@ -110,7 +114,7 @@ def hf_compute_seconds(
         return out[0] if isinstance(out, tuple) else out
 
     def seconds(mode: Mode) -> float:
-        one = block_seconds(block, hidden, dtype, mode, reps)
+        one = block_seconds(layer, block, hidden, dtype, mode, reps)
         root = root_seconds(settings.vocab_size, settings.hidden_size, tokens, dtype, mode, reps)
         return settings.num_hidden_layers * one + root
 
