@@ -374,7 +374,7 @@ def compute_bound(model: Any, settings: dict[str, Any], args: argparse.Namespace
     tokens = torch.Size((args.micro_batch, args.seq_len))
     seconds = hf_compute_seconds(model, tokens, dtype, ("recompute", "forward"), reps=1 if args.quick else 3)
     step_s, eval_s = seconds["recompute"], seconds["forward"]
-    print(f"compute-only in {dtype}: a step {step_s:.2f} s, a validation's forward {eval_s:.2f} s")
+    print(f"compute-only in {str(dtype).removeprefix('torch.')}: a step {step_s:.2f} s, a validation {eval_s:.2f} s")
     return {"compute_s": step_s, "eval_s": eval_s}
 
 
