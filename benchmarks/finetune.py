@@ -308,7 +308,8 @@ def prepare(work: Path, args: argparse.Namespace) -> tuple[Any, list[dict[str, A
     """The model's config and the disk plan, refused in one line if it does not fit the free space."""
     settings = model_config(args.params, TOKENIZER_VOCAB, args.moe, positions=max(512, args.seq_len))
     model = meta_of(settings)
-    args.prefetch_mb = args.prefetch_mb or two_units_mb(model, run_settings(work, args))
+    if args.prefetch_mb is None:  # 0, no prefetch, is a choice too
+        args.prefetch_mb = two_units_mb(model, run_settings(work, args))
     plan = disk_plan(model, run_settings(work, args), args.probe_bytes, args.moe)
     free = shutil.disk_usage(work).free
     count = sum(p.numel() for p in model.parameters())

@@ -1,7 +1,8 @@
 """The fine-tune benchmark at a tiny size: a checkpoint written shard by shard, imported, fine-tuned
 on chat records with everything on nvme, stopped by SIGTERM and resumed where it stopped,
 exported as the store holds it, sampled from, and its work folder within its disk plan; and
-the same of a mixture of experts started from its config. Both take minutes: slow."""
+the same of a mixture of experts started from its config. Both take minutes: slow. And the
+prefetch window it gives the runs."""
 
 from __future__ import annotations
 
@@ -66,3 +67,20 @@ def test_finetune_moe_quick(tmp_path: Path) -> None:
     check_run(result, tmp_path)
     assert result["summary"]["export_changed"] is None, "no checkpoint to compare with"
     assert (tmp_path / "finetune-moe.json").is_file()
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "two units"), ("0", 0.0), ("48", 48.0)])
+def test_the_prefetch_window_is_two_units_in_the_compute_dtype_unless_given(tmp_path: Path, given, expected) -> None:
+    """A 0 given (no prefetch) is kept, not taken for the default."""
+    pytest.importorskip("transformers")
+    from benchmarks import finetune
+    from benchmarks.compute_only import run_dtype
+
+    args, _ = finetune.parse_args(["--quick", *(["--prefetch-mb", given] if given else [])])
+    hf_config, _, _, _ = finetune.prepare(tmp_path, args)
+    if expected == "two units":
+        config, run = finetune.planned_run(finetune.meta_of(hf_config), finetune.run_settings(tmp_path, args))
+        largest = max(u.numel for u in run.layout.all_units) * run_dtype(config).itemsize
+        assert (args.prefetch_mb - 1) * 2**20 < 2 * largest <= args.prefetch_mb * 2**20
+    else:
+        assert args.prefetch_mb == expected
