@@ -124,11 +124,16 @@ def config_of(arguments: list[str]) -> Any:
     return Config.from_dict({}, [f"{key[2:].replace('-', '_')}={value}" for key, value in pairs])
 
 
+def planned_config(settings: dict[str, Any]) -> Any:
+    """The runs' config, the paths not yet written left out."""
+    return config_of(cli_args({k: v for k, v in settings.items() if k not in UNWRITTEN}))
+
+
 def planned_run(model: Any, settings: dict[str, Any]) -> tuple[Any, Any]:
-    """The runs' config (the paths not yet written left out) and ``engine.tools.estimate``'s shape of them."""
+    """The runs' config (``planned_config``) and ``engine.tools.estimate``'s shape of them."""
     from engine.tools.estimate import run_shape
 
-    config = config_of(cli_args({k: v for k, v in settings.items() if k not in UNWRITTEN}))
+    config = planned_config(settings)
     return config, run_shape(config, 1, model=model)
 
 
@@ -368,12 +373,12 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     return result | {"gen": generated, "params": count, "estimated": estimated}
 
 
-def compute_bound(model: Any, settings: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+def compute_bound(hf_config: Any, settings: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
     """The compute-only floor of a training step (activations recomputed, as the run does) and
     of a validation's forward, in the dtype the run computes in (``benchmarks.compute_only``)."""
-    dtype = run_dtype(config_of(cli_args({k: v for k, v in settings.items() if k not in UNWRITTEN})))
+    dtype = run_dtype(planned_config(settings))
     tokens = torch.Size((args.micro_batch, args.seq_len))
-    seconds = hf_compute_seconds(model, tokens, dtype, ("recompute", "forward"), reps=1 if args.quick else 3)
+    seconds = hf_compute_seconds(hf_config, tokens, dtype, ("recompute", "forward"), reps=1 if args.quick else 3)
     step_s, eval_s = seconds["recompute"], seconds["forward"]
     print(f"compute-only in {str(dtype).removeprefix('torch.')}: a step {step_s:.2f} s, a validation {eval_s:.2f} s")
     return {"compute_s": step_s, "eval_s": eval_s}

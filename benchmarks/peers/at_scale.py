@@ -18,10 +18,11 @@ Each contestant runs in a process group of its own (`benchmarks.peers.launch`), 
 memory and disk sampled from outside the same way. Per contestant: the median step after
 `--warmup`, and that step over DeepSpeed's ("x DeepSpeed"); the offload overhead, the step
 minus the compute-only step (one block's forward and backward timed here and multiplied
-out, `benchmarks.compute_only`; both sides compute in bf16, DeepSpeed's dtype); peak RSS and the disk its files take. For ours,
-whose metrics count the bytes each step moves, also the bound those bytes set at the
-disk's rate when reading and writing at once (`benchmarks.bandwidth.mixed_disk_gbps`,
-measured after the runs at the share of them that was read), and the step over it.
+out, `benchmarks.compute_only`; both sides compute in bf16, DeepSpeed's dtype); peak RSS
+and the disk its files take. For ours, whose metrics count the bytes each step moves, also
+the bound those bytes set at the disk's rate when reading and writing at once
+(`benchmarks.bandwidth.mixed_disk_gbps`, measured after the runs at the share of them that
+was read), and the step over it.
 """
 
 from __future__ import annotations

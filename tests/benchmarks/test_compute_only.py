@@ -1,5 +1,6 @@
 """The compute floor of the step bounds: timed in the dtype the run computes in, for the
-decoders the benchmarks train, and a validation's forward counted in the step that ran it."""
+decoders the benchmarks train, and a validation's forward counted in the step after it, whose
+clock holds it."""
 
 from __future__ import annotations
 
