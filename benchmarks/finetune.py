@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import shutil
@@ -135,14 +134,6 @@ def planned_run(model: Any, settings: dict[str, Any]) -> tuple[Any, Any]:
 
     config = planned_config(settings)
     return config, run_shape(config, 1, model=model)
-
-
-def two_units_mb(model: Any, settings: dict[str, Any]) -> float:
-    """``--prefetch-mb``'s default: two of the largest unit gathered in the compute dtype, so a
-    read is in flight while the next unit's lands (with one, a 2.9B fp32 step waited 9-13 s
-    for its reads; with two, under 0.6 s)."""
-    config, run = planned_run(model, settings | {"zero.prefetch_mb": 0})
-    return math.ceil(2 * max(u.numel for u in run.layout.all_units) * run_dtype(config).itemsize / MIB)
 
 
 def estimated_peak(folder: Path, settings: dict[str, Any]) -> dict[str, Any]:
@@ -313,8 +304,6 @@ def prepare(work: Path, args: argparse.Namespace) -> tuple[Any, list[dict[str, A
     """The model's config and the disk plan, refused in one line if it does not fit the free space."""
     settings = model_config(args.params, TOKENIZER_VOCAB, args.moe, positions=max(512, args.seq_len))
     model = meta_of(settings)
-    if args.prefetch_mb is None:  # 0, no prefetch, is a choice too
-        args.prefetch_mb = two_units_mb(model, run_settings(work, args))
     plan = disk_plan(model, run_settings(work, args), args.probe_bytes, args.moe)
     free = shutil.disk_usage(work).free
     count = sum(p.numel() for p in model.parameters())
@@ -425,7 +414,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--moe", action="store_true", help="a Mixtral-style mixture of experts from its config")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens a sequence (default 256)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences a step (default 1)")
-    parser.add_argument("--prefetch-mb", type=float, help="zero.prefetch_mb (default: two of the largest unit)")
+    parser.add_argument("--prefetch-mb", default="auto", help="zero.prefetch_mb (default auto: two of the largest unit)")
     parser.add_argument(
         "--defer-update",
         action=argparse.BooleanOptionalAction,

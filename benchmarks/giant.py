@@ -231,9 +231,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--buffer-mb", type=int, default=1024, help="offload.buffer_mb (default 1024)")
     parser.add_argument(
         "--prefetch-mb",
-        type=float,
         default=ZeroConfig.prefetch_mb,
-        help=f"zero.prefetch_mb: parameters read ahead (default {ZeroConfig.prefetch_mb:g})",
+        help=f"zero.prefetch_mb: MiB of parameters read ahead, or auto (default {ZeroConfig.prefetch_mb})",
     )
     parser.add_argument(
         "--grad-clip", type=float, default=0.0, help="optim.grad_clip (default 0: each unit updated in backward)"

@@ -255,7 +255,7 @@ def parameters(
         return ReplicatedParams(layout, comm, budget, device, uploads)
     tier: ParamTier
     if offload.param == "nvme":
-        buffer_bytes = param_window_bytes(zero, comm.world_size)
+        buffer_bytes = param_window_bytes(zero, layout, dtype)
         path = Path(offload.store_path) / PARAM_STORE
         tier = StoreParamTier(
             path,
@@ -277,7 +277,7 @@ def parameters(
         tier,
         budget,
         device,
-        prefetch_bytes=prefetch_bytes(zero),
+        prefetch_bytes=prefetch_bytes(zero, layout, dtype),
         persistence_threshold=zero.persistence_threshold,
         reserve_bytes=required_headroom(layout, dtype, gradient_dtype(config, comm.world_size)),
         uploads=uploads,

@@ -148,7 +148,12 @@ def validate(config: Config) -> None:
         o.param,
         'offloading parameters needs zero.stage = 3 (set zero.stage = 3, or offload.param = "device")',
     )
-    _check(z.prefetch_mb >= 0, "zero.prefetch_mb", z.prefetch_mb, "must be >= 0 (0: no prefetch)")
+    _check(
+        z.prefetch_mb == "auto" or z.prefetch_mb >= 0,
+        "zero.prefetch_mb",
+        z.prefetch_mb,
+        'must be >= 0 (0: no prefetch), or "auto"',
+    )
     _check(z.persistence_threshold >= 0, "zero.persistence_threshold", z.persistence_threshold, "must be >= 0")
     _check(
         z.device_memory_limit_mb >= 0,

@@ -167,7 +167,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError:
                 continue
-        raise ConfigError(f"{key} = {value!r}: expected {hint}")
+        raise ConfigError(f"{key} = {value!r}: expected {' or '.join(_spelled(arg) for arg in args)}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key} = {value!r}: expected a list of {len(args)} values")
@@ -183,6 +183,17 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(f"{key} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
     return value
+
+
+def _spelled(hint: Any) -> str:
+    """One member of a field's union type as a config file spells its values."""
+    if typing.get_origin(hint) is Literal:
+        return " or ".join(toml_value(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return f"a list of {_spelled(typing.get_args(hint)[0]).removeprefix('a ')}s"
+    return {float: "a number", int: "a whole number", bool: "true or false", str: "a string"}.get(
+        hint, getattr(hint, "__name__", str(hint))
+    )
 
 
 def _list_forms(key: str, item: Any) -> str:

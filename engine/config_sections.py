@@ -42,10 +42,13 @@ class ZeroConfig:
     makes each projection a unit inside its layer's, which shrinks every buffer sized by the
     largest unit (the peak RSS of a 7.9B Llama from 8.1 to 3.1 GiB by ``estimate``). A
     transformers model's output head stays in the root unit whatever its class."""
-    prefetch_mb: float = 64.0
+    prefetch_mb: float | Literal["auto"] = "auto"
     """Stage 3: MiB of the units next in the traced order gathered while the current one computes.
 
-    The next unit is gathered ahead whatever its size (a window smaller than a unit would
+    ``auto``: two of the largest unit in the compute dtype (the root unit aside), so that one
+    unit's read is in flight while the next lands, at least 64 MiB
+    (``engine.tiers.sizing.prefetch_bytes``); a 7.9B Llama's projections in bf16 make it 224 MiB,
+    where 64 MiB would hold one at a time. The next unit is gathered ahead whatever its size (a window smaller than a unit would
     otherwise gather none ahead); 0 gathers each unit only when it is needed. With the parameter
     shards in memory (``offload.param`` = ``cpu`` or ``device``) and an update that waits for
     every gradient (clipping), the same window of the next forward's first units starts on its

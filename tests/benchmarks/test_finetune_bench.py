@@ -69,18 +69,11 @@ def test_finetune_moe_quick(tmp_path: Path) -> None:
     assert (tmp_path / "finetune-moe.json").is_file()
 
 
-@pytest.mark.parametrize(("given", "expected"), [(None, "two units"), ("0", 0.0), ("48", 48.0)])
-def test_the_prefetch_window_is_two_units_in_the_compute_dtype_unless_given(tmp_path: Path, given, expected) -> None:
+@pytest.mark.parametrize(("given", "expected"), [(None, "auto"), ("0", 0.0), ("48", 48.0)])
+def test_the_runs_prefetch_window_is_the_engines_auto_unless_given(tmp_path: Path, given, expected) -> None:
     """A 0 given (no prefetch) is kept, not taken for the default."""
-    pytest.importorskip("transformers")
     from benchmarks import finetune
-    from benchmarks.compute_only import run_dtype
 
     args, _ = finetune.parse_args(["--quick", *(["--prefetch-mb", given] if given else [])])
-    hf_config, _, _, _ = finetune.prepare(tmp_path, args)
-    if expected == "two units":
-        config, run = finetune.planned_run(finetune.meta_of(hf_config), finetune.run_settings(tmp_path, args))
-        largest = max(u.numel for u in run.layout.all_units) * run_dtype(config).itemsize
-        assert (args.prefetch_mb - 1) * 2**20 < 2 * largest <= args.prefetch_mb * 2**20
-    else:
-        assert args.prefetch_mb == expected
+    config = finetune.planned_config(finetune.run_settings(tmp_path, args))
+    assert config.zero.prefetch_mb == expected

@@ -18,6 +18,7 @@ from engine.tiers.grad_spill import grad_bytes, scratch_disk_bytes
 from engine.tiers.sizing import (
     checkpoint_bytes,
     gradient_dtype,
+    module_numels,
     optimizer_buffer_bytes,
     param_pool_bytes,
     param_window_bytes,
@@ -76,22 +77,12 @@ def param_shard_bytes(run: RunShape) -> int:
     return sum(shard_bytes(u, run.dtype) for u in run.layout.all_units)
 
 
-def module_sizes(run: RunShape) -> dict[str, int]:
-    """Padded elements gathered when each unit's module runs: its trainable unit and its frozen
-    one (``FROZEN_SUFFIX``) together."""
-    sizes: dict[str, int] = {}
-    for unit in run.layout.all_units:
-        name = unit.name.removesuffix(FROZEN_SUFFIX)
-        sizes[name] = sizes.get(name, 0) + unit.padded_numel
-    return sizes
-
-
 def running_units_bytes(run: RunShape) -> int:
     """Stage 3: full units on the device however short the prefetch window. The root stays
     gathered from its forward to the end of backward; a block is gathered while it runs, and
     in backward the next is gathered before the last is released; units under
     ``zero.persistence_threshold`` parameters are never released."""
-    zero, sizes = run.config.zero, module_sizes(run)
+    zero, sizes = run.config.zero, module_numels(run.layout)
     blocks = [size for name, size in sizes.items() if name != ROOT_UNIT]
     persistent = sum(
         u.padded_numel
@@ -104,14 +95,14 @@ def running_units_bytes(run: RunShape) -> int:
 def prefetch_window_bytes(run: RunShape) -> int:
     """Stage 3: the units gathered ahead of use, within ``zero.prefetch_mb``. The window looks
     ahead in the iteration only, so it is full at the start of backward and empty at its end."""
-    blocks = sum(size for name, size in module_sizes(run).items() if name != ROOT_UNIT)
-    return min(prefetch_bytes(run.config.zero), run.itemsize * blocks)
+    blocks = sum(size for name, size in module_numels(run.layout).items() if name != ROOT_UNIT)
+    return min(prefetch_bytes(run.config.zero, run.layout, run.dtype), run.itemsize * blocks)
 
 
 def param_staging_bytes(run: RunShape) -> int:
     """Stage 3, ``offload.param = "nvme"``: the host pool shards are read into, the rank's share
     of the prefetch window plus two of the largest shards (one fetch not foreseen, one write)."""
-    window = param_window_bytes(run.config.zero, run.layout.world_size)
+    window = param_window_bytes(run.config.zero, run.layout, run.dtype)
     return param_pool_bytes(run.layout.all_units, run.dtype, window)
 
 
