@@ -1,0 +1,104 @@
+"""What the process's heap setting costs a step's compute: the compute-only step of the
+fine-tune's Llama (`benchmarks.compute_only`, each layer recomputed, in the run's dtype) timed
+in a fresh process per setting, in turn over `--rounds`: glibc's own heap, and the engine's
+(`engine.runtime.heap.tune_heap`: every buffer of `--thresholds-mb` MiB or more mapped on its
+own, 1 MiB being `python -m engine train`'s, with torch's huge pages on).
+
+    python -m benchmarks.heap [--quick] [--params N] [--thresholds-mb T ...] [--rounds R] [--reps K]
+
+A buffer mapped on its own is returned to the system when freed, so the resident set is what
+is live; the next buffer of its size is fresh memory, and its first touch faults page by page.
+A step's matmuls make and free temporaries the size of their weights (and their weights'
+gradients) many times over, so what the setting costs shows in the compute alone, with no
+engine buffers at all. glibc's own heap keeps freed buffers up to 32 MiB (its threshold rises
+to the largest one freed) and reuses them; larger ones are mapped whatever the setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from engine.runtime.heap import TORCH_HUGE_PAGES, tune_heap
+
+GLIBC = "glibc"
+"""The setting that leaves the heap as the C library makes it."""
+
+
+def floor_seconds(params: float, setting: str, reps: int) -> dict[str, Any]:
+    """In this process, made fresh for it: ``setting`` (``GLIBC``, or a threshold in MiB) before
+    torch allocates, then the compute-only step and the process's resident high-water mark."""
+    tuned = setting != GLIBC and tune_heap(int(setting) << 20)
+    import torch  # after the heap's setting: torch reads its huge-page switch at its first allocation
+
+    from benchmarks.compute_only import hf_compute_seconds, run_dtype
+    from benchmarks.llama_checkpoint import model_config
+    from benchmarks.sft import TOKENIZER_VOCAB
+    from engine.config import Config
+    from engine.runtime.rss import peak_rss_bytes
+
+    settings = model_config(params, TOKENIZER_VOCAB, False, positions=512)
+    dtype = run_dtype(Config())
+    seconds = hf_compute_seconds(settings, torch.Size([1, 256]), dtype, ("recompute",), reps)["recompute"]
+    huge = os.environ.get(TORCH_HUGE_PAGES) == "1"
+    return {"seconds": seconds, "dtype": str(dtype).removeprefix("torch."), "peak_rss_bytes": peak_rss_bytes()} | {
+        "mapped_from_mb": int(setting) if tuned else None,
+        "huge_pages": huge,
+    }
+
+
+def measured(params: float, setting: str, reps: int) -> dict[str, Any]:
+    """``floor_seconds`` in a child process: a heap setting holds for the whole process."""
+    command = [sys.executable, "-m", "benchmarks.heap", "--child", setting, "--params", str(params)]
+    env = {key: value for key, value in os.environ.items() if key != TORCH_HUGE_PAGES}  # glibc's run: torch's own
+    done = subprocess.run([*command, "--reps", str(reps)], capture_output=True, text=True, check=False, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"the {setting} run failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:  # before anything imports torch
+        params, reps = float(argv[argv.index("--params") + 1]), int(argv[argv.index("--reps") + 1])
+        print(json.dumps(floor_seconds(params, argv[1], reps)))
+        return {}
+    from benchmarks.report import base_parser, print_table, save_json, setup_logging
+
+    parser = base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=float, help="the Llama's parameters (default 8e9; --quick 2e7)")
+    parser.add_argument("--thresholds-mb", type=int, nargs="+", default=[1, 256], help="the engine's (default 1 256)")
+    parser.add_argument("--rounds", type=int, help="settings run in turn this many times (default 2; --quick 1)")
+    parser.add_argument("--reps", type=int, help="timed reps of the layer a run (default 3; --quick 1)")
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    params = args.params or (2e7 if args.quick else 8e9)
+    rounds, reps = args.rounds or (1 if args.quick else 2), args.reps or (1 if args.quick else 3)
+    settings = [GLIBC, *map(str, args.thresholds_mb)]
+    runs = {setting: [] for setting in settings}
+    for _ in range(rounds):
+        for setting in settings:
+            runs[setting].append(measured(params, setting, reps))
+    base = min(run["seconds"] for run in runs[GLIBC])
+    rows = [
+        {
+            "heap": "glibc's own" if setting == GLIBC else f"mapped from {setting} MiB",
+            "step s (fastest round)": min(run["seconds"] for run in done),
+            "x glibc": min(run["seconds"] for run in done) / base,
+            "each round s": " ".join(f"{run['seconds']:.2f}" for run in done),
+            "peak RSS GiB": max(run["peak_rss_bytes"] for run in done) / 2**30,
+        }
+        for setting, done in runs.items()
+    ]
+    dtype = runs[GLIBC][0]["dtype"]
+    print_table(f"compute-only step of a {params / 1e9:.2f}B Llama in {dtype}, by the heap's setting", rows)
+    payload = {"params": params, "dtype": dtype, "rounds": rounds, "reps": reps, "rows": rows, "runs": runs}
+    save_json(args.out, "heap", payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
