@@ -47,9 +47,10 @@ class ZeroConfig:
 
     ``auto``: two of the largest unit in the compute dtype (the root unit aside), so that one
     unit's read is in flight while the next lands, at least 64 MiB
-    (``engine.tiers.sizing.prefetch_bytes``); a 7.9B Llama's projections in bf16 make it 224 MiB,
-    where 64 MiB would hold one at a time. The next unit is gathered ahead whatever its size (a window smaller than a unit would
-    otherwise gather none ahead); 0 gathers each unit only when it is needed. With the parameter
+    (``engine.tiers.sizing.prefetch_bytes``); a 7.9B Llama's projections in bf16 make it 224
+    MiB, where 64 MiB would hold one at a time. The next unit is gathered ahead whatever its size
+    (a window smaller than a unit would otherwise gather none ahead); 0 gathers each unit only
+    when it is needed. With the parameter
     shards in memory (``offload.param`` = ``cpu`` or ``device``) and an update that waits for
     every gradient (clipping), the same window of the next forward's first units starts on its
     way to the device during the update, each unit as soon as it is updated."""
