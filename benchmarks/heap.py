@@ -94,7 +94,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, help="the Llama's parameters (default 2e9; --quick 2e7)")
-    parser.add_argument("--thresholds-mb", type=int, nargs="+", default=[1, 256], help="the engine's (default 1 256)")
+    parser.add_argument(
+        "--thresholds-mb",
+        type=int,
+        nargs="+",
+        default=[1, 256],
+        help="MiB from which buffers are mapped on their own (default 1, the engine's, and 256)",
+    )
     parser.add_argument("--rounds", type=int, help="settings run in turn this many times (default 2; --quick 1)")
     parser.add_argument("--reps", type=int, help="timed steps a run, after one (default 3; --quick 1)")
     args = parser.parse_args(argv)
