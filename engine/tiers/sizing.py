@@ -36,6 +36,11 @@ def module_numels(layout: ModelLayout) -> dict[str, int]:
     return numels
 
 
+def block_numels(layout: ModelLayout) -> list[int]:
+    """``module_numels`` of every module but the root, whose unit stays gathered through the step."""
+    return [numel for name, numel in module_numels(layout).items() if name != ROOT_UNIT]
+
+
 def prefetch_bytes(zero: ZeroConfig, layout: ModelLayout, dtype: torch.dtype) -> int:
     """Stage 3: device bytes of the units gathered ahead of use: ``zero.prefetch_mb``, or for
     ``"auto"`` two of the largest module's units in the compute dtype (the root's aside: it stays
@@ -44,8 +49,7 @@ def prefetch_bytes(zero: ZeroConfig, layout: ModelLayout, dtype: torch.dtype) ->
     9-13 s a step for its reads, with two under 0.6 s."""
     if zero.prefetch_mb != "auto":
         return int(zero.prefetch_mb * MIB)
-    blocks = [numel for name, numel in module_numels(layout).items() if name != ROOT_UNIT]
-    return max(2 * max(blocks, default=0) * dtype.itemsize, AUTO_PREFETCH_FLOOR_MB * MIB)
+    return max(2 * max(block_numels(layout), default=0) * dtype.itemsize, AUTO_PREFETCH_FLOOR_MB * MIB)
 
 
 def param_window_bytes(zero: ZeroConfig, layout: ModelLayout, dtype: torch.dtype) -> int:

@@ -16,6 +16,7 @@ from engine.state.forms import STATE_KINDS
 from engine.state.partition import FROZEN_SUFFIX, ROOT_UNIT
 from engine.tiers.grad_spill import grad_bytes, scratch_disk_bytes
 from engine.tiers.sizing import (
+    block_numels,
     checkpoint_bytes,
     gradient_dtype,
     module_numels,
@@ -82,21 +83,20 @@ def running_units_bytes(run: RunShape) -> int:
     gathered from its forward to the end of backward; a block is gathered while it runs, and
     in backward the next is gathered before the last is released; units under
     ``zero.persistence_threshold`` parameters are never released."""
-    zero, sizes = run.config.zero, module_numels(run.layout)
-    blocks = [size for name, size in sizes.items() if name != ROOT_UNIT]
+    zero, root = run.config.zero, module_numels(run.layout).get(ROOT_UNIT, 0)
+    blocks = block_numels(run.layout)
     persistent = sum(
         u.padded_numel
         for u in run.layout.all_units
         if u.numel < zero.persistence_threshold and u.name.removesuffix(FROZEN_SUFFIX) != ROOT_UNIT
     )
-    return run.itemsize * (sizes.get(ROOT_UNIT, 0) + sum(sorted(blocks, reverse=True)[:2]) + persistent)
+    return run.itemsize * (root + sum(sorted(blocks, reverse=True)[:2]) + persistent)
 
 
 def prefetch_window_bytes(run: RunShape) -> int:
     """Stage 3: the units gathered ahead of use, within ``zero.prefetch_mb``. The window looks
     ahead in the iteration only, so it is full at the start of backward and empty at its end."""
-    blocks = sum(size for name, size in module_numels(run.layout).items() if name != ROOT_UNIT)
-    return min(prefetch_bytes(run.config.zero, run.layout, run.dtype), run.itemsize * blocks)
+    return min(prefetch_bytes(run.config.zero, run.layout, run.dtype), run.itemsize * sum(block_numels(run.layout)))
 
 
 def param_staging_bytes(run: RunShape) -> int:
