@@ -12,6 +12,7 @@ shard's elements as on the parameters of one group: so the parameters exempt fro
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch.optim.adamw import adamw
@@ -143,11 +144,32 @@ class ShardAdamW:
 def piece_norms(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each host tensor's L2 norm as ``get_total_norm`` takes it (one foreach pass, whose result
     for a tensor does not depend on the others in the list), to be combined later by
-    ``norm_of_norms``: the pieces need not all be in memory at once. bf16 pieces are widened to
-    fp32, which gives their fp32 copies' norms bit for bit (on the CPU torch widens one piece at
-    a time into a temporary: at most the largest piece's fp32 bytes)."""
-    narrow = bool(pieces) and pieces[0].dtype != torch.float32
-    return list(torch._foreach_norm(pieces, 2.0, dtype=torch.float32 if narrow else None))
+    ``norm_of_norms``: the pieces need not all be in memory at once. A bf16 piece is widened to
+    fp32 and normed there by the same kernel, which gives its fp32 copy's norm bit for bit."""
+    if not pieces or pieces[0].dtype == torch.float32:
+        return list(torch._foreach_norm(pieces, 2.0))
+    return [_widened_norm(piece) for piece in pieces]
+
+
+NORM_SCRATCH_NUMEL = 64 << 20
+"""Elements of the largest narrow piece ``piece_norms`` widens in the thread's scratch (256 MiB
+of fp32: a 7-8B Llama's largest projection, 59M). Widened by torch, each piece's fp32 copy is
+fresh memory: a 2B Llama's layers' norms took 1.39 s a step that way against 0.64 s in a buffer
+written over (``engine.runtime.scratch``), an 8B's 5.35 s against 4.08 (``benchmarks.grad_norms``),
+CPU the optimizer worker takes from the compute's cores. A larger piece (a vocabulary's
+embedding) is widened by torch, so that the buffer the thread keeps for the run stays this size."""
+
+
+def norm_scratch_numel(piece_numels: Iterable[int]) -> int:
+    """Elements of the scratch ``piece_norms`` keeps to widen narrow pieces of these sizes."""
+    return max((n for n in piece_numels if n <= NORM_SCRATCH_NUMEL), default=0)
+
+
+def _widened_norm(piece: torch.Tensor) -> torch.Tensor:
+    if piece.numel() > NORM_SCRATCH_NUMEL:
+        return torch._foreach_norm([piece], 2.0, dtype=torch.float32)[0]
+    wide = scratch("piece norm", piece.numel(), torch.float32, piece.device).view(piece.shape)
+    return torch._foreach_norm([wide.copy_(piece)], 2.0)[0]
 
 
 UNIT_NORM_PIECE = 1 << 20

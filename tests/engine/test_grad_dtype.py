@@ -5,15 +5,19 @@ gradient can wait for its update, for half the bucket's bytes and half those of 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from engine.config import Config
 from engine.engine import Engine
+from engine.runtime.scratch import scratch
 from engine.tiers.sizing import gradient_dtype
 from engine.tools.estimate import run_shape
-from engine.tools.estimate.terms import grad_bucket_bytes
-from engine.zero.optim import UNIT_NORM_PIECE, unit_norm
+from engine.tools.estimate.terms import grad_bucket_bytes, norm_scratch_bytes
+from engine.zero import optim
+from engine.zero.optim import UNIT_NORM_PIECE, piece_norms, unit_norm
 from tests.engine.test_grad_spill import assert_same, nvme
 from tests.training import config, tiny_gpt, train_engine
 
@@ -85,3 +89,32 @@ def test_a_bf16_shards_own_norm_is_its_fp32_copys_bit_for_bit(numel: int) -> Non
     whole = torch.linalg.vector_norm(grad.float())  # torch's fp32 sums stray by as much (3e-5 at 3M elements)
     for norm in (wide, whole):
         torch.testing.assert_close(norm, exact, rtol=1e-4, atol=0)
+
+
+def test_bf16_pieces_norms_are_their_fp32_copies_bit_for_bit_and_reuse_one_capped_buffer(monkeypatch) -> None:
+    """The norms the spill takes of each parameter's gradient (one rank): widened in the thread's
+    scratch up to ``NORM_SCRATCH_NUMEL`` elements, by torch above it, the same bits either way.
+    Run on a thread of its own, whose scratch starts empty."""
+    monkeypatch.setattr(optim, "NORM_SCRATCH_NUMEL", 5000)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(40, 100), (7,), (4000,), (3, 3000)]  # the last is above the cap
+    pieces = [(torch.randn(shape, generator=gen) * 1e-3).to(torch.bfloat16) for shape in shapes]
+
+    def norms_and_held() -> tuple[list[torch.Tensor], int]:
+        norms = piece_norms(pieces)
+        return norms, scratch("piece norm", 1, torch.float32, torch.device("cpu")).untyped_storage().nbytes()
+
+    with ThreadPoolExecutor(1) as thread:
+        narrow, held = thread.submit(norms_and_held).result()
+    wide = piece_norms([p.float() for p in pieces])
+    assert all(n.dtype == torch.float32 and torch.equal(n, w) for n, w in zip(narrow, wide, strict=True))
+    assert held == 4 * 4000, "the buffer grew to the largest piece under the cap, not to the one above it"
+
+
+def test_estimate_counts_the_norm_scratch_for_one_bf16_rank_only(tmp_path) -> None:
+    spilled = run_shape(bf16_rank(tmp_path, WAITS["spilled as bf16, stage 3"]), 1)
+    largest = max(slot.numel for unit in spilled.layout.units for slot in unit.params)
+    assert norm_scratch_bytes(spilled) == 4 * largest > 0
+    assert norm_scratch_bytes(run_shape(bf16_rank(tmp_path, WAITS["spilled as bf16, stage 3"]), 2)) == 0
+    assert norm_scratch_bytes(run_shape(bf16_rank(tmp_path, WAITS["updated inside backward"]), 1)) == 0
+    assert norm_scratch_bytes(run_shape(config(), 1)) == 0, "fp32 gradients are normed where they are"

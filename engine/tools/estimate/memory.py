@@ -27,6 +27,7 @@ from engine.tools.estimate.terms import (
     grad_dtype,
     grad_shard_bytes,
     heap_retention_bytes,
+    norm_scratch_bytes,
     optimizer_staging_bytes,
     optimizer_state_bytes,
     param_grad_bytes,
@@ -89,6 +90,9 @@ def _held_state(run: RunShape, plan: Plan) -> dict[str, Footprint]:
         terms["parameter staging"] = Footprint(host=param_staging_bytes(run))
     if spills_gradients(run.config):
         terms["gradient spill staging"] = Footprint(host=spill_staging_bytes(run))
+    if norm_scratch_bytes(run):
+        where = "cpu" if spills_gradients(run.config) else _grad_tier(plan)
+        terms["gradient norm scratch"] = _on(where, norm_scratch_bytes(run))
     return terms
 
 
@@ -97,6 +101,7 @@ def _construction_end(run: RunShape, plan: Plan) -> dict[str, Footprint]:
     tier's pool having staged only the initial masters written behind the build so far."""
     built = _held_state(run, plan)
     built.pop("gradient spill staging", None)  # nothing spilled yet
+    built.pop("gradient norm scratch", None)  # no norm taken yet
     if plan.tiers.optimizer_in_store:
         built["optimizer staging"] = Footprint(host=construction_staging_bytes(run))
     return built

@@ -32,6 +32,7 @@ from engine.tiers.store_checks import store_bytes as optimizer_store_bytes
 from engine.tools.estimate.shape import Plan, RunShape
 from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
+from engine.zero.optim import norm_scratch_numel
 from offload import array_bytes, shard_bytes
 
 ADAM_KINDS = len(STATE_KINDS)
@@ -149,6 +150,16 @@ def grad_shard_bytes(run: RunShape) -> int:
     if leaves and run.config.zero.grad_accum_steps == 1:
         return MAX_IN_FLIGHT * max(shards)
     return sum(shards)
+
+
+def norm_scratch_bytes(run: RunShape) -> int:
+    """The fp32 buffer kept by the thread that takes the gradient norm, to widen bf16 pieces in
+    (``engine.zero.optim.piece_norms``): one rank whose gradients stay bf16 and whose norm is
+    taken parameter by parameter once backward is over (not unit by unit inside it, as
+    ``optim.overlap`` does); 0 otherwise."""
+    if grad_dtype(run) == torch.float32 or overlaps_backward(run.config):
+        return 0
+    return FP32 * norm_scratch_numel(slot.numel for unit in run.layout.units for slot in unit.params)
 
 
 def spill_staging_bytes(run: RunShape) -> int:
