@@ -6,7 +6,7 @@ from offload.buffers import DIRECT_ALIGN, BufferPool, HostBuffer
 from offload.chunks import ChecksumError, FileOps
 from offload.costs import STAGES, CostAccount, per_gb
 from offload.generations import CHECKPOINTS, KEEP, CheckpointExistsError, Generations, generation_prefix
-from offload.host_memory import PinningError, host_bytes, pinning_device
+from offload.host_memory import PinningError, alias, host_bytes, pinning_device
 from offload.io import IORunner, OffloadIOError
 from offload.lock import StoreLock, StoreLockedError, describe_holder, read_holder
 from offload.manifest import ManifestError, commit, read_committed
@@ -62,6 +62,7 @@ __all__ = [
     "ShardedUnit",
     "StoreLock",
     "StoreLockedError",
+    "alias",
     "array_bytes",
     "array_in_layout",
     "array_name",

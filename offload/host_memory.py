@@ -13,6 +13,7 @@ never asked for.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import sys
@@ -90,3 +91,14 @@ def host_bytes(nbytes: int, *, pin_on: int | None = None, huge_pages: bool = Fal
         register(whole.data_ptr(), mapped, pin_on)
         memory.pinned = (whole.data_ptr(), pin_on)
     return whole[:nbytes]
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory (contiguous) with a storage of its own, which owns nothing:
+    what is done to the alias's storage (a numpy view of it, as the store takes of what it reads
+    into, leaves a storage unable to change size for good) leaves ``t``'s as it was. Valid while
+    ``t``'s memory is."""
+    if not t.nbytes:
+        return torch.empty_like(t)
+    raw = (ctypes.c_uint8 * t.nbytes).from_address(t.data_ptr())
+    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape)

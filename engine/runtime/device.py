@@ -60,6 +60,12 @@ class Device:
         return not self.is_accelerator
 
     @property
+    def computes_on_host_memory(self) -> bool:
+        """Whether the device's tensors are host memory (CPU): a disk read can land where the
+        compute reads it, with no copy up."""
+        return not self.is_accelerator
+
+    @property
     def backend(self) -> str:
         """NCCL on CUDA, gloo on CPU (and as the fallback elsewhere)."""
         return "nccl" if self.device.type == "cuda" else "gloo"

@@ -183,6 +183,10 @@ class SimDevice(Device):
         return False
 
     @property
+    def computes_on_host_memory(self) -> bool:
+        return False  # it stands in for an accelerator, whose memory a disk read does not reach
+
+    @property
     def backend(self) -> str:
         return "gloo"
 

@@ -81,8 +81,10 @@ class Fetch:
         return self._shard
 
     def release(self) -> None:
+        """Free the shard's buffer once the read filling it has landed (waited for even where
+        there is nothing to free: a read into a buffer of its caller's, ``read_into``)."""
+        self.wait()
         if self._free is not None:
-            self.wait()
             self._free()
             self._free = None
 
@@ -115,6 +117,11 @@ class ParamTier(Protocol):
 
     def read(self, unit: UnitLayout) -> Fetch:
         """Start bringing the unit's shard where a copy to the device can take it."""
+        ...
+
+    def read_into(self, unit: UnitLayout, into: torch.Tensor) -> Fetch | None:
+        """Start reading the unit's shard straight into ``into`` (host memory, in its dtype), or
+        None where this tier cannot: its shard is in memory already, or read in another dtype."""
         ...
 
     def host_bytes(self) -> int:
@@ -180,6 +187,9 @@ class MemoryParamTier:
             return Fetch(self._shards[unit.name])
         unread.clear()
         return Fetch(self._shards[unit.name], free=unread.set)
+
+    def read_into(self, unit: UnitLayout, into: torch.Tensor) -> Fetch | None:
+        return None  # in memory already: a copy is all there is to do
 
     def host_bytes(self) -> int:
         return 0 if self._on_device else sum(t.nbytes for t in self._shards.values())
@@ -297,20 +307,32 @@ class StoreParamTier:
 
     def read(self, unit: UnitLayout) -> Fetch:
         """The shard in the compute dtype, or a trained unit's in its master's where the masters
-        are read (the copy to the device casts it)."""
-        dtype = self._master_dtype if unit.trainable and self._read_master is not None else self._dtype
+        are read (the copy to the device casts it), in a buffer of the pool."""
+        dtype = self._read_dtype(unit)
         buf = self.pool.acquire(shard_bytes(unit, dtype))
         shard = buf.view(dtype, unit.shard_numel)
-        future: Future | None
-        if not unit.trainable:
-            future = self._read_frozen(unit, shard)
-        elif self._read_master is not None:
-            future = self._read_master(unit, shard)
-        else:
-            assert self.store is not None  # kept wherever the masters are not read
-            [future] = read_shard_async(self.store, TOP, unit, self._rank, [(PARAM_KIND, shard)])
         self._bytes_read += buf.nbytes
-        return Fetch(shard, future, lambda: self.pool.release(buf))
+        return Fetch(shard, self._start_read(unit, shard), lambda: self.pool.release(buf))
+
+    def read_into(self, unit: UnitLayout, into: torch.Tensor) -> Fetch | None:
+        """The shard read into ``into``, where it is read in ``into``'s dtype: no pool buffer, and
+        no copy after it."""
+        if self._read_dtype(unit) != into.dtype:
+            return None
+        self._bytes_read += into.nbytes
+        return Fetch(into, self._start_read(unit, into))
+
+    def _read_dtype(self, unit: UnitLayout) -> torch.dtype:
+        return self._master_dtype if unit.trainable and self._read_master is not None else self._dtype
+
+    def _start_read(self, unit: UnitLayout, shard: torch.Tensor) -> Future | None:
+        if not unit.trainable:
+            return self._read_frozen(unit, shard)
+        if self._read_master is not None:
+            return self._read_master(unit, shard)
+        assert self.store is not None  # kept wherever the masters are not read
+        [future] = read_shard_async(self.store, TOP, unit, self._rank, [(PARAM_KIND, shard)])
+        return future
 
     def host_bytes(self) -> int:
         return self.pool.allocated_bytes

@@ -344,7 +344,8 @@ class ShardedParams:
             elif entry.state is UnitState.SHARDED:
                 if name in self._fresh and not self._budget.fits(entry.nbytes + self._reserve):
                     return  # a new shard is taken only to be copied at once (the tier's writes may need its buffer)
-                entry.start_fetch(self._fresh.pop(name, None))
+                in_place = self._budget.fits(entry.nbytes + self._reserve)  # its full buffer then held from the read
+                entry.start_fetch(self._fresh.pop(name, None), in_place=in_place)
                 if not (entry.fetch and entry.fetch.in_memory):
                     continue  # a read from disk: copied at a later call (on every rank alike: gathers follow)
             if entry.state is UnitState.FETCHING:

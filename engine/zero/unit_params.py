@@ -1,5 +1,6 @@
 """One stage-3 unit's full parameters through their life cycle: fetched from the unit's tier,
-copied into place on the device, all-gathered, and freed again (``engine.zero.params`` decides
+copied into place on the device (or, where the device is the host, read into place), all-gathered,
+and freed again (``engine.zero.params`` decides
 when). Each step of the cycle is a method here, and refused, before any of its work, from a
 state that does not lead to it."""
 
@@ -17,6 +18,7 @@ from engine.runtime.device import Device, Event
 from engine.runtime.staging import StagingRing
 from engine.state.partition import UnitLayout
 from engine.tiers.parameters import Fetch, ParamTier
+from offload import DIRECT_ALIGN, alias
 
 
 class UnitStateError(RuntimeError):
@@ -70,6 +72,8 @@ class UnitParams:
         self.layout, self.flat, self.persistent, self.state = layout, flat, persistent, state
         self._tier, self._comm, self._device, self._budget = tier, comm, device, budget
         self.fetch: Fetch | None = None
+        self.in_place = False
+        """Whether ``fetch`` reads into the full buffer itself (``_read_in_place``)."""
         self.copied: Event | None = None
         """The copy of the fetched shard into place: the fetch's buffer is released only after it."""
         self.work: Work | None = None
@@ -94,30 +98,60 @@ class UnitParams:
         """This rank's shard of the full buffer."""
         return self.flat[self.layout.shard_slice(self._comm.rank)]
 
-    def start_fetch(self, fetch: Fetch | None = None) -> None:
-        """Start reading the shard from its tier, or take ``fetch``, the shard already in hand."""
+    def start_fetch(self, fetch: Fetch | None = None, *, in_place: bool = False) -> None:
+        """Start reading the shard from its tier, or take ``fetch``, the shard already in hand.
+        ``in_place`` (the budget has room for the full buffer now): where the device is the
+        host, read it straight into its place in the full buffer, which then needs no copy."""
         with self.becoming(UnitState.FETCHING):
+            if fetch is None and in_place and self._device.computes_on_host_memory:
+                fetch = self._read_in_place()
+                self.in_place = fetch is not None
             self.fetch = fetch if fetch is not None else self._tier.read(self.layout)
+
+    def _read_in_place(self) -> Fetch | None:
+        """The shard read into its place in the full buffer, given its memory here; None (the
+        buffer left as it was) where the tier reads it in another dtype, or where the place is
+        not aligned for direct I/O: a read through the page cache would copy it all the same.
+        The read is given an alias of the place: the store's views of what it reads into leave
+        their storage unable to change size, and the full buffer's must be freed after."""
+        self._give_buffer()
+        own = self.own()
+        fetch = self._tier.read_into(self.layout, alias(own)) if own.data_ptr() % DIRECT_ALIGN == 0 else None
+        if fetch is None:
+            self._drop_buffer()
+        return fetch
 
     def start_copy(self) -> None:
         """The shard is fetched: give the full buffer its memory and queue the shard's copy into
-        place on the copy stream. The fetch's buffer goes back once the copy's event has
+        place on the copy stream (unless it was read in place: then nothing is left to do). The fetch's buffer goes back once the copy's event has
         completed (``release_fetch``), on the device's completion thread: what a tier's writes
         wait for never waits for this thread."""
         if self.state is UnitState.SHARDED:
-            self.start_fetch()
+            self.start_fetch(in_place=True)  # charged now rather than below, as the copy would be
         with self.becoming(UnitState.COPYING):
-            self._budget.charge(self.nbytes, f"gathering unit {self.layout.name!r}")
-            self.flat.untyped_storage().resize_(self.nbytes)
             assert self.fetch is not None  # FETCHING holds it
+            if self.in_place:
+                return  # the read is the copy: the gather waits for it
+            self._give_buffer()
             self.copied = self._device.copy(self.own(), self.fetch.wait(), to_device=True)
             self.release_fetch()
+
+    def _give_buffer(self) -> None:
+        self._budget.charge(self.nbytes, f"gathering unit {self.layout.name!r}")
+        self.flat.untyped_storage().resize_(self.nbytes)
+
+    def _drop_buffer(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+        self._budget.credit(self.nbytes)
 
     def start_gather(self) -> None:
         """All-gather the full buffer once the shard's copy is done (asynchronously)."""
         with self.becoming(UnitState.GATHERING):
-            assert self.copied is not None  # COPYING holds it
-            self._device.wait_for(self.copied)  # the all-gather reads the shard
+            if self.copied is not None:
+                self._device.wait_for(self.copied)  # the all-gather reads the shard
+            else:
+                assert self.fetch is not None  # COPYING holds the copy's event, or the read in place
+                self.release_fetch()  # waits for the read
             self.work = self.all_gather()
 
     def gather_from(self, master: torch.Tensor, uploads: StagingRing | None) -> None:
@@ -125,8 +159,7 @@ class UnitParams:
         the all-gather: a deferred update hands each unit on just before its forward, which
         then needs no read of the values just written (``copy_and_gather``)."""
         with self.becoming(UnitState.GATHERING):
-            self._budget.charge(self.nbytes, f"gathering unit {self.layout.name!r}")
-            self.flat.untyped_storage().resize_(self.nbytes)
+            self._give_buffer()
             self.work = copy_and_gather(self._device, self._comm, self.flat, self.layout, master, uploads)
 
     def all_gather(self) -> Work:
@@ -136,7 +169,7 @@ class UnitParams:
     def release_fetch(self) -> None:
         """Hand the fetched shard's buffer back once the copy reading it is done (on the
         device's completion thread if it is not yet: this thread does not wait for it)."""
-        fetch, self.fetch = self.fetch, None
+        fetch, self.fetch, self.in_place = self.fetch, None, False
         if fetch is None:
             return
         if self.copied is None:
@@ -169,11 +202,10 @@ class UnitParams:
             # with its copy in flight waits here.
             if self.copied is not None and not self.copied.query():
                 self.copied.synchronize()
-            self.release_fetch()
+            self.release_fetch()  # a read in flight lands first, in place or in its pool buffer
             self.copied = None
-            if self.state is not UnitState.FETCHING:
-                self.flat.untyped_storage().resize_(0)
-                self._budget.credit(self.nbytes)
+            if self.flat.untyped_storage().nbytes():
+                self._drop_buffer()
 
 
 def copy_and_gather(
