@@ -349,8 +349,8 @@ class ShardedParams:
                 if not (entry.fetch and entry.fetch.in_memory):
                     continue  # a read from disk: copied at a later call (on every rank alike: gathers follow)
             if entry.state is UnitState.FETCHING:
-                if not self._budget.fits(entry.nbytes + self._reserve):
-                    return
+                if not entry.in_place and not self._budget.fits(entry.nbytes + self._reserve):
+                    return  # (a unit read in place holds its buffer already)
                 entry.start_copy()
                 if self._device.copies_are_synchronous:
                     entry.start_gather()

@@ -1,8 +1,7 @@
 """One stage-3 unit's full parameters through their life cycle: fetched from the unit's tier,
-copied into place on the device (or, where the device is the host, read into place), all-gathered,
-and freed again (``engine.zero.params`` decides
-when). Each step of the cycle is a method here, and refused, before any of its work, from a
-state that does not lead to it."""
+copied into place on the device (where the device is the host, read into place), all-gathered,
+and freed again (``engine.zero.params`` decides when). Each step of the cycle is a method here,
+and refused, before any of its work, from a state that does not lead to it."""
 
 from __future__ import annotations
 
@@ -123,9 +122,9 @@ class UnitParams:
 
     def start_copy(self) -> None:
         """The shard is fetched: give the full buffer its memory and queue the shard's copy into
-        place on the copy stream (unless it was read in place: then nothing is left to do). The fetch's buffer goes back once the copy's event has
-        completed (``release_fetch``), on the device's completion thread: what a tier's writes
-        wait for never waits for this thread."""
+        place on the copy stream (read in place, it is there already). The fetch's buffer goes
+        back once the copy's event has completed (``release_fetch``), on the device's completion
+        thread: what a tier's writes wait for never waits for this thread."""
         if self.state is UnitState.SHARDED:
             self.start_fetch(in_place=True)  # charged now rather than below, as the copy would be
         with self.becoming(UnitState.COPYING):
