@@ -119,9 +119,13 @@ class ParamTier(Protocol):
         """Start bringing the unit's shard where a copy to the device can take it."""
         ...
 
-    def read_into(self, unit: UnitLayout, into: torch.Tensor) -> Fetch | None:
-        """Start reading the unit's shard straight into ``into`` (host memory, in its dtype), or
-        None where this tier cannot: its shard is in memory already, or read in another dtype."""
+    def reads_into(self, unit: UnitLayout, dtype: torch.dtype) -> bool:
+        """Whether ``read_into`` can fill a host tensor of ``dtype`` with the unit's shard: not
+        where the shard is in memory already, or is read in another dtype."""
+        ...
+
+    def read_into(self, unit: UnitLayout, into: torch.Tensor) -> Fetch:
+        """Start reading the unit's shard straight into ``into`` (host memory; ``reads_into`` its dtype)."""
         ...
 
     def host_bytes(self) -> int:
@@ -188,8 +192,11 @@ class MemoryParamTier:
         unread.clear()
         return Fetch(self._shards[unit.name], free=unread.set)
 
-    def read_into(self, unit: UnitLayout, into: torch.Tensor) -> Fetch | None:
-        return None  # in memory already: a copy is all there is to do
+    def reads_into(self, unit: UnitLayout, dtype: torch.dtype) -> bool:
+        return False  # in memory already: a copy is all there is to do
+
+    def read_into(self, unit: UnitLayout, into: torch.Tensor) -> Fetch:
+        raise NotImplementedError("a shard in memory is copied, not read (reads_into is False)")
 
     def host_bytes(self) -> int:
         return 0 if self._on_device else sum(t.nbytes for t in self._shards.values())
@@ -314,11 +321,11 @@ class StoreParamTier:
         self._bytes_read += buf.nbytes
         return Fetch(shard, self._start_read(unit, shard), lambda: self.pool.release(buf))
 
-    def read_into(self, unit: UnitLayout, into: torch.Tensor) -> Fetch | None:
-        """The shard read into ``into``, where it is read in ``into``'s dtype: no pool buffer, and
-        no copy after it."""
-        if self._read_dtype(unit) != into.dtype:
-            return None
+    def reads_into(self, unit: UnitLayout, dtype: torch.dtype) -> bool:
+        return self._read_dtype(unit) == dtype
+
+    def read_into(self, unit: UnitLayout, into: torch.Tensor) -> Fetch:
+        """The shard read into ``into``: no pool buffer, and no copy after it."""
         self._bytes_read += into.nbytes
         return Fetch(into, self._start_read(unit, into))
 

@@ -108,17 +108,19 @@ class UnitParams:
             self.fetch = fetch if fetch is not None else self._tier.read(self.layout)
 
     def _read_in_place(self) -> Fetch | None:
-        """The shard read into its place in the full buffer, given its memory here; None (the
-        buffer left as it was) where the tier reads it in another dtype, or where the place is
-        not aligned for direct I/O: a read through the page cache would copy it all the same.
-        The read is given an alias of the place: the store's views of what it reads into leave
-        their storage unable to change size, and the full buffer's must be freed after."""
+        """The shard read into its place in the full buffer, given its memory here; None (no
+        memory given) where the tier cannot read it there, or where the place is not aligned
+        for direct I/O: a read through the page cache would copy it all the same. The read is
+        given an alias of the place: the store's views of what it reads into leave their
+        storage unable to change size, and the full buffer's must be freed after."""
+        if not self._tier.reads_into(self.layout, self.flat.dtype):
+            return None
         self._give_buffer()
         own = self.own()
-        fetch = self._tier.read_into(self.layout, alias(own)) if own.data_ptr() % DIRECT_ALIGN == 0 else None
-        if fetch is None:
+        if own.data_ptr() % DIRECT_ALIGN:
             self._drop_buffer()
-        return fetch
+            return None
+        return self._tier.read_into(self.layout, alias(own))
 
     def start_copy(self) -> None:
         """The shard is fetched: give the full buffer its memory and queue the shard's copy into

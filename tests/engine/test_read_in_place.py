@@ -40,18 +40,21 @@ def any_address(monkeypatch) -> None:
 
 @pytest.mark.parametrize("form", ["fp32", "bf16 masters"])
 def test_reads_in_place_train_as_the_pool_does_with_no_copy(tmp_path, monkeypatch, any_address, form: str) -> None:
-    copies: list[int] = []
-    read_into = StoreParamTier.read_into
+    reads: dict[str, int] = {"in place": 0, "pooled": 0}
+    read_into, read = StoreParamTier.read_into, StoreParamTier.read
 
-    def counted(self: StoreParamTier, unit, into: torch.Tensor):
-        fetch = read_into(self, unit, into)
-        copies.append(fetch is not None)
-        return fetch
+    def counted(way: str, call):
+        def run(*args):
+            reads[way] += 1
+            return call(*args)
 
-    monkeypatch.setattr(StoreParamTier, "read_into", counted)
+        return run
+
+    monkeypatch.setattr(StoreParamTier, "read_into", counted("in place", read_into))
+    monkeypatch.setattr(StoreParamTier, "read", counted("pooled", read))
     in_place = train_engine(nvme_params(tmp_path / "in-place", form), 3)
-    assert copies and all(copies), "every read that could go in place did"
-    monkeypatch.setattr(StoreParamTier, "read_into", lambda self, unit, into: None)
+    assert reads["in place"] > 0 and reads["pooled"] == 0, "every read went in place"
+    monkeypatch.setattr(StoreParamTier, "reads_into", lambda self, unit, dtype: False)
     pooled = train_engine(nvme_params(tmp_path / "pooled", form), 3)
     assert in_place["losses"] == pooled["losses"]
     assert all(torch.equal(in_place["params"][k], pooled["params"][k]) for k in pooled["params"])
@@ -82,7 +85,6 @@ def test_a_unit_freed_while_its_read_is_in_flight_waits_for_the_read(tmp_path, m
 
     def held(self: StoreParamTier, layout, into: torch.Tensor):
         fetch = read_into(self, layout, into)
-        assert fetch is not None
         wait = fetch.wait
 
         def late() -> torch.Tensor:
