@@ -29,6 +29,7 @@ from torch import nn
 
 from engine import build
 from engine.config import Config
+from engine.runtime import heap_bound
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.detect import detect_device
@@ -81,6 +82,7 @@ class Engine:
         self.module = model
         self.budget = DeviceBudget(int(config.zero.device_memory_limit_mb * MIB))
         units, owned, self.layout = build.model_units(model, config, self.comm.world_size)
+        heap_bound.keep_for(max(u.numel for u in self.layout.all_units) * self.dtype.itemsize)
         opt_device = build.optimizer_device(config, self.device)
         on_meta = build.check_start(config, model, resume, checkpoint, init_unit, overwrite)
         build.place_model(model, self.device.device, on_meta)
@@ -358,8 +360,7 @@ class Engine:
         """Update every unit (``StepControl.apply``: a step that diverged stops here), store the
         new parameters and commit the step on the optimizer tier; with ``optim.defer_update``
         the units are left to the next forward, each updated just before it runs."""
-        diverged = self.step_control.apply()
-        if diverged is not None:
+        if (diverged := self.step_control.apply()) is not None:
             self._diverge(diverged)
         record = self._commit_record(self.global_step + 1)  # the random states and client state of now
         self.step_control.complete(record, self._within_step)
@@ -455,8 +456,7 @@ class Engine:
         self._flush()
 
     def _flush(self) -> None:
-        """Commit the last step now if its commit was deferred. A commit that fails loses that
-        step: its state is in the parameters but not in the store."""
+        """Commit a deferred step now; one that fails is lost (in the parameters, not the store)."""
         self._finish_update()
         with self._within_step():
             self.optimizer_state.flush()

@@ -41,9 +41,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(
-    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0, nodes: int = 1
-) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0, nodes: int = 1) -> list[Any]:
     """``fn(*args)`` on ``world_size`` processes joined in one process group, spread evenly over
     ``nodes`` simulated hosts; results by rank."""
     ctx = mp.get_context("spawn")

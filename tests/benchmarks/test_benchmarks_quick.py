@@ -209,7 +209,9 @@ def test_copy_timeline_quick(tmp_path: Path) -> None:
     rows = {row["phase"]: row for row in record["rows"]}
     assert list(rows) == ["forward", "backward", "step", "whole step"]
     whole = rows["whole step"]
-    assert whole["s"] > 0 and whole["up idle s"] < whole["s"] and whole["down idle s"] < whole["s"], "both streams copied"
+    assert whole["s"] > 0 and whole["up idle s"] < whole["s"] and whole["down idle s"] < whole["s"], (
+        "both streams copied"
+    )
     for row in rows.values():
         assert 0 <= row["both idle s"] <= min(row["up idle s"], row["down idle s"]) <= row["s"]
 

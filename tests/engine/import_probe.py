@@ -39,7 +39,9 @@ def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
     Path("/proc/self/clear_refs").write_text("5")
     eng = Engine(model, config, init_unit=init)
     layout, offload = eng.layout, eng.config.offload
-    param_pool = param_pool_bytes(layout.all_units, torch.float32, param_window_bytes(eng.config.zero, layout, torch.float32))
+    param_pool = param_pool_bytes(
+        layout.all_units, torch.float32, param_window_bytes(eng.config.zero, layout, torch.float32)
+    )
     staged = eng.optimizer_state.pool.allocated_bytes + eng.params.host_bytes()  # the writes behind the build
     eng.close()
     return {

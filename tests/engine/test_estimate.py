@@ -149,7 +149,11 @@ def test_predicted_store_size_is_the_store_on_disk(measured) -> None:
 @pytest.fixture(scope="module")
 def small() -> Config:
     """bf16, as the terms below count it, whatever this machine's ``auto`` would compute in."""
-    raw = {"model": {"params": 20e6}, "data": {"seq_len": 128, "micro_batch": 2}, "precision": {"compute_dtype": "bf16"}}
+    raw = {
+        "model": {"params": 20e6},
+        "data": {"seq_len": 128, "micro_batch": 2},
+        "precision": {"compute_dtype": "bf16"},
+    }
     return Config.from_dict(raw)
 
 

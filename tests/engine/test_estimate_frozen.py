@@ -87,7 +87,7 @@ def test_a_frozen_base_larger_than_memory_is_kept_on_disk() -> None:
     in_memory = plans[Plan(3, "cpu", "cpu")]
     assert in_memory.host_bytes > base, "the frozen base is counted on the parameter tier"
     on_disk = plans[Plan(3, "nvme", "nvme")]
-    assert on_disk.disk_bytes > base and on_disk.peak_rss_bytes < base / 2
+    assert on_disk.disk_bytes > base and on_disk.peak_rss_bytes < base, "on disk, less memory than the base alone"
     ram = int(room_for(on_disk.peak_rss_bytes))
     choice = recommend(list(plans.values()), machine(ram), config)
     assert choice is not None and choice.plan.param == "nvme", "a frozen base larger than RAM goes to disk"

@@ -151,7 +151,9 @@ def test_bf16_trains_frozen_parameters_close_to_autocast(stage: int, tmp_path) -
     ref = train_reference(cfg, steps=8)
     initial = _snapshot(frozen_gpt())
     frozen = set(frozen_names(frozen_gpt()))
-    trainable = [{k: v for k, v in params.items() if k not in frozen} for params in (ours["params"], ref["params"], initial)]
+    trainable = [
+        {k: v for k, v in params.items() if k not in frozen} for params in (ours["params"], ref["params"], initial)
+    ]
     # bf16 parameters against autocast's fp32 ones: measured 0.0487 at stages 1 and 3, within
     # the bound of the unfrozen model (tests.engine.test_equivalence), 3 times over.
     error = change_error(*trainable)

@@ -173,7 +173,8 @@ def test_a_failed_step_leaves_the_store_dirty_and_refused(tmp_path) -> None:
         eng.save("torn")
     eng.close()
     with pytest.raises(
-        DirtyStoreError, match=rf"holds no checkpoint to resume from, so restore {store} from a backup, or start afresh over it with --overwrite"
+        DirtyStoreError,
+        match=rf"holds no checkpoint to resume from, so restore {store} from a backup, or start afresh over it with --overwrite",
     ):
         Engine.resume(tiny_gpt(), cfg, total_steps=4)
     with pytest.raises(DirtyStoreError):  # nor is a store in the generations mode read from it
@@ -278,7 +279,11 @@ sys.exit(main(sys.argv[2:]))
 
 
 def train_and_signal(tmp_path: Path, store: Path, sig: str) -> subprocess.CompletedProcess:
-    env = os.environ | {"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": fresh_cache(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "XDG_CACHE_HOME": fresh_cache(tmp_path / "cache"),
+        "PYTHONPATH": str(REPO),
+    }
     args = [part for o in OVERRIDES for part in (f"--{o.split('=')[0]}", o.split("=")[1])]
     args += ["--nvme_path", str(store), "--store.mode", "in-place", "--checkpoint.interval", "2"]
     return subprocess.run(

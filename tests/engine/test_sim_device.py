@@ -165,7 +165,9 @@ def test_every_plan_is_bit_identical_with_late_copies(stage, optimizer, param, s
 
 
 @pytest.mark.parametrize(("stage", "optimizer", "param"), [plan for plan in PLANS if plan[0] == 3])
-def test_clipped_stage3_plans_are_bit_identical_with_late_copies(stage, optimizer, param, tmp_path, monkeypatch) -> None:
+def test_clipped_stage3_plans_are_bit_identical_with_late_copies(
+    stage, optimizer, param, tmp_path, monkeypatch
+) -> None:
     """After clipping the units are updated in the order the next forward uses them, and the
     first ones go up to the device while the rest are updated: they must carry the new values."""
     cfg = plan_config(stage, optimizer, param, str(tmp_path / "store"), optim={"grad_clip": 0.05})

@@ -83,7 +83,9 @@ def test_a_meta_model_built_unit_by_unit_by_the_engine_equals_an_eager_one(tmp_p
         meta = GPT(eager.config)
     eng = Engine(meta, cfg, init_unit=functools.partial(init_parameters_, config=meta.config, seed=0))
     with eng.gathered():
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(eager.named_parameters(), meta.named_parameters(), strict=False))
+        assert all(
+            torch.equal(a, b) for (_, a), (_, b) in zip(eager.named_parameters(), meta.named_parameters(), strict=False)
+        )
     eng.close()
     with torch.device("meta"):
         uninitialised = GPT(eager.config)

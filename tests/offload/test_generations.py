@@ -118,13 +118,17 @@ def test_copy_moves_every_chunk_through_a_small_buffer_with_its_checksum(tmp_pat
         gens.copy("gen-0", "gen-7", buffer, part=(part, 3))
     store.sync()
     assert max(read_bytes) <= buffer.numel() // 2
-    assert sum(crcs_computed) == sum(v.numel() * 4 for v in data.values()), "each chunk's CRC computed once: verified on read, reused for the write"
+    assert sum(crcs_computed) == sum(v.numel() * 4 for v in data.values()), (
+        "each chunk's CRC computed once: verified on read, reused for the write"
+    )
     for name, values in data.items():
         out = torch.empty_like(values)
         store.read_into(f"gen-7/{name}", 0, out)
         assert torch.equal(out, values)
         chunks = sorted((store.path / "gen-0" / name / "c").iterdir())
-        assert [c.read_bytes() for c in chunks] == [(store.path / "gen-7" / name / "c" / c.name).read_bytes() for c in chunks]
+        assert [c.read_bytes() for c in chunks] == [
+            (store.path / "gen-7" / name / "c" / c.name).read_bytes() for c in chunks
+        ]
     with pytest.raises(ValueError, match="cannot hold two 8192-byte chunks of array 'gen-0/v/exp_avg'"):
         gens.copy("gen-0", "gen-7", torch.empty(8192, dtype=torch.uint8))
     runner.close()

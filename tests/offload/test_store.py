@@ -116,14 +116,10 @@ def test_round_trip_bit_exact_parallel(tmp_path, runner, dtype, aligned):
     src = alloc(NUMEL, dtype)
     src.copy_(random_bits(NUMEL, dtype))
     half = NUMEL // 2
-    IORunner.gather(
-        [store.write_async(name, 0, src[:half]), store.write_async(name, half, src[half:])]
-    ).result(TIMEOUT)
+    IORunner.gather([store.write_async(name, 0, src[:half]), store.write_async(name, half, src[half:])]).result(TIMEOUT)
     out = alloc(NUMEL, dtype)
     out.zero_()
-    IORunner.gather(
-        [store.read_async(name, half, out[half:]), store.read_async(name, 0, out[:half])]
-    ).result(TIMEOUT)
+    IORunner.gather([store.read_async(name, half, out[half:]), store.read_async(name, 0, out[:half])]).result(TIMEOUT)
     assert same_bits(out, src)
     direct_opens = [p for p, flags in ops.opened if flags & os.O_DIRECT]
     # O_DIRECT exactly when the buffer is page aligned (tmp_path is on a filesystem that allows it).
@@ -236,7 +232,8 @@ def test_array_metadata_is_what_zarr_writes_for_the_array(dtype, checksum, tmp_p
             compressors=[Crc32cCodec()] if checksum else None,
             filters=None,
             fill_value=0,
-            attributes={"torch_dtype": str(dtype).removeprefix("torch.")} | ({} if stripe is None else {"stripe_start": 3}),
+            attributes={"torch_dtype": str(dtype).removeprefix("torch.")}
+            | ({} if stripe is None else {"stripe_start": 3}),
         )
     written = sorted(p.relative_to(zarrs) for p in zarrs.rglob("zarr.json"))
     assert written == sorted(p.relative_to(ours) for p in ours.rglob("zarr.json"))

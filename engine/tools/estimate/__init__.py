@@ -21,9 +21,9 @@ engine's own functions wherever the engine sizes that part itself (``engine.tier
 ``engine.zero.grads``, ``offload.shards``), so a change in how the engine holds memory is made
 once and the estimate follows it. The layout is the engine's own
 (``engine.state.partition``), computed from the model built on the ``meta`` device, so padding and
-unit sizes are exact. Two terms are measured rather than derived: the baseline of a Python
-process that has loaded torch and the engine (measured once, in a subprocess), and the memory
-glibc's heap keeps after the engine frees it (a documented fraction; see ``HEAP_RETENTION``).
+unit sizes are exact. One term is measured rather than derived: the baseline of a Python
+process that has loaded torch and the engine (measured once, in a subprocess). The memory the
+heap keeps after the engine frees it is the bound ``engine.runtime.heap_bound`` holds it to.
 
 The parts: ``shape`` (the run and the plans), ``terms`` (bytes per part of the engine),
 ``memory`` (phases, the peak, ``estimate``), ``machine`` (this machine and the choice of
@@ -58,8 +58,6 @@ from engine.tools.estimate.shape import (
 )
 from engine.tools.estimate.terms import (
     ADAM_KINDS,
-    HEAP_BUFFER_LIMIT,
-    HEAP_RETENTION,
     activation_bytes,
     construction_staging_bytes,
     construction_transient_bytes,
@@ -85,8 +83,6 @@ __all__ = [
     "FP32",
     "GIB",
     "HEADROOM",
-    "HEAP_BUFFER_LIMIT",
-    "HEAP_RETENTION",
     "TIER_ORDER",
     "Footprint",
     "Machine",

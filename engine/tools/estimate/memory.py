@@ -19,7 +19,6 @@ from engine.tiers.sizing import pinned_bytes as pinned_need
 from engine.tiers.store_checks import check_buffer
 from engine.tools.estimate.shape import Plan, RunShape, all_plans
 from engine.tools.estimate.terms import (
-    HEAP_BUFFER_LIMIT,
     activation_bytes,
     construction_staging_bytes,
     construction_transient_bytes,
@@ -40,9 +39,7 @@ from engine.tools.estimate.terms import (
     step_io_bytes,
     store_bytes,
 )
-from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
-from offload import array_bytes
 
 
 @dataclass(frozen=True)
@@ -156,26 +153,6 @@ def _deferred_forward_start(run: RunShape, plan: Plan) -> dict[str, Footprint]:
     }
 
 
-def _heap_retention(run: RunShape, plan: Plan, device_is_host: bool) -> Footprint:
-    """The host heap's share of the unit-sized buffers every step frees and makes again:
-    gradient shards and buckets, and at stage 3 the gathered units. Only buffers under
-    ``HEAP_BUFFER_LIMIT`` count: glibc maps larger ones on their own and unmaps them when freed."""
-    units, dtype = run.layout.units, grad_dtype(run)
-    shards = [unit_grad_shard_bytes(u, dtype) for u in units]
-    buckets = sorted((bucket_bytes(u, dtype) for u in units), reverse=True)[:MAX_IN_FLIGHT]
-    churn = _on(_grad_tier(plan), _heap_sized(shards)) + Footprint(device=_heap_sized(buckets))
-    if plan.stage == 3:
-        flats = [array_bytes(u, run.dtype) for u in run.layout.all_units]
-        gathered = running_units_bytes(run) + prefetch_window_bytes(run)
-        churn += Footprint(device=gathered * _heap_sized(flats) // sum(flats))
-    return Footprint(host=heap_retention_bytes(churn.rss(device_is_host)))
-
-
-def _heap_sized(buffers: Iterable[int]) -> int:
-    """Bytes of the buffers small enough for glibc to serve from its heap."""
-    return sum(b for b in buffers if b < HEAP_BUFFER_LIMIT)
-
-
 def refusal(run: RunShape, plan: Plan) -> str:
     """The engine's own refusal of ``plan`` for ``run`` whatever the machine, or "": the
     config's (say, bf16 masters shared at stage 3 with another compute dtype), or the tier's."""
@@ -249,8 +226,9 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
 
     # The model comes on the meta device; construction materialises it unit by unit, so its
     # high point is at its end, with the last unit being flattened.
-    construction = _total(_construction_end(run, plan).values())
-    held = _held_state(run, plan) | {"heap retention": _heap_retention(run, plan, device_is_host)}
+    heap = {"heap retention": Footprint(host=heap_retention_bytes(run))}
+    construction = _total([*_construction_end(run, plan).values(), *heap.values()])
+    held = _held_state(run, plan) | heap
     moments = {
         "backward start": _backward_start(run, plan),
         "backward end": _backward_end(run, plan),

@@ -10,7 +10,7 @@ import torch
 from engine.config import overlaps_backward, shares_master, spills_gradients
 from engine.run.loss import CHUNK_TOKENS
 from engine.run.read_ahead import AHEAD
-from engine.runtime.heap import MMAP_THRESHOLD
+from engine.runtime.heap_bound import keep_bytes
 from engine.runtime.sizes import FP32
 from engine.state.forms import STATE_KINDS
 from engine.state.partition import FROZEN_SUFFIX, ROOT_UNIT
@@ -37,18 +37,6 @@ from offload import array_bytes, shard_bytes
 
 ADAM_KINDS = len(STATE_KINDS)
 """Tensors per parameter the optimizer tier holds: master, exp_avg, exp_avg_sq."""
-HEAP_RETENTION = 0.8
-"""Fraction of the unit-sized host buffers a step frees and makes again (gradient shards and
-buckets, gathered units) that glibc's heap keeps resident besides the live ones. Once its
-dynamic mmap threshold has risen past a unit's size such buffers come from the heap, whose
-holes are reused but seldom returned. Measured on 20-40M-parameter GPTs after 2-3 steps:
-0.2-0.6x on one rank, 1-2x on two; growing to 1.7x after 20 steps of the nvme tier (whose
-peak this then under-predicts by 15%). Activations (many smaller tensors) add little."""
-HEAP_BUFFER_LIMIT = MMAP_THRESHOLD
-"""``python -m engine train`` pins glibc's mmap threshold (``engine.runtime.heap``): a buffer at least this
-large is mapped on its own and returned to the system when freed; only smaller ones stay in the heap."""
-
-
 CHECKPOINT_ITEMSIZE = 2
 """Bytes per element of an imported checkpoint's tensors: bf16, as the Hub's large models are."""
 
@@ -250,9 +238,10 @@ def activation_bytes(run: RunShape) -> int:
     return tokens * saved + max(loss_backward, tokens * block_grads)
 
 
-def heap_retention_bytes(churn: int) -> int:
-    """What glibc's heap keeps of ``churn``, the bytes allocated and freed every step."""
-    return int(HEAP_RETENTION * churn)
+def heap_retention_bytes(run: RunShape) -> int:
+    """What the heap keeps of the buffers a step frees and makes again, besides the live ones:
+    ``engine.runtime.heap_bound`` hands the rest back (as ``python -m engine train`` runs)."""
+    return keep_bytes(max(u.numel for u in run.layout.all_units) * run.itemsize)
 
 
 def store_bytes(run: RunShape, plan: Plan) -> int:
