@@ -414,7 +414,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--moe", action="store_true", help="a Mixtral-style mixture of experts from its config")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens a sequence (default 256)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences a step (default 1)")
-    parser.add_argument("--prefetch-mb", default="auto", help="zero.prefetch_mb (default auto: two of the largest unit)")
+    parser.add_argument(
+        "--prefetch-mb", default="auto", help="zero.prefetch_mb (default auto: two of the largest unit)"
+    )
     parser.add_argument(
         "--defer-update",
         action=argparse.BooleanOptionalAction,

@@ -3,7 +3,8 @@ fine-tune's (`benchmarks.finetune`, at a size that fits in memory with its gradi
 few steps in the run's dtype, each layer recomputed as the fine-tune does, in a fresh process per
 setting, in turn over `--rounds`: glibc's own heap, and the engine's
 (`engine.runtime.heap.tune_heap`: every buffer of `--thresholds-mb` MiB or more mapped on its
-own, 1 MiB being `python -m engine train`'s, with torch's huge pages on).
+own, 256 MiB being `python -m engine train`'s, smaller ones kept for reuse within the bound of
+`engine.runtime.heap_bound` set for the model's largest weight, with torch's huge pages on).
 
     python -m benchmarks.heap [--quick] [--params N] [--thresholds-mb T ...] [--rounds R] [--reps K]
 
@@ -12,7 +13,7 @@ is live; the next buffer of its size is fresh memory, and its first touch faults
 A step's matmuls make and free temporaries the size of their weights (and their weights'
 gradients) many times over, so what the setting costs shows in the compute alone, with no
 engine buffers at all. glibc's own heap keeps freed buffers up to 32 MiB (its threshold rises
-to the largest one freed) and reuses them; larger ones are mapped whatever the setting. One
+to the largest one freed) and reuses them, larger ones mapped, and it keeps them without bound. One
 layer timed again and again (`benchmarks.compute_only`) reuses its few sizes and hides most of
 this: the whole model is timed.
 """
@@ -27,7 +28,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from engine.runtime.heap import TORCH_HUGE_PAGES, tune_heap
+from engine.runtime import heap_bound
+from engine.runtime.heap import MMAP_THRESHOLD, TORCH_HUGE_PAGES, tune_heap
 
 GLIBC = "glibc"
 """The setting that leaves the heap as the C library makes it."""
@@ -47,9 +49,12 @@ def step_seconds(params: float, setting: str, reps: int) -> dict[str, Any]:
     dtype = run_dtype(Config())
     seconds = timed(whole_step(model_config(params, TOKENIZER_VOCAB, False, positions=512), dtype), reps)
     huge = os.environ.get(TORCH_HUGE_PAGES) == "1"
+    bound = heap_bound.bound_process_heap() if tuned else None
     return {"seconds": seconds, "dtype": str(dtype).removeprefix("torch."), "peak_rss_bytes": peak_rss_bytes()} | {
         "mapped_from_mb": int(setting) if tuned else None,
         "huge_pages": huge,
+        "kept_mb": bound.keep >> 20 if bound else None,
+        "trims": bound.trims if bound else None,
     }
 
 
@@ -63,6 +68,7 @@ def whole_step(settings: Any, dtype: Any) -> Callable[[], None]:
     settings._attn_implementation = "sdpa"  # what from_pretrained picks on a CPU
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(settings, dtype=dtype)
+    heap_bound.keep_for(max(p.numel() for p in model.parameters()) * dtype.itemsize)  # as the engine's largest unit
     for layer in model.model.layers:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     tokens = torch.randint(0, settings.vocab_size, (1, 256))
@@ -98,8 +104,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--thresholds-mb",
         type=int,
         nargs="+",
-        default=[1, 256],
-        help="MiB from which buffers are mapped on their own (default 1, the engine's, and 256)",
+        default=[1, MMAP_THRESHOLD >> 20],
+        help=f"MiB from which buffers are mapped on their own (default 1, and {MMAP_THRESHOLD >> 20}, the engine's)",
     )
     parser.add_argument("--rounds", type=int, help="settings run in turn this many times (default 2; --quick 1)")
     parser.add_argument("--reps", type=int, help="timed steps a run, after one (default 3; --quick 1)")
@@ -115,7 +121,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = min(run["seconds"] for run in runs[GLIBC])
     rows = [
         {
-            "heap": "glibc's own" if setting == GLIBC else f"mapped from {setting} MiB",
+            "heap": "glibc's own"
+            if setting == GLIBC
+            else f"mapped from {setting} MiB, kept within {done[0]['kept_mb']} MiB",
             "step s (fastest round)": min(run["seconds"] for run in done),
             "x glibc": min(run["seconds"] for run in done) / base,
             "each round s": " ".join(f"{run['seconds']:.2f}" for run in done),

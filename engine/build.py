@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.config import Config, shares_master, spills_gradients
+from engine.runtime import heap_bound
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.device import Device
@@ -223,10 +224,12 @@ def optimizer_state(
     )
 
 
-def bound_pinned(config: Config, layout: ModelLayout, device: Device, dtype: torch.dtype) -> None:
-    """Give the device its pinned pool (``engine.runtime.pinned``) before any tier allocates: sized
-    by ``offload.pinned_mb``, refused if below what the plan copies through, with the nvme
-    tiers' staging reserved in it. Nothing where the device is the host."""
+def bound_host_memory(config: Config, layout: ModelLayout, device: Device, dtype: torch.dtype) -> None:
+    """Before any tier allocates: let the heap keep what the model's units make and free again
+    (``engine.runtime.heap_bound``), and give the device its pinned pool
+    (``engine.runtime.pinned``), sized by ``offload.pinned_mb``, refused if below what the plan
+    copies through, with the nvme tiers' staging reserved in it (none where the device is the host)."""
+    heap_bound.keep_for(max(u.numel for u in layout.all_units) * dtype.itemsize)
     need = pinned_bytes(config, layout, dtype)
     pool = device.bound_pinned(pinned_limit_bytes(config.offload, need))
     if pool is None:

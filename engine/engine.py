@@ -29,7 +29,6 @@ from torch import nn
 
 from engine import build
 from engine.config import Config
-from engine.runtime import heap_bound
 from engine.runtime.budget import DeviceBudget
 from engine.runtime.comm import Comm
 from engine.runtime.detect import detect_device
@@ -82,7 +81,6 @@ class Engine:
         self.module = model
         self.budget = DeviceBudget(int(config.zero.device_memory_limit_mb * MIB))
         units, owned, self.layout = build.model_units(model, config, self.comm.world_size)
-        heap_bound.keep_for(max(u.numel for u in self.layout.all_units) * self.dtype.itemsize)
         opt_device = build.optimizer_device(config, self.device)
         on_meta = build.check_start(config, model, resume, checkpoint, init_unit, overwrite)
         build.place_model(model, self.device.device, on_meta)
@@ -92,7 +90,7 @@ class Engine:
         if config.offload.uses_store or checkpoint is not None:
             self._lock_store(create=not resume)
         hosts.roll_back(config.offload.store_path, step, self.comm, self.io)  # to the step all hosts hold
-        build.bound_pinned(config, self.layout, self.device, self.dtype)  # before any tier allocates
+        build.bound_host_memory(config, self.layout, self.device, self.dtype)  # before any tier allocates
         self._build_tiers(opt_device, resume, checkpoint, overwrite)
         build.build_units(
             self.layout,
