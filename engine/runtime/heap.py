@@ -10,10 +10,11 @@ and 9 ms for memory already mapped. torch backs its large CPU tensors with huge 
 ``THP_MEM_ALLOC_ENABLE`` is set before its first allocation.
 
 Served from glibc's heap instead (its mmap threshold pinned at ``MMAP_THRESHOLD``, above a
-7-8B model's largest projection) they reuse memory already resident: at 2B parameters the
-backward took a third less time. But the heap keeps what it was given back, holes between
-live buffers included, and the resident set grows far past what is live (a 2B fine-tune
-peaked at 2.7 GiB against 1.4); ``engine.runtime.heap_bound`` hands it back beyond a bound.
+7-8B model's largest projection) they reuse memory already resident. But the heap keeps what
+it was given back, holes between live buffers included, and the resident set grows far past
+what is live (a 2B fine-tune peaked at 2.7 GiB against 1.4); ``engine.runtime.heap_bound``
+hands it back beyond a bound. So bounded, a 2B fine-tune's backward took 0.78-0.86x the time
+for 0.2 GiB more (docs/benchmarks.md, heap).
 
 Both settings are the process's, so the console command makes them, not the library; a
 program embedding the engine may call ``tune_heap`` itself, before it allocates tensors, and

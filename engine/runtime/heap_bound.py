@@ -2,13 +2,12 @@
 
 With the engine's heap (``engine.runtime.heap``) buffers under the mmap threshold come from
 glibc's heap and go back to it when freed, so the next step's temporaries of the same sizes
-reuse memory already resident instead of faulting fresh pages in (at 2B parameters that was a
-third of backward's time). The heap returns little of it by itself: holes between live
-buffers stay resident. ``HeapBound`` watches the process's resident set from a thread of its
-own and hands every free page back (``malloc_trim``) whenever the resident set has grown by
-more than ``keep`` since the last time it did, and every ``REFRESH_S`` whatever it holds; so
-the resident set stays within ``keep`` of the largest live set seen at a trim, which is what
-the memory estimate charges for the heap.
+reuse memory already resident instead of faulting fresh pages in. The heap returns little of
+it by itself: holes between live buffers stay resident. ``HeapBound`` watches the process's
+resident set from a thread of its own and hands every free page back (``malloc_trim``)
+whenever the resident set has grown by more than ``keep`` since the last time it did, and
+every ``REFRESH_S`` whatever it holds; so the resident set stays within ``keep`` of the
+largest live set seen at a trim, which is what the memory estimate charges for the heap.
 """
 
 from __future__ import annotations
