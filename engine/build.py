@@ -229,7 +229,7 @@ def bound_host_memory(config: Config, layout: ModelLayout, device: Device, dtype
     (``engine.runtime.heap_bound``), and give the device its pinned pool
     (``engine.runtime.pinned``), sized by ``offload.pinned_mb``, refused if below what the plan
     copies through, with the nvme tiers' staging reserved in it (none where the device is the host)."""
-    heap_bound.keep_for(max(u.numel for u in layout.all_units) * dtype.itemsize)
+    heap_bound.keep_for(layout.largest_unit_numel * dtype.itemsize)
     need = pinned_bytes(config, layout, dtype)
     pool = device.bound_pinned(pinned_limit_bytes(config.offload, need))
     if pool is None:
@@ -302,7 +302,7 @@ def required_headroom(layout: ModelLayout, dtype: torch.dtype, grad_dtype: torch
     have to allocate before anything optional is released (a unit gathered on demand, the
     root's gradient bucket, which lives through all of backward, and the buckets in flight)."""
     units = layout.units
-    largest_unit = max(u.padded_numel for u in layout.all_units) * dtype.itemsize
+    largest_unit = layout.largest_unit_numel * dtype.itemsize
     largest_bucket = max(bucket_bytes(u, grad_dtype) for u in units)
     root_bucket = sum(bucket_bytes(u, grad_dtype) for u in units if u.name == ROOT_UNIT)
     return largest_unit + root_bucket + MAX_IN_FLIGHT * largest_bucket

@@ -33,6 +33,7 @@ REFRESH_S = 10.0
 """At least this often the heap hands back what it keeps, however little: the bound is counted
 from the resident set after the last hand-back, which a past peak would otherwise hold high."""
 STATM = "/proc/self/statm"
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def keep_bytes(largest_unit_bytes: int) -> int:
@@ -44,7 +45,7 @@ def keep_bytes(largest_unit_bytes: int) -> int:
 def resident_bytes() -> int:
     """This process's resident set now."""
     with open(STATM, "rb") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(statm.read().split()[1]) * PAGE_BYTES
 
 
 class HeapBound:

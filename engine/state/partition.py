@@ -83,6 +83,12 @@ class ModelLayout:
         raise KeyError(f"no unit named {name!r} (units: {', '.join(u.name for u in self.all_units)})")
 
     @property
+    def largest_unit_numel(self) -> int:
+        """Elements of the largest unit's full buffer (padding included, frozen units too): what
+        every buffer a unit passes through is sized by."""
+        return max(u.padded_numel for u in self.all_units)
+
+    @property
     def numel(self) -> int:
         """Elements of the trainable parameters."""
         return sum(u.numel for u in self.units)

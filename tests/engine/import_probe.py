@@ -48,7 +48,7 @@ def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
         "added_peak": peak_rss_bytes() - before,
         "staged": staged,
         "staging_bound": construction_staging_bytes(run) + param_pool,
-        "largest_unit": max(u.padded_numel for u in layout.all_units) * 4,
+        "largest_unit": layout.largest_unit_numel * 4,
         "buffers": optimizer_buffer_bytes(offload, layout.units) + param_pool,
         "params": layout.numel + layout.frozen_numel,
         "estimated": predicted.phase_rss_bytes["construction"],

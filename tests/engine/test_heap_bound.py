@@ -78,7 +78,7 @@ def test_an_engine_widens_the_process_bound_to_its_model_and_the_estimate_counts
     cfg = config(zero={"stage": 3}, offload={"optimizer": "cpu", "nvme_path": str(tmp_path)})
     Engine(tiny_gpt(), cfg).close()
     run = run_shape(cfg, 1, model=tiny_gpt())
-    largest = max(u.numel for u in run.layout.all_units) * 4  # fp32
+    largest = run.layout.largest_unit_numel * 4  # fp32
     assert bound.keep == KEEP_UNITS * largest
     heap_bound.keep_for(0)
     assert bound.keep == KEEP_UNITS * largest, "a smaller model never narrows the bound"

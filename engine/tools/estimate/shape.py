@@ -185,7 +185,7 @@ class RunShape:
     @property
     def largest_unit(self) -> int:
         """Of every unit the parameters hold, frozen ones too."""
-        return max(u.padded_numel for u in self.layout.all_units)
+        return self.layout.largest_unit_numel
 
     @property
     def largest_param(self) -> int:

@@ -241,7 +241,7 @@ def activation_bytes(run: RunShape) -> int:
 def heap_retention_bytes(run: RunShape) -> int:
     """What the heap keeps of the buffers a step frees and makes again, besides the live ones:
     ``engine.runtime.heap_bound`` hands the rest back (as ``python -m engine train`` runs)."""
-    return keep_bytes(max(u.numel for u in run.layout.all_units) * run.itemsize)
+    return keep_bytes(run.largest_unit * run.itemsize)
 
 
 def store_bytes(run: RunShape, plan: Plan) -> int:
