@@ -42,6 +42,7 @@ from engine.tiers.optimizer import MemoryOptimizerState, OptimizerState
 from engine.tiers.optimizer_store import StoreOptimizerState
 from engine.tiers.parameters import PARAM_STORE, MemoryParamTier, ParamTier, StoreParamTier
 from engine.tiers.sizing import (
+    MAX_IN_FLIGHT,
     gradient_dtype,
     master_upload_bytes,
     optimizer_buffer_bytes,
@@ -56,7 +57,7 @@ from engine.tiers.store_checks import check_buffer_memory
 from engine.tiers.store_io import StoreIO
 from engine.zero.buffers import materialize_buffers_
 from engine.zero.decay import no_decay_names
-from engine.zero.grads import MAX_IN_FLIGHT, GradientShards, bucket_bytes
+from engine.zero.grads import GradientShards, bucket_bytes
 from engine.zero.params import Params, ShardedParams
 from engine.zero.recompute import checkpoint_forward, outermost
 from engine.zero.replicated_params import ReplicatedParams

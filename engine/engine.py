@@ -39,9 +39,10 @@ from engine.state.partition import unit_needs
 from engine.tiers import hosts, rng
 from engine.tiers.checkpoint import PendingCheckpoint
 from engine.tiers.grad_spill import GradSpill
+from engine.tiers.sizing import MAX_IN_FLIGHT
 from engine.tiers.store_io import StoreIO, settle_for_ranks
 from engine.zero.divergence import DivergedError, diverged_message
-from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
+from engine.zero.grads import bucket_bytes
 from engine.zero.optim import lr_factor, schedule_change
 from engine.zero.order import TracedOrder, adopt_orders, adopt_predicted, saved_orders
 from engine.zero.phase import BETWEEN_UPDATES, StepPhase, expect

@@ -7,11 +7,12 @@ made once and the estimate follows it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import collections
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from engine.config import Config, OffloadConfig, ZeroConfig
+from engine.config import Config, OffloadConfig, ZeroConfig, spills_gradients
 from engine.runtime.pinned import aligned
 from engine.runtime.sizes import MIB
 from engine.runtime.staging import ring_bytes
@@ -20,6 +21,16 @@ from engine.state.forms import FP32_STATE, STATE_KINDS, StateForm
 from engine.state.partition import FROZEN_SUFFIX, ROOT_UNIT, ModelLayout, UnitLayout
 from engine.tiers.store_checks import IN_PLACE, store_bytes
 from offload import shard_bytes
+
+# Reductions in flight at once during backward: enough to overlap one with the next
+# unit's backward, few enough that reduced shards never pile up for the whole model.
+MAX_IN_FLIGHT = 2
+
+SPILL_HELD = 2 * MAX_IN_FLIGHT
+"""Gradient shards a rank that spills them holds at once, at most: ``MAX_IN_FLIGHT`` being
+made (their reductions in flight) and ``MAX_IN_FLIGHT`` handed to the spill and not yet in its
+buffers, past which backward waits for the oldest (``engine.zero.spilling``). So the shards of
+a spilling rank are a window, not the model's gradient (in pinned memory, on a GPU)."""
 
 AUTO_PREFETCH_FLOOR_MB = 64
 """The least window ``zero.prefetch_mb = "auto"`` gives: several small units ahead, whose reads
@@ -136,7 +147,7 @@ def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype) -> dic
     if not offload.optimizer_on_device and trained:
         grad_dtype = gradient_dtype(config, layout.world_size)
         grads = [aligned(shard_bytes(u, grad_dtype)) for u in trained]
-        terms["gradient shards"] = sum(grads)
+        terms["gradient shards"] = held_grad_shard_bytes(config, grads)
         if zero.grad_accum_steps > 1:  # later micro-batches' shards land in a ring before they are added
             terms["gradient additions"] = ring_bytes(max(grads))
         terms["master uploads"] = master_upload_bytes(layout, dtype)
@@ -145,6 +156,16 @@ def pinned_bytes(config: Config, layout: ModelLayout, dtype: torch.dtype) -> dic
     elif zero.stage == 3 and offload.params_in_store:
         terms["parameter staging"] = param_pool_bytes(layout.all_units, dtype, param_window_bytes(zero, layout, dtype))
     return terms
+
+
+def held_grad_shard_bytes(config: Config, shard_sizes: Sequence[int]) -> int:
+    """Bytes of the gradient shards (of ``shard_sizes``) a rank holds at once while backward
+    makes them, where each waits for the step in memory or is spilled: every one, or, spilled
+    with one micro-batch a step, ``SPILL_HELD`` of each size (the pinned pool reuses a freed
+    shard's piece only for one of its size)."""
+    if not spills_gradients(config) or config.zero.grad_accum_steps > 1:
+        return sum(shard_sizes)
+    return sum(min(count, SPILL_HELD) * size for size, count in collections.Counter(shard_sizes).items())
 
 
 def master_upload_bytes(layout: ModelLayout, dtype: torch.dtype) -> int:

@@ -35,11 +35,8 @@ from engine.runtime.comm import Comm, Work
 from engine.runtime.device import Device, Event
 from engine.runtime.staging import StagingRing, ring_bytes
 from engine.state.partition import ModelLayout, ParamSlot, UnitLayout
+from engine.tiers.sizing import MAX_IN_FLIGHT
 from engine.zero.order import TracedOrder
-
-# Reductions in flight at once during backward: enough to overlap one with the next
-# unit's backward, few enough that reduced shards never pile up for the whole model.
-MAX_IN_FLIGHT = 2
 
 
 def bucket_bytes(unit: UnitLayout, dtype: torch.dtype = torch.float32) -> int:

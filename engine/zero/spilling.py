@@ -5,7 +5,9 @@ and is written behind backward. All of that needs the shard's bytes on the host,
 for the shard's copy from the device: on the host optimizer worker where there is one, so
 that the thread launching backward's kernels never waits for a copy (on CUDA that wait would
 drain the compute queued before the copy, once per unit). The shards are freed on the
-training thread, which owns their bookkeeping, once their spill has run.
+training thread, which owns their bookkeeping, once their spill has run. Past
+``SPILL_HELD - MAX_IN_FLIGHT`` spills running, it waits for the oldest: a disk behind
+backward then holds backward back, rather than the model's gradient piling up in memory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from engine.runtime.host_worker import HostWorker
 from engine.state.partition import ModelLayout, UnitLayout
 from engine.tiers.grad_spill import GradSpill
+from engine.tiers.sizing import MAX_IN_FLIGHT, SPILL_HELD
 from engine.zero.grads import GradientShards, PendingShard
 from engine.zero.precision import LossScaler
 from engine.zero.step_math import GradNorms
@@ -45,8 +48,9 @@ class Spilling:
         """The norms of the spilled gradients' pieces, by parameter or unit, once ``finish`` has returned."""
         self.waited_s = 0.0
         """Seconds the training thread was blocked on the spills: waiting for room in the spill's
-        buffers where it spills inline, or for the worker's spills at ``finish``. (What the worker
-        waits meanwhile is not counted: the training thread goes on.)"""
+        buffers where it spills inline, for the oldest of the worker's spills once as many are
+        running as ``SPILL_HELD`` leaves room for, or for the rest at ``finish``. (What the
+        worker waits meanwhile is not counted: the training thread goes on.)"""
         self._running: collections.deque[tuple[str, Future]] = collections.deque()
         spill.begin()
 
@@ -57,8 +61,10 @@ class Spilling:
             self._grads.release_shard(unit_name)
             return
         self._running.append((unit_name, self._worker.submit(self._run, unit, pending)))
-        while self._running and self._running[0][1].done():
+        start = time.perf_counter()
+        while self._running and (self._running[0][1].done() or len(self._running) > SPILL_HELD - MAX_IN_FLIGHT):
             self._free_oldest()
+        self.waited_s += time.perf_counter() - start
 
     def finish(self) -> None:
         """Wait until every shard handed over is spilled (raising a spill's error), and free them."""

@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import gc
 import mmap
+import time
 
 import pytest
 import torch
 
-from engine.config import ConfigError
+from engine.config import ConfigError, spills_gradients
 from engine.engine import Engine
+from engine.run.models.gpt import GPT, GPTConfig
 from engine.runtime.device import SIM_ENV
 from engine.runtime.pinned import PinnedMemoryError, PinnedPool, aligned
 from engine.runtime.sizes import MIB
+from engine.tiers.grad_spill import GradSpill
 from engine.tiers.sizing import pinned_bytes
 from engine.tools.estimate.memory import estimate
 from engine.tools.estimate.shape import Plan, run_shape
 from tests.pins import record_pins
-from tests.training import batches, config, tiny_gpt
+from tests.training import SEQ_LEN, batches, config, tiny_gpt
 
 PLANS = [(2, "cpu", "device"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "device", "cpu")]
 
@@ -129,4 +132,36 @@ def test_a_bound_below_the_need_is_refused_at_start(tmp_path, monkeypatch) -> No
 def test_nothing_is_pooled_where_the_device_is_the_host(tmp_path) -> None:
     eng = Engine(tiny_gpt(), plan_config(3, "cpu", "cpu", str(tmp_path / "store"), pinned_mb=0.01), total_steps=1)
     assert eng.device.pinned is None, "copies are synchronous: nothing is pinned, no bound applies"
+    eng.close()
+
+
+def test_a_spilling_rank_pins_a_window_of_its_gradient(tmp_path, monkeypatch) -> None:
+    """Spilled gradient shards leave the pool once in the spill's buffers, so the plan pins
+    ``SPILL_HELD`` of each size, not the model's gradient (2 GiB of a 1B model's, on CUDA); with
+    the disk behind backward (each spill slowed), backward waits for the oldest rather than
+    cutting the pool past that, which would be refused."""
+    monkeypatch.setenv(SIM_ENV, "seed=0,delay_ms=0.2")
+    write = GradSpill.write
+
+    def slow_write(self, unit, grad):
+        time.sleep(0.02)
+        return write(self, unit, grad)
+
+    monkeypatch.setattr(GradSpill, "write", slow_write)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", seq_len=SEQ_LEN, n_layer=12), seed=0)
+    store = str(tmp_path / "store")
+    cfg = config(
+        zero={"stage": 3}, offload={"optimizer": "nvme", "param": "nvme", "nvme_path": store}, optim={"grad_clip": 1.0}
+    )
+    eng = Engine(model, cfg, total_steps=2)
+    assert spills_gradients(cfg) and eng.step_control.worker is not None, "spilled on the host worker"
+    need = pinned_bytes(cfg, eng.layout, eng.dtype)
+    every_shard = sum(aligned(u.shard_numel * eng.grads.dtype.itemsize) for u in eng.layout.units)
+    assert need["gradient shards"] <= 0.5 * every_shard, "a window of the 13 units' shards"
+    data = batches(4)
+    for _ in range(2):
+        eng.backward(eng(*data.next()))
+        eng.step()
+    assert eng.device.pinned is not None and eng.device.pinned.peak_bytes <= eng.device.pinned.limit_bytes
     eng.close()

@@ -41,6 +41,11 @@ from engine.tools.estimate.terms import (
 )
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
 
+PINNED_RINGS = ("master uploads", "gradient additions")
+"""The terms of ``engine.tiers.sizing.pinned_bytes`` that no other term of the estimate holds:
+the rings a device apart from the host copies through (the rest are gradient shards and
+parameter shards or staging, counted where they are held)."""
+
 
 @dataclass(frozen=True)
 class Footprint:
@@ -226,9 +231,12 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
 
     # The model comes on the meta device; construction materialises it unit by unit, so its
     # high point is at its end, with the last unit being flattened.
-    heap = {"heap retention": Footprint(host=heap_retention_bytes(run))}
-    construction = _total([*_construction_end(run, plan).values(), *heap.values()])
-    held = _held_state(run, plan) | heap
+    every_phase = {"heap retention": Footprint(host=heap_retention_bytes(run))}
+    if not device_is_host:  # the pinned pool's rings, held from the first copy, where a device is apart
+        need = pinned_need(run.config, run.layout, run.dtype)
+        every_phase["copy rings"] = Footprint(host=sum(need.get(ring, 0) for ring in PINNED_RINGS))
+    construction = _total([*_construction_end(run, plan).values(), *every_phase.values()])
+    held = _held_state(run, plan) | every_phase
     moments = {
         "backward start": _backward_start(run, plan),
         "backward end": _backward_end(run, plan),

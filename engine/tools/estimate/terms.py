@@ -16,9 +16,11 @@ from engine.state.forms import STATE_KINDS
 from engine.state.partition import FROZEN_SUFFIX, ROOT_UNIT
 from engine.tiers.grad_spill import grad_bytes, scratch_disk_bytes
 from engine.tiers.sizing import (
+    MAX_IN_FLIGHT,
     block_numels,
     checkpoint_bytes,
     gradient_dtype,
+    held_grad_shard_bytes,
     module_numels,
     optimizer_buffer_bytes,
     param_pool_bytes,
@@ -30,7 +32,7 @@ from engine.tiers.sizing import (
 )
 from engine.tiers.store_checks import store_bytes as optimizer_store_bytes
 from engine.tools.estimate.shape import Plan, RunShape
-from engine.zero.grads import MAX_IN_FLIGHT, bucket_bytes
+from engine.zero.grads import bucket_bytes
 from engine.zero.grads import grad_shard_bytes as unit_grad_shard_bytes
 from engine.zero.optim import norm_scratch_numel
 from offload import array_bytes, shard_bytes
@@ -129,15 +131,14 @@ def grad_shard_bytes(run: RunShape) -> int:
     """The rank's gradient shards at their peak, each made when its unit's gradient is first
     reduced and freed once the optimizer has used it, or once it is spilled to disk. With
     clipping, loss scaling or accumulation every one waits for the step in memory, unless it
-    waits on disk (``offload.grad_spill``); when one micro-batch's update overlaps backward
-    (``engine.zero.update``), or its shards are spilled, each leaves memory as it is reduced,
-    so only those in flight are held."""
+    waits on disk (``offload.grad_spill``, which holds a window: ``held_grad_shard_bytes``);
+    when one micro-batch's update overlaps backward (``engine.zero.update``) each leaves memory
+    as it is reduced, so only those in flight are held."""
     dtype = grad_dtype(run)
     shards = [unit_grad_shard_bytes(u, dtype) for u in run.layout.units]
-    leaves = overlaps_backward(run.config) or spills_gradients(run.config)
-    if leaves and run.config.zero.grad_accum_steps == 1:
+    if overlaps_backward(run.config) and run.config.zero.grad_accum_steps == 1:
         return MAX_IN_FLIGHT * max(shards)
-    return sum(shards)
+    return held_grad_shard_bytes(run.config, shards)
 
 
 def norm_scratch_bytes(run: RunShape) -> int:
