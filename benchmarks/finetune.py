@@ -295,6 +295,8 @@ def fine_tune(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"the run ended before step {args.stop_after} could be seen: lower --stop-after")
     committed = (read_committed(settings["offload.nvme_path"]) or {}).get("step")
     stopped_at = len(steps_recorded(metrics))
+    if committed is not None and committed >= args.steps:
+        raise SystemExit(f"SIGTERM came after the last step ({committed}) committed, so nothing resumed: raise --steps")
     resumed = run_process(command, log)
     records = steps_recorded(metrics)
     return {"first": first, "resumed": resumed, "records": records, "stopped_at": stopped_at, "committed": committed}
@@ -409,7 +411,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, help="parameters (default 8e9; --moe 1.05e10; --quick 2e7)")
     parser.add_argument("--steps", type=int, help="optimizer steps in all (default 4; --quick 3)")
-    parser.add_argument("--stop-after", type=int, help="steps before the run is stopped (default 2; --quick 1)")
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        help="steps recorded before SIGTERM; the step in flight then commits (default 2; --quick 1)",
+    )
     parser.add_argument("--dir", type=Path, help="work folder on the disk to measure (default: a temporary one)")
     parser.add_argument("--moe", action="store_true", help="a Mixtral-style mixture of experts from its config")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens a sequence (default 256)")
@@ -433,8 +439,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     args.steps, args.records = args.steps or (3 if args.quick else 4), args.records or (60 if args.quick else 400)
     args.stop_after = args.stop_after or (1 if args.quick else 2)
     args.probe_bytes = 64 * MIB if args.quick else GIB
-    if not 1 <= args.stop_after < args.steps:
-        parser.error(f"--stop-after must be in [1, --steps - 1] = [1, {args.steps - 1}]")
+    if not 1 <= args.stop_after <= args.steps - 2:  # the step in flight at SIGTERM commits: one more must be left
+        parser.error(f"--stop-after must be in [1, --steps - 2] = [1, {args.steps - 2}] (or raise --steps)")
     return args, extra
 
 

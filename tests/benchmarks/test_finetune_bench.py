@@ -2,7 +2,7 @@
 on chat records with everything on nvme, stopped by SIGTERM and resumed where it stopped,
 exported as the store holds it, sampled from, and its work folder within its disk plan; and
 the same of a mixture of experts started from its config. Both take minutes: slow. And the
-prefetch window it gives the runs."""
+prefetch window it gives the runs, and the stop it accepts."""
 
 from __future__ import annotations
 
@@ -77,3 +77,18 @@ def test_the_runs_prefetch_window_is_the_engines_auto_unless_given(tmp_path: Pat
     args, _ = finetune.parse_args(["--quick", *(["--prefetch-mb", given] if given else [])])
     config = finetune.planned_config(finetune.run_settings(tmp_path, args))
     assert config.zero.prefetch_mb == expected
+
+
+@pytest.mark.parametrize(("steps", "stop_after", "fits"), [(4, 2, True), (3, 1, True), (3, 2, False), (4, 4, False)])
+def test_the_stop_leaves_a_step_to_resume(steps: int, stop_after: int, fits: bool, capsys) -> None:
+    """SIGTERM lands in the step after ``--stop-after``, which commits: a stop that leaves no
+    step after that one would resume nothing, so it is refused in one line."""
+    from benchmarks import finetune
+
+    argv = ["--quick", "--steps", str(steps), "--stop-after", str(stop_after)]
+    if fits:
+        assert finetune.parse_args(argv)[0].stop_after == stop_after
+        return
+    with pytest.raises(SystemExit):
+        finetune.parse_args(argv)
+    assert f"[1, {steps - 2}]" in capsys.readouterr().err
