@@ -2,9 +2,9 @@
 bound takes beside the disk's.
 
 A model larger than RAM cannot run whole, so one decoder block is timed and multiplied by the
-depth, plus the root (embedding, final norm, head and loss), in the dtype the engine computes
-in: on a CPU without bf16 matrix units the same step in bf16 takes ~70x as long, and a floor
-timed in another dtype than the run's bounds nothing.
+depth, plus the root (embedding, final norm, head and loss), on the device the engine computes
+on and in its dtype: on a CPU without bf16 matrix units the same step in bf16 takes ~70x as
+long, and a floor timed on another device or in another dtype than the run's bounds nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.config import Config
 from engine.run.models.gpt import Block, GPTConfig
+from engine.runtime.detect import detect_device
 from engine.runtime.native_dtype import settle_compute_dtype
 from engine.state.dtypes import compute_dtype
 
@@ -34,13 +35,25 @@ def run_dtype(config: Config) -> torch.dtype:
     return compute_dtype(settle_compute_dtype(config).precision.compute_dtype)
 
 
+def compute_device() -> torch.device:
+    """Where a run computes (``engine.runtime.detect``): the accelerator if there is one."""
+    return detect_device().device
+
+
 def timed(fn: Callable[[], None], reps: int) -> float:
-    """The median seconds of ``reps`` calls after one warm-up (kernels and allocations)."""
-    fn()
+    """The median seconds of ``reps`` calls after one warm-up (kernels and allocations), each
+    until an accelerator has run what it queued."""
+
+    def call() -> None:
+        fn()
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    call()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        fn()
+        call()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
@@ -85,18 +98,19 @@ def block_seconds(
 def gpt_compute_seconds(gpt: GPTConfig, micro_batch: int, dtype: torch.dtype, reps: int) -> float:
     """The built-in GPT's step: one block timed, times the depth, plus the root."""
     torch.manual_seed(0)
-    block = Block(gpt).to(dtype)
-    tokens = torch.Size((micro_batch, gpt.seq_len))
-    one = block_seconds(block, block, (*tokens, gpt.d_model), dtype, "train", reps)
-    return gpt.n_layer * one + root_seconds(gpt.vocab_size, gpt.d_model, tokens, dtype, "train", reps)
+    with torch.device(compute_device()):
+        block = Block(gpt).to(dtype)
+        tokens = torch.Size((micro_batch, gpt.seq_len))
+        one = block_seconds(block, block, (*tokens, gpt.d_model), dtype, "train", reps)
+        return gpt.n_layer * one + root_seconds(gpt.vocab_size, gpt.d_model, tokens, dtype, "train", reps)
 
 
 def hf_compute_seconds(
     settings: Any, tokens: torch.Size, dtype: torch.dtype, modes: tuple[Mode, ...], reps: int
 ) -> dict[Mode, float]:
     """A Hugging Face decoder's step (a Llama's, a Mixtral's) from its config, in each of
-    ``modes``: one decoder layer built on the CPU with its rotary embedding, timed, times the
-    depth, plus the root."""
+    ``modes``: one decoder layer built on the run's device with its rotary embedding, timed,
+    times the depth, plus the root."""
     from transformers import AutoModelForCausalLM
 
     settings = copy.deepcopy(settings)
@@ -104,18 +118,21 @@ def hf_compute_seconds(
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(settings)
     torch.manual_seed(0)
-    layer = type(meta.model.layers[0])(settings, 0).to(dtype)
-    positions = torch.arange(tokens[1]).expand(tokens)
-    hidden = (*tokens, settings.hidden_size)
-    embeddings = type(meta.model.rotary_emb)(settings)(torch.empty(hidden, dtype=dtype), positions)
+    device = compute_device()
+    with device:
+        layer = type(meta.model.layers[0])(settings, 0).to(dtype)
+        positions = torch.arange(tokens[1]).expand(tokens)
+        hidden = (*tokens, settings.hidden_size)
+        embeddings = type(meta.model.rotary_emb)(settings)(torch.empty(hidden, dtype=dtype), positions)
 
     def block(x: torch.Tensor) -> torch.Tensor:
         out = layer(x, position_embeddings=embeddings, position_ids=positions)
         return out[0] if isinstance(out, tuple) else out
 
     def seconds(mode: Mode) -> float:
-        one = block_seconds(layer, block, hidden, dtype, mode, reps)
-        root = root_seconds(settings.vocab_size, settings.hidden_size, tokens, dtype, mode, reps)
+        with device:
+            one = block_seconds(layer, block, hidden, dtype, mode, reps)
+            root = root_seconds(settings.vocab_size, settings.hidden_size, tokens, dtype, mode, reps)
         return settings.num_hidden_layers * one + root
 
     return {mode: seconds(mode) for mode in modes}
