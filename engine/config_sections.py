@@ -131,7 +131,8 @@ class OffloadConfig:
     """Host MiB that copies between host and device go through; ``auto``: what the plan needs.
 
     One bounded pool (pinned on CUDA) of the host tensors a copy reads or fills: gradient shards
-    beside a host optimizer, parameter shards on the ``cpu`` tier, the rings that stage the
+    beside a host optimizer (where they are spilled, a window of them: ``SPILL_HELD`` of each
+    size in ``engine.tiers.sizing``), parameter shards on the ``cpu`` tier, the rings that stage the
     masters' uploads (rounded to the compute dtype) and the gradients being added, and the nvme
     parameter tier's staging; no optimizer state is pinned. Pinned memory is
     mapped at its exact size (rounded up to the page) and registered with CUDA, never taken from

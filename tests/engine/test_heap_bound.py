@@ -60,7 +60,8 @@ def freed_run(mode: str) -> dict:
 def test_freed_heap_memory_stays_until_the_bound_hands_it_back(mode) -> None:
     run = freed_run(mode)
     assert run["keep"] == KEEP_MIN  # no model yet
-    assert run["freed"] > run["live"] - 64 * MIB, "the heap keeps what it was given back"
+    # Only with no thread running can nothing trim between the frees and the reading after them.
+    assert mode != "by hand" or run["freed"] > run["live"] - 64 * MIB, "the heap keeps what it was given back"
     assert run["trimmed"] and run["after"] < run["live"] - 400 * MIB, run  # 504 MiB freed
     assert mode != "by hand" or not run["again"], "no trim again right after one"
 
