@@ -118,21 +118,19 @@ def hf_compute_seconds(
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(settings)
     torch.manual_seed(0)
-    device = compute_device()
-    with device:
+    with compute_device():
         layer = type(meta.model.layers[0])(settings, 0).to(dtype)
         positions = torch.arange(tokens[1]).expand(tokens)
         hidden = (*tokens, settings.hidden_size)
         embeddings = type(meta.model.rotary_emb)(settings)(torch.empty(hidden, dtype=dtype), positions)
 
-    def block(x: torch.Tensor) -> torch.Tensor:
-        out = layer(x, position_embeddings=embeddings, position_ids=positions)
-        return out[0] if isinstance(out, tuple) else out
+        def block(x: torch.Tensor) -> torch.Tensor:
+            out = layer(x, position_embeddings=embeddings, position_ids=positions)
+            return out[0] if isinstance(out, tuple) else out
 
-    def seconds(mode: Mode) -> float:
-        with device:
+        def seconds(mode: Mode) -> float:
             one = block_seconds(layer, block, hidden, dtype, mode, reps)
             root = root_seconds(settings.vocab_size, settings.hidden_size, tokens, dtype, mode, reps)
-        return settings.num_hidden_layers * one + root
+            return settings.num_hidden_layers * one + root
 
-    return {mode: seconds(mode) for mode in modes}
+        return {mode: seconds(mode) for mode in modes}

@@ -231,10 +231,10 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
 
     # The model comes on the meta device; construction materialises it unit by unit, so its
     # high point is at its end, with the last unit being flattened.
+    pinned = {} if device_is_host else pinned_need(run.config, run.layout, run.dtype)
     every_phase = {"heap retention": Footprint(host=heap_retention_bytes(run))}
-    if not device_is_host:  # the pinned pool's rings, held from the first copy, where a device is apart
-        need = pinned_need(run.config, run.layout, run.dtype)
-        every_phase["copy rings"] = Footprint(host=sum(need.get(ring, 0) for ring in PINNED_RINGS))
+    if pinned:  # the pool's rings, held from the first copy, where a device is apart
+        every_phase["copy rings"] = Footprint(host=sum(pinned.get(ring, 0) for ring in PINNED_RINGS))
     construction = _total([*_construction_end(run, plan).values(), *every_phase.values()])
     held = _held_state(run, plan) | every_phase
     moments = {
@@ -259,7 +259,7 @@ def estimate(run: RunShape, plan: Plan, *, baseline_bytes: int, device_is_host: 
         host_bytes=max(f.host for f in phases.values()),
         peak_rss_bytes=baseline_bytes + size(phases[peak]),
         disk_bytes=store_bytes(run, plan),
-        pinned_bytes=0 if device_is_host else sum(pinned_need(run.config, run.layout, run.dtype).values()),
+        pinned_bytes=sum(pinned.values()),
         step_io_bytes=step_io_bytes(run, plan),
         peak_phase=peak,
         phase_rss_bytes={name: size(footprint) for name, footprint in phases.items()},
