@@ -10,12 +10,14 @@ updated as its gradient is reduced.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from engine.engine import Engine
 from engine.tiers.grad_spill import GradSpill
+from engine.tiers.parameters import StoreParamTier
 from engine.zero.stats import OTHER, PHASES, StepStats
 from engine.zero.step import UnitWork
 from engine.zero.unit_params import UnitParams
@@ -24,6 +26,7 @@ from tests.training import batches, config, tiny_gpt
 DELAY_S = 0.01
 LOOP_S = 0.1
 """The training loop's own pause between backward and step, which only ``OTHER`` may hold."""
+READ_S = 0.05
 
 
 def slowed_step(tmp_path: Path, monkeypatch, grad_clip: float) -> tuple[StepStats, int]:
@@ -122,3 +125,31 @@ def test_waits_on_the_worker_are_counted_once_and_only_the_training_threads(tmp_
     assert stats.optimizer_wait_s < stats.seconds
     for phase in stats.phases.values():
         assert phase.optimizer_wait_s <= phase.seconds
+
+
+def test_reads_a_prefetch_pass_waits_for_are_parameter_waits(tmp_path, monkeypatch) -> None:
+    """With prefetching on, the forward waits for a slow parameter read mostly in the prefetch
+    pass that moves the next unit on (a unit read in place is gathered once its read lands), not
+    in a unit's own gather: those waits are the forward's parameter waits all the same, not its
+    compute. Every read lands ``READ_S`` late; the tiny model computes in milliseconds."""
+    start_read = StoreParamTier._start_read
+    late = ThreadPoolExecutor(1)  # the reads land one after another, as from a disk
+
+    def slow_read(self, unit, shard):
+        future = start_read(self, unit, shard)
+        return late.submit(lambda: time.sleep(READ_S) or future.result())
+
+    monkeypatch.setattr(StoreParamTier, "_start_read", slow_read)
+    cfg = config(zero={"stage": 3, "prefetch_mb": 64}, offload={"param": "nvme", "nvme_path": str(tmp_path / "store")})
+    eng = Engine(tiny_gpt(), cfg, total_steps=2)
+    data = batches(2)
+    try:
+        for _ in range(2):  # the second step prefetches in the order the first traced
+            eng.backward(eng(*data.next()))
+            eng.step()
+        forward = eng.last_step_stats.phases["forward"]
+    finally:
+        eng.close()
+        late.shutdown()
+    assert forward.seconds >= 2 * READ_S  # more than one read was waited for
+    assert forward.param_wait_s >= 0.8 * forward.seconds
