@@ -287,20 +287,15 @@ class ShardedParams:
             ahead = entry.state is not UnitState.SHARDED
             self.hits += ahead
             self.misses += not ahead
-            with self._waiting():
-                entry.complete()
+            self._waited(entry.complete)
         self._prefetch()
 
-    @contextmanager
-    def _waiting(self) -> Iterator[None]:
-        """Count what runs inside as this thread's wait for parameters: a gather's, and a
-        prefetch pass's wait for a read it moves on (a unit read in place is gathered, or a
-        fetched one copied, only once its read has landed)."""
+    def _waited(self, move: Callable[[], None]) -> None:
+        """Move a unit on, counting the time as a wait for parameters: a prefetch pass's move
+        waits for the unit's read too (gathering one read in place, copying a fetched one)."""
         start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._wait_s += time.perf_counter() - start
+        move()
+        self._wait_s += time.perf_counter() - start
 
     def _due_next(self, name: str) -> str | None:
         """The unit after ``name`` in the traced order, if a deferred update has not reached it,
@@ -349,8 +344,7 @@ class ShardedParams:
                 return
             if entry.state is UnitState.COPYING:
                 if gather:
-                    with self._waiting():
-                        entry.start_gather()
+                    self._waited(entry.start_gather)
                     gather = False
             elif entry.state is UnitState.SHARDED:
                 if name in self._fresh and not self._budget.fits(entry.nbytes + self._reserve):
@@ -362,10 +356,9 @@ class ShardedParams:
             if entry.state is UnitState.FETCHING:
                 if not entry.in_place and not self._budget.fits(entry.nbytes + self._reserve):
                     return  # (a unit read in place holds its buffer already)
-                with self._waiting():
-                    entry.start_copy()
-                    if self._device.copies_are_synchronous:
-                        entry.start_gather()
+                self._waited(entry.start_copy)
+                if self._device.copies_are_synchronous:
+                    self._waited(entry.start_gather)
 
     def _release_unless_next(self, name: str) -> None:
         """Release after use, unless the unit is used again within the prefetch window
