@@ -2,8 +2,15 @@
 nvme, and print what the import added to the process's resident set, and what of it the
 optimizer and parameter tiers' pools staged, as one JSON line.
 
-``python -m tests.engine.import_probe FOLDER STORE BUFFER_MB``. The high-water mark (VmHWM) is
-reset once the model is built on the meta device, so the peak is the import's alone.
+``python -m tests.engine.import_probe FOLDER STORE BUFFER_MB [--keep-nothing-freed]``. The
+high-water mark (VmHWM) is reset once the model is built on the meta device, so the peak is the
+import's alone.
+
+The heap runs as ``python -m engine train`` runs it: it keeps up to ``heap_bound.KEEP_MIN`` of
+what is freed (32 MiB at this size), handed back whenever the resident set outgrows it or every
+``REFRESH_S``; how much of it is resident at the peak is a matter of timing (here 8-20 MiB across
+runs). ``--keep-nothing-freed`` hands every freed page back as soon as the resident set grows,
+so the peak is what the import holds.
 """
 
 from __future__ import annotations
@@ -18,14 +25,23 @@ import torch
 from engine.config import Config
 from engine.engine import Engine
 from engine.run.pretrained import pretrained_model
+from engine.runtime import heap_bound
 from engine.runtime.heap import tune_heap
 from engine.runtime.rss import peak_rss_bytes
 from engine.tiers.sizing import optimizer_buffer_bytes, param_pool_bytes, param_window_bytes
 from engine.tools.estimate import construction_staging_bytes, estimate, plan_of, run_shape
 
 
-def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
+def keep_nothing_freed() -> None:
+    """The heap keeps none of what is freed, whatever the engine's model lets it keep."""
+    heap_bound.KEEP_MIN = heap_bound.KEEP_UNITS = 0
+    heap_bound.bound_process_heap().keep = 0
+
+
+def main(folder: str, store: str, buffer_mb: int, keep_freed: bool = True) -> dict[str, int]:
     tune_heap()  # as python -m engine train does
+    if not keep_freed:
+        keep_nothing_freed()
     model, init = pretrained_model(folder, seq_len=32)
     settings = {
         "zero": {"stage": 3, "prefetch_mb": 8},
@@ -56,4 +72,4 @@ def main(folder: str, store: str, buffer_mb: int) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+    print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), "--keep-nothing-freed" not in sys.argv)))

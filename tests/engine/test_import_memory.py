@@ -33,9 +33,10 @@ def save_llama(folder: Path, layers: int) -> int:
     return sum(p.numel() for p in model.parameters()) * 4
 
 
-def imported(folder: Path, root: Path) -> dict[str, int]:
-    """What importing ``folder`` into a new store added to a fresh process's peak RSS."""
-    out = probe(["-m", "tests.engine.import_probe", str(folder), str(folder / "store"), str(BUFFER_MB)], root, root)
+def imported(folder: Path, store: Path, *flags: str) -> dict[str, int]:
+    """What importing ``folder`` into the new store ``store`` added to a fresh process's peak RSS."""
+    root = store.parent
+    out = probe(["-m", "tests.engine.import_probe", str(folder), str(store), str(BUFFER_MB), *flags], root, root)
     return json.loads(out.splitlines()[-1])
 
 
@@ -44,17 +45,25 @@ def test_import_peak_rss_does_not_grow_with_the_checkpoint(tmp_path) -> None:
     large_bytes = save_llama(tmp_path / "large", layers=32)
     assert large_bytes >= 4 * BUFFER_MB * 2**20
     save_llama(tmp_path / "small", layers=8)
-    large, small = imported(tmp_path / "large", tmp_path), imported(tmp_path / "small", tmp_path)
+    # What each import holds: the heap hands back what is freed as the resident set grows. As the
+    # console command runs it, the heap keeps up to 32 MiB freed, and how much of that is resident
+    # at the peak is timing: 8-20 MiB beside the pools across runs here, more than two units apart.
+    large, small = (
+        imported(tmp_path / size, tmp_path / f"{size}-held", "--keep-nothing-freed") for size in ("large", "small")
+    )
     unit = large["largest_unit"]
     # The pools hold the writes behind the build as far as the disk lags it, within bounds set
     # by offload.buffer_mb and zero.prefetch_mb; what the import holds beside them must not grow.
     # The peak lands either while a unit's values are built or after, as the pools fill late or
-    # early: one unit of the difference is that timing. Measured here, six runs of each: pools
-    # 16-29 MiB, beside them 14.8-15.0 MiB for the large checkpoint, 8.4 or 12.4-12.8 for the small.
+    # early: one unit of the difference is that timing. Measured here, five runs of each: beside
+    # the pools 9.7-12.6 MiB for the large checkpoint, 10.1-10.6 for the small.
     beside = [run["added_peak"] - run["staged"] for run in (large, small)]
     assert beside[0] - beside[1] < 2 * unit, (large, small)
     assert large["staged"] <= large["staging_bound"], (large, small)
     assert large["added_peak"] <= large["buffers"] + 2 * unit, (large, small)
-    assert large["added_peak"] < large_bytes / 2, "the checkpoint is never held whole"
-    # The estimate is the peak with both pools full: measured here 0.75-1.04 of it.
-    assert large["added_peak"] <= 1.15 * large["estimated"], (large, small)
+    # As the console command runs, the heap's keep included, which the estimate charges.
+    trained = imported(tmp_path / "large", tmp_path / "large-trained")
+    assert trained["added_peak"] < large_bytes / 2, "the checkpoint is never held whole"
+    # The estimate is the peak with both pools full: measured here 0.31-0.39 of it (the disk keeps
+    # up with the build, so the pools seldom fill).
+    assert trained["added_peak"] <= 1.15 * trained["estimated"], trained
