@@ -18,7 +18,8 @@
 
 Every phase but the write runs in a process of its own: its seconds, the bytes it read and
 wrote (the kernel's count for that process), GB/s and the same bytes' time at raw O_DIRECT disk
-speed (measured in the same run) over its own, its peak RSS; and each step's seconds against
+speed (measured in the same run) over its own (the import's also less its process's start-up,
+which streams nothing), its peak RSS; and each step's seconds against
 its bound, the larger of its bytes (the engine's count) at raw disk speed and its compute alone
 (``benchmarks.compute_only``, in the run's dtype). Before anything is written, each phase's
 disk use is planned (the store as the engine estimates it, ``engine.tools.estimate``;
@@ -222,7 +223,11 @@ def from_config(folder: str, seq_len: int) -> tuple[Any, Any]:
 
 def import_phase(arguments: list[str], moe: bool) -> dict[str, Any]:
     """The engine built from ``model.hf`` into a new store (a mixture of experts from its config,
-    random), as ``train``'s first start builds it; the store records the folder."""
+    random), as ``train``'s first start builds it; the store records the folder. Its start-up:
+    the process's seconds until the build starts (Python, torch, transformers' model code, the
+    meta model), which move none of the checkpoint's bytes."""
+    import psutil
+
     from engine.engine import Engine
     from engine.run.pretrained import pretrained_model, record_source
     from engine.runtime.heap import tune_heap
@@ -231,9 +236,10 @@ def import_phase(arguments: list[str], moe: bool) -> dict[str, Any]:
     config = config_of(arguments)
     folder, store = Path(config.model.hf), Path(config.offload.store_path)
     model, init = from_config(str(folder), 0) if moe else pretrained_model(str(folder), config.data.seq_len)
+    start_up = time.time() - psutil.Process().create_time()
     Engine(model, config, init_unit=init).close()
     record_source(folder, store, init.dtype)
-    return {"peak_rss_bytes": peak_rss_bytes()}
+    return {"peak_rss_bytes": peak_rss_bytes(), "start_up_s": start_up}
 
 
 def in_process(arguments: list[str], log: Path, moe: bool) -> dict[str, Any]:
@@ -344,6 +350,7 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     train_args = cli_args(runs)
     imported = in_process(train_args, work / "import.log", args.moe)
     rows.append(phase_row("initialise" if args.moe else "import", imported, raw))
+    rows[-1] |= {"start-up s": imported["start_up_s"], "raw time / streamed time": streamed(rows[-1], imported)}
     shutil.rmtree(folder)  # the store keeps the config and tokenizer: every later run reads them there
     tuned = fine_tune(work, args)
     bound = {"read_gbps": raw["read"], "write_gbps": raw["write"]} | compute
@@ -377,6 +384,11 @@ def compute_bound(hf_config: Any, settings: dict[str, Any], args: argparse.Names
 
 def phase_row(phase: str, result: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
     return row(phase, result, result["read"], result["written"], raw)
+
+
+def streamed(done: dict[str, Any], result: dict[str, Any]) -> float:
+    """A phase's bytes' time at raw disk speed over its seconds less its start-up."""
+    return done["raw time / time"] * done["seconds"] / (done["seconds"] - result["start_up_s"])
 
 
 def summary(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

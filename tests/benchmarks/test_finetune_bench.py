@@ -34,6 +34,9 @@ def check_run(result: dict[str, Any], tmp_path: Path) -> None:
     assert all(row["seconds"] > 0 and row["peak RSS GiB"] > 0 for row in rows.values())
     assert rows["fine-tune (stopped)"]["written GB"] > 0 and rows["fine-tune (stopped)"]["read GB"] > 0
     assert rows["export"]["written GB"] > 0
+    built = rows.get("import", rows.get("initialise"))
+    assert 0 < built["start-up s"] < built["seconds"], "the build's process starts up before it streams"
+    assert built["raw time / streamed time"] > built["raw time / time"]
     summary = result["summary"]
     assert summary["stopped_by"] == "SIGTERM"
     assert summary["resumed_from"] == summary["committed_at_stop"] >= 1, "the resumed run goes on from its stop"
