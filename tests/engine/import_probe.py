@@ -33,8 +33,9 @@ from engine.tools.estimate import construction_staging_bytes, estimate, plan_of,
 
 
 def keep_nothing_freed() -> None:
-    """The heap keeps none of what is freed, whatever the engine's model lets it keep."""
-    heap_bound.KEEP_MIN = heap_bound.KEEP_UNITS = 0
+    """The heap keeps none of what is freed: the engine's build does not widen the keep for its
+    model (``keep_for``), and ``keep_bytes``, which the estimate charges, is left as it is."""
+    heap_bound.keep_for = lambda largest_unit_bytes: None
     heap_bound.bound_process_heap().keep = 0
 
 
