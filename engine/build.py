@@ -392,12 +392,15 @@ def build_units(
     two dtypes are one, that is one cast of the fp32 values, made once.
     An ``init_unit`` whose ``copies_values`` is true (a checkpoint's import: its values are
     copied in, not computed, so they round once whatever dtype they land in) fills the flat in
-    the compute dtype directly then: a checkpoint imports with no fp32 round trip."""
+    the compute dtype directly then: a checkpoint imports with no fp32 round trip, and in the
+    buffer the optimizer tier writes its master from, where it can ``lend`` one (no copy)."""
     units = layout.all_units
     built, started, every = 0, time.perf_counter(), max(1, len(units) // 10)
     copies = master_dtype == dtype and getattr(init_unit, "copies_values", False)
     for index, unit in enumerate(units, 1):
-        full = torch.empty(unit.padded_numel, dtype=dtype if copies else torch.float32, device=device)
+        lent = optimizer_state.lend(unit, dtype) if copies and not resume else None
+        kind = dtype if copies else torch.float32
+        full = torch.empty(unit.padded_numel, dtype=kind, device=device) if lent is None else lent
         full[unit.numel :].zero_()  # the padding; the parameters fill the rest, end to end
         if materialize:  # the parameters' memory is their slots in ``full``: no copy into it
             materialize_(owned[unit.name], param_views(full, unit))
@@ -406,15 +409,17 @@ def build_units(
         if not materialize:
             flatten_into(full, unit, {name: p.detach() for name, p in owned[unit.name]})
         master = full.to(master_dtype if unit.trainable else dtype)  # a frozen unit's: its values
-        flat = master.to(dtype)
-        if not resume:
-            optimizer_state.add(unit, master[unit.shard_slice(rank)])
-        del full, master
+        flat = master.to(dtype) if lent is None else torch.empty(unit.padded_numel, dtype=dtype, device=device)
         views = param_views(flat, unit)
         for name, param in owned[unit.name]:
             param.data = views[name]
-        params.add(unit, flat)
-        del flat, views
+        if lent is not None:  # before ``add`` lets the tier reuse its buffer
+            params.add(unit, flat, values=lent)
+        if not resume:
+            optimizer_state.add(unit, master[unit.shard_slice(rank)])
+        if lent is None:  # after ``add`` has copied the master, if it is ``flat``: the parameters may free it
+            params.add(unit, flat)
+        del full, master, flat, views
         built += unit.numel
         if index % every == 0 and rank == 0:  # a giant model takes minutes to build
             elapsed = time.perf_counter() - started

@@ -42,6 +42,12 @@ class OptimizerState(Protocol):
         values kept once (``engine.tiers.frozen``)."""
         ...
 
+    def lend(self, unit: UnitLayout, dtype: torch.dtype) -> torch.Tensor | None:
+        """Memory to build a trained unit's full initial values in (``dtype``, the master's), if
+        ``add`` takes its master from there with no copy; None where it would copy anyway. The
+        tier reuses it once ``add`` has stored the unit."""
+        ...
+
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """Each unit's committed master shard, in layout order, then each frozen unit's
         values (to rebuild parameters on resume)."""
@@ -162,6 +168,9 @@ class MemoryOptimizerState:
             self._new_state(unit).master.copy_(master)
         elif self._store_frozen:
             self._checkpoints(True).add_frozen(unit, master)
+
+    def lend(self, unit: UnitLayout, dtype: torch.dtype) -> None:
+        return None  # a unit's state is made per unit and kept: nothing to build in
 
     def restore(self, tag: str) -> None:
         """Resume: take every unit's state as checkpoint ``tag`` holds it, and the record it was

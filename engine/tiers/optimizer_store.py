@@ -1,22 +1,19 @@
 """The ``nvme`` optimizer tier: masters and AdamW moments live in the store between steps.
 
-Each step reads every unit's three shards (master, exp_avg, exp_avg_sq) from the
-committed generation into pooled host buffers ahead of the update, and writes them to the
-step's target generation behind it; host memory for the state is bounded by the pool's
-budget, whatever the model's size. When every rank's writes are durable the leader commits
-the target, so the store is always a valid checkpoint. Which generation a step writes, and
-how a checkpoint is kept, is the store mode's (``engine.tiers.store_modes``); what is checked
-before any work, and the errors that name a way out, are ``engine.tiers.store_checks``'.
+Each step reads every unit's three shards (master, exp_avg, exp_avg_sq) from the committed generation into pooled host
+buffers ahead of the update, and writes them to the step's target generation behind it; host memory for the state is
+bounded by the pool's budget, whatever the model's size. When every rank's writes are durable the leader commits the
+target, so the store is always a valid checkpoint. Which generation a step writes, and how a checkpoint is kept, is
+the store mode's (``engine.tiers.store_modes``); what is checked before any work, and the errors that name a way out,
+are ``engine.tiers.store_checks``'.
 
-A store resumes on any world size. A unit's content is the first ``numel`` elements of its
-arrays whatever their padding, so a generation cut for other shards is read range by range
-(each rank's new shard from the chunks that cover it, padding zeroed), and the first step
-writes a generation cut for this run's shards; once it is committed the store records this
-layout and is an ordinary store of the new world size.
+A store resumes on any world size. A unit's content is the first ``numel`` elements of its arrays whatever their
+padding, so a generation cut for other shards is read range by range (each rank's new shard from the chunks that cover
+it, padding zeroed), and the first step writes a generation cut for this run's shards; once it is committed the store
+records this layout and is an ordinary store of the new world size.
 
-A run can also resume from a checkpoint (``checkpoint=`` tag): its first step reads the
-checkpoint and writes the store's next live generation, so the checkpoint itself is never
-modified and can be resumed from again.
+A run can also resume from a checkpoint (``checkpoint=`` tag): its first step reads the checkpoint and writes the
+store's next live generation, so the checkpoint itself is never modified and can be resumed from again.
 """
 
 from __future__ import annotations
@@ -106,11 +103,10 @@ class StoreOptimizerState:
         self.layout, self.rank = layout, rank
         self.barrier, self.leader, self.runner = io.barrier, io.leader, io.runner
         self.pool = BufferPool(buffer_bytes, pin=False)
-        window = read_ahead_bytes(buffer_bytes)
-        self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, window_bytes=window)
+        self.pipeline: Pipeline[UnitLayout] = Pipeline(self.pool, self.runner, read_ahead_bytes(buffer_bytes))
         self.last_stats = PipelineStats()
         self._held: dict[str, HostBuffer] = {}
-        self._copy_bytes = window  # a checkpoint copy's buffer: room for it beside a read-ahead's window
+        self._lent: HostBuffer | None = None  # ``lend``'s buffer, until ``add`` writes from it
         if self.leader and not resume:
             self._create(path, layout, io, mode, scratch_bytes, overwrite)
         self.barrier()
@@ -279,7 +275,7 @@ class StoreOptimizerState:
         if self.leader:
             self.generations.create_like(source, copy)
         self.barrier()
-        with self.pool.acquire(self._copy_bytes) as buf:
+        with self.pool.acquire(self.pipeline.window_bytes) as buf:  # room for it beside a read-ahead's window
             part = (self.rank, self.layout.world_size)
             self.generations.copy(source, copy, buf.view(torch.uint8, buf.nbytes), part=part)
         self.store.sync()
@@ -302,13 +298,21 @@ class StoreOptimizerState:
             self.barrier()
             self._generation_zero_ready = True
         master_dtype = self.form.dtypes()[0]
-        buf = self.pool.acquire(shard_bytes(unit, master_dtype))
+        buf, self._lent = self._lent or self.pool.acquire(shard_bytes(unit, master_dtype)), None
         staged = buf.view(master_dtype, unit.shard_numel)
-        staged.copy_(master)
+        if staged.data_ptr() != master.data_ptr():  # not built in ``lend``'s buffer
+            staged.copy_(master)
         # Behind the next unit's build, as a step's write-backs are; generation 0's commit waits.
         self.pipeline.write_back(
             unit, buf, lambda u, _: self._save_new(u, staged), describe=lambda u: f"optimizer state of unit {u.name}"
         )
+
+    def lend(self, unit: UnitLayout, dtype: torch.dtype) -> torch.Tensor | None:
+        """One rank's build makes a trained unit in the pool buffer its master is written from."""
+        if unit.trainable and dtype == self.form.dtypes()[0] and unit.shard_numel == unit.padded_numel:
+            self._lent = self.pool.acquire(shard_bytes(unit, dtype))
+            return self._lent.view(dtype, unit.shard_numel)
+        return None
 
     def _save_new(self, unit: UnitLayout, master: torch.Tensor) -> None:
         prefix = generation_prefix(self.target_generation)

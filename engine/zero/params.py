@@ -52,8 +52,8 @@ class Params(Protocol):
         """The traced order of the units' gathers, which prefetching follows (None: nothing is gathered)."""
         ...
 
-    def add(self, unit: UnitLayout, flat: torch.Tensor) -> None:
-        """Take the unit's full initial buffer (the module's parameters are views of it)."""
+    def add(self, unit: UnitLayout, flat: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        """Take the unit's full buffer (the module's parameters are views of it), whose values ``values`` holds if given."""
         ...
 
     def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
@@ -174,12 +174,14 @@ class ShardedParams:
 
     # ------------------------------------------------------------ set-up
 
-    def add(self, unit: UnitLayout, flat: torch.Tensor) -> None:
-        """Take the unit's full initial buffer: its shard goes to the tier, and unless the unit
-        is small enough to persist, the buffer's memory is freed until the unit runs."""
-        rank = self._comm.rank
-        self._tier.add(unit, flat[unit.shard_slice(rank)])
+    def add(self, unit: UnitLayout, flat: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        """Take the unit's full buffer: its initial values' shard goes to the tier, and unless the unit
+        is small enough to persist (``values`` copied in), its memory is freed until the unit runs."""
+        values = flat if values is None else values
+        self._tier.add(unit, values[unit.shard_slice(self._comm.rank)])
         persistent = unit.numel < self._persistence_threshold
+        if persistent and values is not flat:
+            flat.copy_(values)
         entry = UnitParams(
             unit,
             flat,

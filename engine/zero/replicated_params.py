@@ -33,10 +33,10 @@ class ReplicatedParams:
         self._flats: dict[str, torch.Tensor] = {}
         self._gathers: list[Work] = []
 
-    def add(self, unit: UnitLayout, flat: torch.Tensor) -> None:
-        """Take the unit's full initial buffer (the module's parameters are views of it)."""
+    def add(self, unit: UnitLayout, flat: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        """Take the unit's full buffer (the module's parameters are views of it), ``values`` copied in if given."""
         self._budget.charge(flat.nbytes, f"the parameters of unit {unit.name!r}")
-        self._flats[unit.name] = flat
+        self._flats[unit.name] = flat if values is None else flat.copy_(values)
 
     def write_back(self, unit: UnitLayout, master: torch.Tensor) -> None:
         """The unit's master shard holds new values: share them with every rank (asynchronously).

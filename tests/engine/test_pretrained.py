@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.run import cli  # noqa: E402
 from engine.run.pretrained import Pretrained, meta_model, record_source  # noqa: E402
+from engine.tiers.optimizer_store import StoreOptimizerState  # noqa: E402
 from engine.tools.consolidate import consolidate  # noqa: E402
 from engine.tools.export import export  # noqa: E402
 from tests.caches import fresh_cache  # noqa: E402
@@ -104,14 +105,32 @@ def test_first_logits_equal_from_pretrained(build, tmp_path) -> None:
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("persist", [False, True], ids=["units-freed", "units-kept"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-def test_a_bf16_import_builds_in_bf16_the_values_the_fp32_build_makes(dtype, tmp_path) -> None:
+def test_a_bf16_import_builds_in_bf16_the_values_the_fp32_build_makes(dtype, persist, tmp_path, monkeypatch) -> None:
     """bf16 compute with bf16 masters: a checkpoint's units are built in bf16 straight from its
     tensors (each rounds once either way), equal to what the fp32 build makes from an
-    ``init_unit`` that does not say it copies values, and to the checkpoint cast to bf16."""
+    ``init_unit`` that does not say it copies values, and to the checkpoint cast to bf16. Built
+    in bf16, each trained unit is made in the optimizer tier's write buffer (``lend``), whose
+    master is written from there with no copy; the parameters, kept or freed until gathered,
+    compute the same logits."""
     folder = checkpoint(llama, tmp_path / "pretrained", dtype)
+    lent, written = {}, {}
+    lend, save_new = StoreOptimizerState.lend, StoreOptimizerState._save_new
 
-    def imported(name: str, direct: bool) -> dict[str, torch.Tensor]:
+    def lend_noted(tier, unit, dtype):
+        buffer = lend(tier, unit, dtype)
+        lent[unit.name] = None if buffer is None else buffer.data_ptr()
+        return buffer
+
+    def save_noted(tier, unit, master):
+        written[unit.name] = master.data_ptr()
+        save_new(tier, unit, master)
+
+    monkeypatch.setattr(StoreOptimizerState, "lend", lend_noted)
+    monkeypatch.setattr(StoreOptimizerState, "_save_new", save_noted)
+
+    def imported(name: str, direct: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         model, built = meta_model(folder), set()
         init = Pretrained(folder, model)
 
@@ -122,21 +141,33 @@ def test_a_bf16_import_builds_in_bf16_the_values_the_fp32_build_makes(dtype, tmp
 
             def __call__(self, params: dict[str, torch.Tensor]) -> None:
                 built.update(p.dtype for p in params.values())
+                made_at.add(min(p.data_ptr() for p in params.values()))  # the unit's first slot
                 init(params)
 
         store = tmp_path / name
         cfg = config(
             precision={"compute_dtype": "bf16"},
             optim={"master_dtype": "bf16"},
-            zero={"stage": 3},
+            zero={"stage": 3, "persistence_threshold": 10**9 if persist else 0},
             offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(store)},
         )
-        Engine(model, cfg, total_steps=1, init_unit=Watched()).close()
+        lent.clear(), written.clear()
+        made_at: set[int] = set()
+        eng = Engine(model, cfg, total_steps=1, init_unit=Watched())
+        with torch.no_grad():
+            logits = eng(input_ids=batches(2).next()[0]).logits
+        eng.close()
         assert built == {torch.bfloat16 if direct else torch.float32}
+        if direct:
+            assert written and lent == written, "each trained unit's master is written from the buffer lent"
+            assert set(lent.values()) <= made_at, "and made there"
+        else:
+            assert not lent
         consolidate(store, tmp_path / f"{name}.safetensors")
-        return load_file(tmp_path / f"{name}.safetensors")
+        return load_file(tmp_path / f"{name}.safetensors"), logits
 
-    direct, via_fp32 = imported("direct", True), imported("fp32", False)
+    (direct, direct_logits), (via_fp32, fp32_logits) = imported("direct", True), imported("fp32", False)
+    assert torch.equal(direct_logits, fp32_logits)
     expected = params(reference(folder))
     assert direct.keys() == via_fp32.keys() == expected.keys()
     for name, values in direct.items():
