@@ -207,6 +207,19 @@ class BufferPool:
             raise
         return HostBuffer(self, _Block(memory), nbytes)
 
+    def acquire_spare(self, nbytes: int) -> HostBuffer | None:
+        """Lease a buffer of at least ``nbytes`` that the pool holds free, or any while none is
+        in use; else None, at once. A caller that can do without one takes no memory that an
+        ``acquire`` made later, once buffers in use come back, would not have taken."""
+        with self._cond:
+            block = self._take_cached(_round_up(max(nbytes, 1), self.alignment))
+            if block is not None:
+                self._lease(block.capacity)
+                return HostBuffer(self, block, nbytes)
+            if self._in_use:
+                return None
+        return self.acquire(nbytes)
+
     def release(self, buf: HostBuffer) -> None:
         """Return a leased buffer to the cache and wake anyone waiting for room."""
         if buf._pool is not self:

@@ -308,11 +308,11 @@ class StoreOptimizerState:
         )
 
     def lend(self, unit: UnitLayout, dtype: torch.dtype) -> torch.Tensor | None:
-        """One rank's build makes a trained unit in the pool buffer its master is written from."""
-        if unit.trainable and dtype == self.form.dtypes()[0] and unit.shard_numel == unit.padded_numel:
-            self._lent = self.pool.acquire(shard_bytes(unit, dtype))
-            return self._lent.view(dtype, unit.shard_numel)
-        return None
+        """One rank's build makes a trained unit in a pool buffer its master is written from, if
+        one is spare: taken before the unit is built, a new one could outgrow what ``add`` needs."""
+        fits = unit.trainable and dtype == self.form.dtypes()[0] and unit.shard_numel == unit.padded_numel
+        self._lent = self.pool.acquire_spare(shard_bytes(unit, dtype)) if fits else None
+        return None if self._lent is None else self._lent.view(dtype, unit.shard_numel)
 
     def _save_new(self, unit: UnitLayout, master: torch.Tensor) -> None:
         prefix = generation_prefix(self.target_generation)

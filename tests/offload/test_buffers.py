@@ -102,6 +102,23 @@ def test_released_memory_is_reused_best_fit():
     assert pool.allocated_bytes == 72 * KIB
 
 
+def test_a_spare_buffer_is_a_free_one_or_any_while_none_is_in_use():
+    pool = BufferPool(256 * KIB)
+    first = pool.acquire_spare(8 * KIB)  # nothing in use: made, as ``acquire`` would
+    assert first is not None and pool.allocated_bytes == 8 * KIB
+    first_ptr = first.view(torch.uint8, 1).data_ptr()
+    # One in use and none free: no new memory, though the budget has room for it.
+    assert pool.acquire_spare(8 * KIB) is None and pool.allocated_bytes == 8 * KIB
+    held = pool.acquire(64 * KIB)
+    pool.release(first)
+    again = pool.acquire_spare(4 * KIB)  # the free one, while another is in use
+    assert again is not None and again.view(torch.uint8, 1).data_ptr() == first_ptr
+    assert pool.allocated_bytes == 72 * KIB
+    assert pool.acquire_spare(16 * KIB) is None  # none free holds it
+    pool.release(again)
+    pool.release(held)
+
+
 def test_cached_buffers_are_freed_to_stay_within_budget():
     pool = BufferPool(16 * KIB)
     pool.release(pool.acquire(8 * KIB))
