@@ -44,8 +44,8 @@ class OptimizerState(Protocol):
 
     def lend(self, unit: UnitLayout, dtype: torch.dtype) -> torch.Tensor | None:
         """Memory to build a trained unit's full initial values in (``dtype``, the master's), if
-        ``add`` takes its master from there with no copy; None where it would copy anyway. The
-        tier reuses it once ``add`` has stored the unit."""
+        ``add`` takes its master from there with no copy; None where it would copy anyway or has
+        none to spare. The tier reuses it once ``add`` has stored the unit."""
         ...
 
     def read_masters(self) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
