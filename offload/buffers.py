@@ -167,15 +167,7 @@ class BufferPool:
         Raises ``ValueError`` if the request can never fit the budget and
         ``TimeoutError`` if it did not fit within ``timeout`` seconds.
         """
-        if nbytes < 0:
-            raise ValueError(f"cannot acquire a buffer of {nbytes} bytes")
-        size = _round_up(max(nbytes, 1), self.alignment)
-        if size > self.budget_bytes:
-            raise ValueError(
-                f"a buffer of {nbytes} bytes ({size} after rounding to the {self.alignment}-byte alignment) "
-                f"exceeds the host buffer budget of {self.budget_bytes} bytes; "
-                f"raise the buffer budget to at least {size} bytes or split the transfer"
-            )
+        size = self._size(nbytes)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -207,12 +199,25 @@ class BufferPool:
             raise
         return HostBuffer(self, _Block(memory), nbytes)
 
+    def _size(self, nbytes: int) -> int:
+        """The bytes a request for ``nbytes`` leases, refused if it can never fit the budget."""
+        if nbytes < 0:
+            raise ValueError(f"cannot acquire a buffer of {nbytes} bytes")
+        size = _round_up(max(nbytes, 1), self.alignment)
+        if size > self.budget_bytes:
+            raise ValueError(
+                f"a buffer of {nbytes} bytes ({size} after rounding to the {self.alignment}-byte alignment) "
+                f"exceeds the host buffer budget of {self.budget_bytes} bytes; "
+                f"raise the buffer budget to at least {size} bytes or split the transfer"
+            )
+        return size
+
     def acquire_spare(self, nbytes: int) -> HostBuffer | None:
         """Lease a buffer of at least ``nbytes`` that the pool holds free, or any while none is
         in use; else None, at once. A caller that can do without one takes no memory that an
         ``acquire`` made later, once buffers in use come back, would not have taken."""
         with self._cond:
-            block = self._take_cached(_round_up(max(nbytes, 1), self.alignment))
+            block = self._take_cached(self._size(nbytes))
             if block is not None:
                 self._lease(block.capacity)
                 return HostBuffer(self, block, nbytes)
