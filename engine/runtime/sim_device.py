@@ -6,7 +6,10 @@ tests the engine's streams and events. This device makes each of them go wrong, 
 tests. Its "device" tensors are host tensors and compute runs on the calling thread, as the
 default stream would; but every copy queued through ``Device.copy`` runs later, on the worker
 thread of its direction's copy stream, in order, after a seeded random delay (or at a set
-bandwidth each way, as a bus that moves both ways at once).
+bandwidth each way, as a bus that moves both ways at once). A stream's copies take the bus back
+to back, each from when it is queued or the one before it ends, as a copy engine runs them: a
+stream's thread that wakes late (held off by the interpreter lock while the training thread
+runs Python) lands that copy late, but delays no copy after it.
 When a copy is queued its destination is poisoned (NaN), so a read before the event gives
 NaN, and its source is kept aside: a copy whose source changed before it ran (a buffer
 released and reused too early) is recorded and raised as ``CopyRaceError`` at the next wait
@@ -62,8 +65,8 @@ class SimCounts:
     """Bytes moved, by (direction, source dtype, destination dtype); the direction is
     ``to device`` or ``to host``."""
     busy: list[tuple[str, float, float]] = field(default_factory=list)
-    """When each copy stream was moving bytes: (direction, start, end) of every copy, in
-    ``time.perf_counter`` seconds, for a timeline of where the streams idle."""
+    """When each copy stream was moving bytes: (direction, start, end) of every copy on the bus,
+    in ``time.perf_counter`` seconds, for a timeline of where the streams idle."""
 
     def bytes_to_device(self) -> int:
         return sum(n for (direction, *_), n in self.copied.items() if direction == "to device")
@@ -123,6 +126,24 @@ class _Held:
         return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
 
 
+@dataclass
+class _Copy:
+    """A queued copy, as its stream's thread takes it."""
+
+    dst: _Held
+    src: _Held
+    kept: torch.Tensor | None
+    """The source as it was when queued, to find it changed (None: an earlier copy fills it)."""
+    duration: float
+    event: SimEvent
+    spans: tuple[tuple[int, int], tuple[int, int]]
+    """The byte spans the copy reads and writes."""
+    poison_late: bool
+    """The destination is poisoned when the copy runs: an earlier copy on the stream reads it."""
+    queued_by: str
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The addresses a contiguous tensor's bytes lie between."""
     start = t.data_ptr()
@@ -150,8 +171,9 @@ class SimDevice(Device):
         self._counts = SimCounts()
         self._launcher = threading.get_ident()
         self._closed = False
-        self._copies: dict[bool, queue.SimpleQueue] = {}
-        """Each copy stream's queue, by direction (True: to the device)."""
+        self._copies: dict[bool, queue.SimpleQueue[_Copy | SimEvent | None]] = {}
+        """Each copy stream's queue, by direction (True: to the device): copies, and markers that
+        every copy before them has landed."""
         self._pending: dict[bool, list[tuple[tuple[int, int], tuple[int, int]]]] = {}
         """The byte spans each copy queued on a stream and not yet run reads and writes."""
         self._threads: list[threading.Thread] = []
@@ -214,10 +236,8 @@ class SimDevice(Device):
         if poison_now:
             dst.fill_(float("nan"))
         event = SimEvent(self)
-        queued_by = _caller()
-        self._copies[to_device].put(
-            (_Held.of(dst), _Held.of(src), kept, duration, event, (source, target), not poison_now, queued_by)
-        )
+        copy = _Copy(_Held.of(dst), _Held.of(src), kept, duration, event, (source, target), not poison_now, _caller())
+        self._copies[to_device].put(copy)
         if self._sync:  # the synchronous engine: not a wait the engine asked for
             event._done.wait()
         return event
@@ -249,7 +269,7 @@ class SimDevice(Device):
             return
         for copies in self._copies.values():
             marker = SimEvent(self)
-            copies.put((None, None, None, 0.0, marker, None, False, ""))
+            copies.put(marker)
             marker._done.wait()
         self.raise_race()
 
@@ -272,29 +292,33 @@ class SimDevice(Device):
             raise CopyRaceError(f"{len(races)} copy source(s) changed before their copy ran; the first: {races[0]}")
 
     def _run(self, to_device: bool) -> None:
+        free_at = 0.0  # when the bus ends the stream's last copy
         while True:
             item = self._copies[to_device].get()
             if item is None:
                 return
-            held_dst, held_src, kept, duration, event, spans, poison, queued_by = item
-            if held_dst is not None:
-                if poison and isinstance(poisoned := held_dst.tensor(), torch.Tensor):
-                    poisoned.fill_(float("nan"))
-                    del poisoned
-                start = time.perf_counter()
-                time.sleep(duration)
-                dst, src = held_dst.tensor(), held_src.tensor()
-                race = self._race(dst, src, kept)
-                if race:
-                    with self._lock:
-                        self._races.append(f"{race} (a copy queued by {queued_by})")
-                else:
-                    dst.copy_(src)  # type: ignore[union-attr]
-                del dst, src
-                with self._lock:  # only now is the copy's destination written
-                    self._pending[to_device].remove(spans)
-                    self._counts.busy.append((DIRECTIONS[to_device], start, time.perf_counter()))
-            event._done.set()
+            if isinstance(item, SimEvent):
+                item._done.set()
+                continue
+            if item.poison_late and isinstance(poisoned := item.dst.tensor(), torch.Tensor):
+                poisoned.fill_(float("nan"))
+                del poisoned
+            start = max(item.queued_at, free_at)
+            free_at = start + item.duration
+            time.sleep(max(0.0, free_at - time.perf_counter()))
+            dst, src = item.dst.tensor(), item.src.tensor()
+            race = self._race(dst, src, item.kept)
+            if race:
+                with self._lock:
+                    self._races.append(f"{race} (a copy queued by {item.queued_by})")
+            else:
+                assert isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)  # ``_race`` found both
+                dst.copy_(src)
+            del dst, src
+            with self._lock:  # only now is the copy's destination written
+                self._pending[to_device].remove(item.spans)
+                self._counts.busy.append((DIRECTIONS[to_device], start, free_at))
+            item.event._done.set()
 
     @staticmethod
     def _race(dst: torch.Tensor | str, src: torch.Tensor | str, kept: torch.Tensor | None) -> str | None:

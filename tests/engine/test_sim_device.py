@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -143,6 +144,37 @@ def test_the_delays_follow_the_seed_and_the_bandwidth() -> None:
     assert timed(SimDevice(seed=0, delay_ms=0, gbps=0.1)) >= 4 * 2**20 / 0.1e9
     first, second = SimDevice(seed=5), SimDevice(seed=5)
     assert [first._rng.random() for _ in range(3)] == [second._rng.random() for _ in range(3)]
+
+
+def test_a_stream_runs_its_copies_back_to_back_at_the_bandwidth_however_late_its_thread() -> None:
+    """A copy engine runs a stream's copies back to back, so the simulated bus does: each copy
+    takes its bytes over the bandwidth from when it was queued or the one before it ended,
+    even while the stream's thread is held off by a training thread running Python (here with a
+    switch interval long enough that every wake-up is late). A late thread lands its copy late
+    but starts no later copy later; the benchmarks' copy time is these spans' sum."""
+    device = SimDevice(seed=0, delay_ms=0, gbps=0.1)
+    sources = [torch.full((2**18,), float(i)) for i in range(4)]  # 1 MiB each: 10.5 ms on the bus
+    targets = [torch.empty_like(s) for s in sources]
+    seconds = sources[0].nbytes / 0.1e9
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)
+    try:
+        queued = time.perf_counter()
+        events = [device.copy(t, s) for t, s in zip(targets, sources, strict=True)]
+        while time.perf_counter() - queued < 0.1:  # the training thread holds the interpreter
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+    for event in events:
+        event.synchronize()
+    later = time.perf_counter()
+    device.copy(targets[0], sources[0]).synchronize()
+    spans = [(start, end) for _, start, end in device.take_counts().busy]
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
+    assert [end - start for start, end in spans] == pytest.approx([seconds] * 5, rel=1e-9)
+    assert spans[0][0] >= queued and all(spans[i][0] == spans[i - 1][1] for i in range(1, 4))
+    assert spans[4][0] >= later  # queued with the stream idle: it starts when queued
+    device.close()
 
 
 def test_the_environment_selects_the_sim_device(monkeypatch) -> None:
