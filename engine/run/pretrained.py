@@ -41,7 +41,7 @@ from torch.nn import functional as F
 
 from engine.config import Config
 from engine.config_sections import SOURCE_FOLDER, SOURCE_RECORD
-from engine.run.conversion import match_checkpoint
+from engine.run.conversion import converts, match_checkpoint
 from engine.run.loss import chunked_cross_entropy
 from engine.run.read_ahead import SAFETENSORS_DTYPES, CheckpointReadAhead, CheckpointTensor, read_tensor
 
@@ -54,6 +54,9 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 BUFFERS_FILE = "buffers.safetensors"
 """The persistent buffers the checkpoint holds, kept beside ``source.json`` for ``export``."""
+CONVERTED = "converted"
+"""The key of ``source.json`` saying whether ``save_pretrained`` stores the model's tensors under
+other names or layouts (``engine.run.conversion.converts``): if not, ``export`` needs no model."""
 DTYPE_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 ITEM_BYTES = {name: dtype.itemsize for name, dtype in SAFETENSORS_DTYPES.items()}
 """Bytes per element of each safetensors dtype, to check a header's offsets."""
@@ -250,8 +253,10 @@ def record_source(
     folder: str | os.PathLike[str], store: str | os.PathLike[str], dtype: str, lora: dict[str, Any] | None = None
 ) -> Path:
     """Copy the checkpoint folder's files other than weights (config, tokenizer) into
-    ``<store>/hf/``, with the persistent buffers it holds (``BUFFERS_FILE``) and ``source.json`` naming the folder, its dtype and the run's ``[lora]``
-    settings if it trains adapters, for ``export`` and ``generate``."""
+    ``<store>/hf/``, with the persistent buffers it holds (``BUFFERS_FILE``) and ``source.json``
+    naming the folder, its dtype, whether its tensors are stored under other names
+    (``CONVERTED``) and the run's ``[lora]`` settings if it trains adapters, for ``export`` and
+    ``generate``."""
     folder, target = Path(folder), Path(store) / SOURCE_FOLDER
     staging = target.with_name(f".{SOURCE_FOLDER}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -260,12 +265,14 @@ def record_source(
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name != INDEX_FILE:
             shutil.copyfile(path, staging / path.name)
     weighed = (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()  # not a model built from config
-    buffers = Pretrained(folder, meta_model(folder)).buffer_values() if weighed else {}
+    model = meta_model(folder)
+    buffers = Pretrained(folder, model).buffer_values() if weighed else {}
     if buffers:
         from safetensors.torch import save_file
 
         save_file(buffers, staging / BUFFERS_FILE)
-    record = {"folder": str(folder.resolve()), "dtype": dtype} | ({"lora": lora} if lora else {})
+    record = {"folder": str(folder.resolve()), "dtype": dtype, CONVERTED: converts(model)}
+    record |= {"lora": lora} if lora else {}
     (staging / SOURCE_RECORD).write_text(json.dumps(record) + "\n")
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)

@@ -9,7 +9,8 @@ the ``config.json`` and tokenizer files the run recorded in ``<store>/hf/``
 The folder is what ``save_pretrained`` of the same model writes, key for key: the tensors'
 names and layout on disk come from transformers' conversion rules reversed
 (``engine.run.conversion.stored_plan``), so a mixture-of-experts model's stacked experts are
-written one tensor per expert, under the names its checkpoints use.
+written one tensor per expert, under the names its checkpoints use. A model with no such rules
+(a Llama, as the import recorded) is written under its parameters' names with no model built.
 
 The model may be larger than memory, so nothing is held whole that need not be: each shard's
 header follows from the store's layout alone, and the masters are read chunk by chunk, the
@@ -45,6 +46,7 @@ from tqdm import tqdm
 from engine.run.conversion import BUFFER_DTYPES, StoredTensor, stored_plan, stored_tensors
 from engine.run.pretrained import (
     BUFFERS_FILE,
+    CONVERTED,
     INDEX_FILE,
     SINGLE_FILE,
     SOURCE_FOLDER,
@@ -273,7 +275,7 @@ def export(
         if adapter and not merged:
             return export_adapter(masters, out_dir, source, record, dtype)
         layout, pieces = _merged(masters, source, record) if merged else (masters.layout, masters.pieces())
-        model = rules_model(source)
+        model = rules_model(source) if record.get(CONVERTED, True) else None
         buffers = stored_tensors(model, _recorded_buffers(source))
         plan = stored_plan(model, layout) + [
             StoredTensor(n, tuple(b.shape), BUFFERS_FILE, None, None if b.is_floating_point() else b.dtype)
@@ -344,7 +346,9 @@ def export_adapter(masters: Masters, out_dir: Path, source: Path, record: dict, 
 def rules_model(source: Path) -> nn.Module | None:
     """The model whose conversion rules the export follows, on the meta device; ``None`` for a
     config transformers does not know (a custom model), which has none: its names are stored as
-    the store holds them."""
+    the store holds them. Only a store whose ``source.json`` records its model ``CONVERTED`` (or
+    does not say) asks for it: building it imports transformers' model code, seconds of an
+    export's start."""
     try:
         return meta_model(source)
     except (ValueError, KeyError) as err:

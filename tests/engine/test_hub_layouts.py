@@ -101,6 +101,7 @@ def test_import_fine_tune_and_export_in_the_stored_layout(build, tmp_path: Path)
         assert torch.equal(ours[name], ref[name]), f"{name} differs from torch AdamW"
 
     record_source(folder, store, dtype="fp32")
+    assert json.loads((store / "hf" / "source.json").read_text())["converted"] is True
     export(store, out, max_shard_size=SHARD)
     assert stored(out) == stored(folder), "the export's names and shapes are save_pretrained's"
     assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].keys() == stored(folder).keys()

@@ -22,6 +22,7 @@ from engine.engine import Engine  # noqa: E402
 from engine.run import cli  # noqa: E402
 from engine.run.pretrained import Pretrained, meta_model, record_source  # noqa: E402
 from engine.tiers.optimizer_store import StoreOptimizerState  # noqa: E402
+from engine.tools import export as export_module  # noqa: E402
 from engine.tools.consolidate import consolidate  # noqa: E402
 from engine.tools.export import export  # noqa: E402
 from tests.caches import fresh_cache  # noqa: E402
@@ -200,7 +201,9 @@ def torch_adamw(folder: Path, cfg) -> tuple[list[float], dict[str, torch.Tensor]
 
 
 @pytest.mark.parametrize("build", MODELS, ids=IDS)
-def test_fine_tuned_export_loads_and_equals_torch_adamw(build, tmp_path) -> None:
+def test_fine_tuned_export_loads_and_equals_torch_adamw(build, tmp_path, monkeypatch) -> None:
+    """These models store their parameters under their own names, as the import records, so the
+    export builds no model (``test_hub_layouts`` exports those that convert)."""
     folder, store = checkpoint(build, tmp_path / "pretrained"), tmp_path / "store"
     eng = start(folder, store)
 
@@ -215,6 +218,8 @@ def test_fine_tuned_export_loads_and_equals_torch_adamw(build, tmp_path) -> None
         ours = params(eng.module)
     eng.close()
     record_source(folder, store, dtype="bf16")
+    assert json.loads((store / "hf" / "source.json").read_text())["converted"] is False
+    monkeypatch.setattr(export_module, "rules_model", _no_model)
     files = export(store, tmp_path / "out", max_shard_size=SHARD, dtype="fp32")
     assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
     exported = params(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out"))
@@ -226,6 +231,27 @@ def test_fine_tuned_export_loads_and_equals_torch_adamw(build, tmp_path) -> None
     assert losses == ref_losses and losses[-1] < losses[0]
     for name in ours:
         assert torch.equal(ours[name], ref[name]), f"{name} differs from torch AdamW"
+
+
+def _no_model(source: Path) -> None:
+    raise AssertionError(f"the export built the model of {source} to ask its conversion rules")
+
+
+def test_a_store_that_does_not_say_whether_its_model_converts_exports_through_the_model(tmp_path, monkeypatch) -> None:
+    """A ``source.json`` written before ``converted`` was recorded: the export asks the model."""
+    folder, store = checkpoint(llama, tmp_path / "pretrained"), tmp_path / "store"
+    start(folder, store).close()
+    record_source(folder, store, dtype="bf16")
+    record = store / "hf" / "source.json"
+    record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "converted"}))
+    asked = []
+    monkeypatch.setattr(export_module, "rules_model", lambda source: asked.append(source) or meta_model(source))
+    export(store, tmp_path / "out", max_shard_size=SHARD)
+    assert asked == [store / "hf"]
+    ours, theirs = (
+        params(transformers.AutoModelForCausalLM.from_pretrained(f, dtype="auto")) for f in (tmp_path / "out", folder)
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
 
 
 def test_export_defaults_to_the_checkpoints_dtype_and_one_file(tmp_path) -> None:
