@@ -254,9 +254,9 @@ def record_source(
 ) -> Path:
     """Copy the checkpoint folder's files other than weights (config, tokenizer) into
     ``<store>/hf/``, with the persistent buffers it holds (``BUFFERS_FILE``) and ``source.json``
-    naming the folder, its dtype, whether its tensors are stored under other names
-    (``CONVERTED``) and the run's ``[lora]`` settings if it trains adapters, for ``export`` and
-    ``generate``."""
+    naming the folder, its dtype, whether its checkpoint stores the tensors under other names
+    (``CONVERTED``, for a checkpoint read) and the run's ``[lora]`` settings if it trains
+    adapters, for ``export`` and ``generate``."""
     folder, target = Path(folder), Path(store) / SOURCE_FOLDER
     staging = target.with_name(f".{SOURCE_FOLDER}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -265,13 +265,14 @@ def record_source(
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name != INDEX_FILE:
             shutil.copyfile(path, staging / path.name)
     weighed = (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()  # not a model built from config
-    model = meta_model(folder)
-    buffers = Pretrained(folder, model).buffer_values() if weighed else {}
+    model = meta_model(folder) if weighed else None
+    buffers = Pretrained(folder, model).buffer_values() if model is not None else {}
     if buffers:
         from safetensors.torch import save_file
 
         save_file(buffers, staging / BUFFERS_FILE)
-    record = {"folder": str(folder.resolve()), "dtype": dtype, CONVERTED: converts(model)}
+    record: dict[str, Any] = {"folder": str(folder.resolve()), "dtype": dtype}
+    record |= {CONVERTED: converts(model)} if model is not None else {}  # unsaid: export asks the model
     record |= {"lora": lora} if lora else {}
     (staging / SOURCE_RECORD).write_text(json.dumps(record) + "\n")
     shutil.rmtree(target, ignore_errors=True)
