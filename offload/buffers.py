@@ -171,10 +171,9 @@ class BufferPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                block = self._take_cached(size)
-                if block is not None:
-                    self._lease(block.capacity)
-                    return HostBuffer(self, block, nbytes)
+                cached = self._lease_cached(size, nbytes)
+                if cached is not None:
+                    return cached
                 if self._in_use + size <= self.budget_bytes:
                     self._evict_for(size)
                     # Reserve before allocating so other threads see the bytes as taken
@@ -217,12 +216,9 @@ class BufferPool:
         in use; else None, at once. A caller that can do without one takes no memory that an
         ``acquire`` made later, once buffers in use come back, would not have taken."""
         with self._cond:
-            block = self._take_cached(self._size(nbytes))
-            if block is not None:
-                self._lease(block.capacity)
-                return HostBuffer(self, block, nbytes)
-            if self._in_use:
-                return None
+            cached = self._lease_cached(self._size(nbytes), nbytes)
+            if cached is not None or self._in_use:
+                return cached
         return self.acquire(nbytes)
 
     def release(self, buf: HostBuffer) -> None:
@@ -235,6 +231,14 @@ class BufferPool:
             self._in_use -= block.capacity
             bisect.insort(self._free, block, key=_capacity)
             self._cond.notify_all()
+
+    def _lease_cached(self, size: int, nbytes: int) -> HostBuffer | None:
+        """A cached block of at least ``size`` bytes leased for ``nbytes``, if the pool holds one (under the lock)."""
+        block = self._take_cached(size)
+        if block is None:
+            return None
+        self._lease(block.capacity)
+        return HostBuffer(self, block, nbytes)
 
     def _take_cached(self, size: int) -> _Block | None:
         index = bisect.bisect_left(self._free, size, key=_capacity)

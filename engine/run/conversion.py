@@ -229,7 +229,7 @@ def _ignored(model: nn.Module, name: str) -> bool:
     return any(re.search(p, name) for p in [*patterns, r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$"])
 
 
-def converts(model: nn.Module) -> bool:
+def converts(model: nn.Module | None) -> bool:
     """Whether ``save_pretrained`` of ``model`` stores any tensor under another name or layout
     than the model's: if not, its parameters' names are its checkpoint's."""
     return bool(_rules(model, saving=True))
@@ -238,7 +238,7 @@ def converts(model: nn.Module) -> bool:
 def stored_tensors(model: nn.Module | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors ``save_pretrained`` of ``model`` writes for the parameters ``tensors`` (by
     model name), by their names on disk; on ``meta`` tensors, their shapes and which are views."""
-    if model is None or not converts(model):
+    if not converts(model):
         return dict(tensors)
     from transformers.core_model_loading import revert_weight_conversion
 
